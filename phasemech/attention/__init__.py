@@ -1,0 +1,24 @@
+"""Compressed attention designs, one per file. ``DESIGN_CLASSES`` maps a design name to its mixin."""
+
+from phasemech.attention.base import CompressedAttentionMixin, make_attention_class
+from phasemech.attention.gated import GatedPoolAttention
+from phasemech.attention.mean import MeanPoolAttention
+from phasemech.attention.mlp import MLPCompressorAttention
+from phasemech.attention.route import BlockRouteAttention
+
+DESIGN_CLASSES: dict[str, type] = {
+    "mean": MeanPoolAttention,
+    "gated": GatedPoolAttention,
+    "mlp": MLPCompressorAttention,
+    "route": BlockRouteAttention,
+}
+
+__all__ = [
+    "DESIGN_CLASSES",
+    "BlockRouteAttention",
+    "CompressedAttentionMixin",
+    "GatedPoolAttention",
+    "MLPCompressorAttention",
+    "MeanPoolAttention",
+    "make_attention_class",
+]

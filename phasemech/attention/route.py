@@ -1,0 +1,72 @@
+"""``route``: block routing over raw tokens (MoBA).
+
+Axes: ``batch, head, pos, key_pos, block``. Each candidate block (same candidates as the pooled
+designs' used blocks, see ``phasemech.grid``) is scored per query head by the parameter-free
+MoBA gate ``q_t . mean_j(k_j)`` (post-RoPE keys); the query attends, in one softmax over raw
+tokens, the tokens of its ``top_k`` best blocks plus its raw window / current segment. Nothing is
+compressed: phase acts only through whether the needle's block is selected, and tokens of
+unselected blocks are dropped on purpose. Selection has no gradient (as in MoBA).
+
+This reference implementation materialises ``[pos, key_pos]`` scores: exact and simple, not
+memory-saving (real MoBA needs a kernel). ``hook_attn_scores``/``hook_pattern`` and
+``hook_token_pattern`` (identical to the pattern, exact) are ``[batch, head, pos, key_pos]``;
+``hook_k_block`` holds the block means used for routing; ``hook_route_scores``
+``[batch, head, pos, block]`` the gate (``-inf`` off the candidates); ``hook_route_selected``
+the selection mask.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformer_lens.hook_points import HookPoint
+from transformer_lens.utilities.activation_functions import apply_softcap
+
+from phasemech.attention.base import CompressedAttentionMixin, _masked_softmax
+
+
+class BlockRouteAttention(CompressedAttentionMixin):
+    design = "route"
+
+    def __init__(self, cfg, attn_type: str = "global", layer_id: int | None = None):
+        super().__init__(cfg, attn_type, layer_id)
+        self.top_k: int = self.cfg.compression.top_k
+        self.hook_route_scores = HookPoint()  # [batch, head, pos, block]
+        self.hook_route_selected = HookPoint()  # [batch, head, pos, block] (bool)
+
+    def pooling_weights(self, x, geo):
+        valid = geo.slot_valid.float()
+        return valid / valid.sum(-1, keepdim=True).clamp(min=1.0)
+
+    def attend(self, x, q, k, v, geo):
+        b, seq = q.shape[0], q.shape[1]
+        weights = self.hook_block_weights(self.pooling_weights(x, geo))
+        ks = self._gather_slots(k, geo)
+        k_blk = torch.einsum("bgns,bgnsd->bgnd", weights, ks)
+        k_blk = self.hook_k_block(k_blk.permute(0, 2, 1, 3)).permute(0, 2, 1, 3)
+        qh = q.transpose(1, 2)  # [batch, head, pos, d]
+        candidate = self._repeat_kv(geo.block_used, 1)  # [batch, head, pos, block]
+        gate = (qh @ self._repeat_kv(k_blk, 1).transpose(-1, -2)).detach()
+        gate = self.hook_route_scores(gate.masked_fill(~candidate, float("-inf")))
+        n_pick = min(self.top_k, gate.shape[-1])
+        top = gate.topk(n_pick, dim=-1).indices
+        selected = torch.zeros_like(candidate).scatter(-1, top, True) & candidate
+        selected = self.hook_route_selected(selected)
+        # token j is reachable if it is in the raw window or in a selected block
+        member = self._blocks_to_tokens(geo.slot_valid.float(), geo, seq) > 0  # [b, g, n, key]
+        via_block = (selected.float() @ self._repeat_kv(member.float(), 1)) > 0
+        t = torch.arange(seq, device=q.device)
+        raw = (t[None, None, None, :] >= geo.raw_start[..., None]) & (t[None, None, None, :] <= t[:, None])
+        # padding keys are already absent from blocks; drop them from the raw window too
+        key_ok = torch.ones(b, seq, dtype=torch.bool, device=q.device)
+        if geo.key_valid is not None:
+            key_ok = geo.key_valid
+        visible = (self._repeat_kv(raw, 1) & key_ok[:, None, None, :]) | via_block
+        kh = self._repeat_kv(k.transpose(1, 2), 1)
+        vh = self._repeat_kv(v.transpose(1, 2), 1)
+        scores = apply_softcap((qh @ kh.transpose(-1, -2)) / self.attn_scale, self.cfg.attn_scores_soft_cap)
+        scores = self.hook_attn_scores(scores.masked_fill(~visible, float("-inf")))
+        visible = visible & (scores > float("-inf"))
+        pattern = self.hook_pattern(_masked_softmax(scores, visible))
+        z = pattern @ vh
+        token_pattern = pattern if self._token_pattern_wanted() else None
+        return z.transpose(1, 2), token_pattern

@@ -1,0 +1,156 @@
+"""Compression grid geometry: phases, blocks, and which past token a query reaches how.
+
+Axes: ``batch``, ``kv_head``, ``pos`` (query or key position), ``block``, ``slot``, ``phase``,
+``w`` (index into the raw band; band slot ``w`` of query ``t`` is key ``t - Wr + 1 + w``).
+
+Grid: stride ``d``, block length ``l >= d``, offset ``o`` in ``[0, d)`` per (sequence, KV head).
+Block ``i`` covers ``[i*d + o - l, i*d + o - 1]``; the positions that fall before 0 (block 0 when
+``o > 0``, and the overlap of early blocks) are missing slots, treated as padding. A token's phase
+is ``(j - o) mod d`` and its *segment* is the ``d`` tokens ``[j - phase, j - phase + d - 1]``.
+
+Coverage rule (one rule for every design; tested in ``tests/test_coverage.py``):
+
+* **raw**: query ``t`` reaches ``[r_t, t]`` raw, with ``r_t = min(t - W + 1, s_t)`` and ``s_t``
+  the start of ``t``'s own segment, so the query's own incomplete block is always raw;
+* **blocks**: query ``t`` uses block ``i`` iff it is *visible* (complete: last token ``<= t``
+  for ``inclusive``, ``< t`` for ``strict``), holds at least one real token, and its first real
+  token lies before ``r_t`` (a block wholly inside the raw window adds nothing);
+* so every past token ``j < r_t`` is reached through at least one block (its segment's block ends
+  before ``s_t <= t``), every ``j >= r_t`` raw, and no token is reached by neither path. Tokens
+  reached **both ways** are the raw tokens inside a used block that straddles ``r_t``: at most
+  ``l - 1`` of them per query. A naive "blocks that end before the window" rule would instead
+  leave up to ``d - 1`` tokens reachable by neither path.
+* ``route`` uses the same candidates but attends only the raw tokens of its top-k blocks: tokens
+  of unselected blocks are dropped on purpose.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from jaxtyping import Bool, Int
+from torch import Tensor
+
+
+def phase_of(pos, stride: int, offset=0):
+    """Phase of position(s) ``pos`` on a grid of stride ``stride`` and offset ``offset``.
+
+    ``(pos - offset) mod stride``, always in ``[0, stride)``. Works on ints, numpy arrays and
+    torch tensors (broadcasting ``pos`` against ``offset``).
+    """
+    if isinstance(stride, bool) or not isinstance(stride, int | np.integer) or stride < 1:
+        raise ValueError(f"phase_of: stride={stride!r} is invalid: must be an int >= 1")
+    if isinstance(pos, Tensor):
+        if pos.is_floating_point():
+            raise ValueError(f"phase_of: pos has dtype {pos.dtype}: positions must be integers")
+        return torch.remainder(pos - offset, stride)
+    if isinstance(pos, np.ndarray):
+        if not np.issubdtype(pos.dtype, np.integer):
+            raise ValueError(f"phase_of: pos has dtype {pos.dtype}: positions must be integers")
+        return np.mod(pos - np.asarray(offset), stride)
+    if isinstance(pos, bool) or not isinstance(pos, int | np.integer):
+        raise ValueError(f"phase_of: pos={pos!r} is invalid: must be an int, array or tensor")
+    return int((pos - offset) % stride)
+
+
+def n_blocks(seq_len: int, stride: int) -> int:
+    """Blocks per sequence: enough for any offset in ``[0, stride)`` (some end past the end)."""
+    return seq_len // stride + 1
+
+
+def raw_band_width(seq_len: int, stride: int, window: int) -> int:
+    """``Wr``: the longest raw span ``t - r_t + 1`` a query can have, capped at the sequence."""
+    return max(1, min(max(window, stride), seq_len))
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Every index and mask a compressed attention layer needs for one forward.
+
+    Shapes: ``slot_pos``/``slot_valid`` ``[batch, kv_head, block, slot]``; ``block_first`` /
+    ``block_last`` ``[batch, kv_head, block]``; ``raw_start`` ``[batch, kv_head, pos]``;
+    ``block_used`` ``[batch, kv_head, pos, block]``; ``band_valid`` ``[batch, kv_head, pos, w]``.
+    """
+
+    stride: int
+    block_len: int
+    band: int
+    slot_pos: Int[Tensor, "batch kv_head block slot"]
+    slot_valid: Bool[Tensor, "batch kv_head block slot"]
+    block_first: Int[Tensor, "batch kv_head block"]
+    block_last: Int[Tensor, "batch kv_head block"]
+    raw_start: Int[Tensor, "batch kv_head pos"]
+    block_used: Bool[Tensor, "batch kv_head pos block"]
+    band_valid: Bool[Tensor, "batch kv_head pos w"]
+    key_valid: Bool[Tensor, "batch pos"] | None = None
+
+    @property
+    def band_pos(self) -> Int[Tensor, "pos w"]:
+        """Absolute key position of raw band slot ``w`` for query ``t`` (may be negative)."""
+        seq_len = self.raw_start.shape[-1]
+        t = torch.arange(seq_len, device=self.raw_start.device)
+        w = torch.arange(self.band, device=self.raw_start.device)
+        return t[:, None] - self.band + 1 + w[None, :]
+
+
+def build_geometry(
+    offsets: Int[Tensor, "batch kv_head"],
+    seq_len: int,
+    stride: int,
+    block_len: int,
+    window: int,
+    visibility: str,
+    key_valid: Bool[Tensor, "batch pos"] | None = None,
+) -> Geometry:
+    """Blocks, raw band and the coverage rule of the module docstring, as tensors."""
+    device = offsets.device
+    d, l = stride, block_len
+    nb = n_blocks(seq_len, d)
+    o = offsets.long()[:, :, None]  # [batch, kv_head, 1]
+    i = torch.arange(nb, device=device)
+    start = i * d + o - l  # [batch, kv_head, block]
+    last = i * d + o - 1
+    slot = torch.arange(l, device=device)
+    slot_pos = start[..., None] + slot  # [batch, kv_head, block, slot]
+    in_seq = (slot_pos >= 0) & (slot_pos < seq_len)
+    if key_valid is None:
+        slot_valid = in_seq
+    else:
+        kv = key_valid.bool()[:, None, None, :].expand(-1, o.shape[1], nb, -1)
+        gathered = torch.gather(kv, -1, slot_pos.clamp(0, seq_len - 1))
+        slot_valid = in_seq & gathered
+    has_token = slot_valid.any(-1)  # [batch, kv_head, block]
+    # First real token of a block (a block of only padding gets seq_len: never used).
+    first = torch.where(slot_valid, slot_pos, torch.full_like(slot_pos, seq_len)).amin(-1)
+
+    t = torch.arange(seq_len, device=device)
+    seg_start = t - torch.remainder(t - o, d)  # [batch, kv_head, pos]
+    raw_start = torch.minimum(t - window + 1, seg_start)
+
+    last_q = last[:, :, None, :]  # [batch, kv_head, 1, block]
+    t_q = t[None, None, :, None]
+    complete = last_q <= t_q if visibility == "inclusive" else last_q < t_q
+    block_used = complete & has_token[:, :, None, :] & (first[:, :, None, :] < raw_start[..., None])
+
+    band = raw_band_width(seq_len, d, window)
+    w = torch.arange(band, device=device)
+    band_pos = t[:, None] - band + 1 + w[None, :]  # [pos, w]
+    band_valid = (band_pos >= 0) & (band_pos[None, None] >= raw_start[..., None])
+    if key_valid is not None:
+        kvb = key_valid.bool()[:, band_pos.clamp(min=0)]  # [batch, pos, w]
+        band_valid = band_valid & kvb[:, None]
+    return Geometry(
+        stride=d,
+        block_len=l,
+        band=band,
+        slot_pos=slot_pos,
+        slot_valid=slot_valid,
+        block_first=first,
+        block_last=last.expand_as(first),
+        raw_start=raw_start,
+        block_used=block_used,
+        band_valid=band_valid,
+        key_valid=None if key_valid is None else key_valid.bool(),
+    )
