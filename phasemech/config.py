@@ -51,7 +51,9 @@ def _freeze_offsets(value: Any) -> OffsetSpec:
     if isinstance(value, Sequence) and len(value) > 0:
         if all(_is_int(v) for v in value):
             return tuple(int(v) for v in value)
-        if all(isinstance(v, Sequence) and len(v) > 0 and all(_is_int(x) for x in v) for v in value):
+        if all(
+            isinstance(v, Sequence) and len(v) > 0 and all(_is_int(x) for x in v) for v in value
+        ):
             rows = tuple(tuple(int(x) for x in v) for v in value)
             if len({len(r) for r in rows}) != 1:
                 raise _bad("offsets", value, "explicit offset rows must all have the same length")
@@ -115,9 +117,7 @@ class CompressionConfig:
         if self.block_len is None:
             set_(self, "block_len", self.stride)
         if not _is_int(self.block_len) or self.block_len < self.stride:
-            raise _bad(
-                "block_len", self.block_len, f"must be an int >= stride ({self.stride})"
-            )
+            raise _bad("block_len", self.block_len, f"must be an int >= stride ({self.stride})")
         set_(self, "block_len", int(self.block_len))
         if self.window is None:
             set_(self, "window", 2 * self.stride)
@@ -134,7 +134,9 @@ class CompressionConfig:
             bad = [o for o in flat if not 0 <= o < self.stride]
             if bad:
                 raise _bad(
-                    "offsets", self.offsets, f"explicit offsets must lie in [0, stride={self.stride})"
+                    "offsets",
+                    self.offsets,
+                    f"explicit offsets must lie in [0, stride={self.stride})",
                 )
         set_(self, "offsets", offsets)
         if self.layers is not None:
@@ -150,13 +152,17 @@ class CompressionConfig:
             if not _is_int(self.top_k) or self.top_k < 1:
                 raise _bad("top_k", self.top_k, "must be an int >= 1 for design='route'")
         elif self.top_k is not None:
-            raise _bad("top_k", self.top_k, f"only design='route' selects blocks, not {self.design!r}")
+            raise _bad(
+                "top_k", self.top_k, f"only design='route' selects blocks, not {self.design!r}"
+            )
         if self.gate not in GATES:
             raise _bad("gate", self.gate, f"allowed: {GATES}")
         if self.gate != "scalar" and self.design != "gated":
             raise _bad("gate", self.gate, f"only design='gated' has a gate, not {self.design!r}")
         if not _is_int(self.eval_offset) or not 0 <= self.eval_offset < self.stride:
-            raise _bad("eval_offset", self.eval_offset, f"must be an int in [0, stride={self.stride})")
+            raise _bad(
+                "eval_offset", self.eval_offset, f"must be an int in [0, stride={self.stride})"
+            )
         if self.eval_offset != 0 and self.offsets != "random":
             raise _bad("eval_offset", self.eval_offset, "only offsets='random' uses eval_offset")
 

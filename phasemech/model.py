@@ -35,9 +35,11 @@ WEIGHTS_FILE = "model.safetensors"
 
 @contextlib.contextmanager
 def quiet_tl_deprecation() -> Iterator[None]:
-    """Silence TransformerLens 3.9's HookedTransformer DeprecationWarning where we construct models."""
+    """Silence TL 3.9's HookedTransformer DeprecationWarning where we construct models."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="HookedTransformer is deprecated", category=DeprecationWarning)
+        warnings.filterwarnings(
+            "ignore", message="HookedTransformer is deprecated", category=DeprecationWarning
+        )
         yield
 
 
@@ -94,9 +96,7 @@ def _as_phase_config(cfg: Any) -> PhaseTransformerConfig:
 
 def _tl_fields(cfg: HookedTransformerConfig) -> dict[str, Any]:
     return {
-        f.name: getattr(cfg, f.name)
-        for f in dataclasses.fields(HookedTransformerConfig)
-        if f.init
+        f.name: getattr(cfg, f.name) for f in dataclasses.fields(HookedTransformerConfig) if f.init
     }
 
 
@@ -189,7 +189,8 @@ class PhaseTransformer(HookedTransformer):
         own = {n for n, _ in new.named_parameters() if _is_compressor_param(n)}
         if unexpected or set(missing) - own - _buffer_names(new):
             raise RuntimeError(
-                f"weights do not match: missing {sorted(set(missing) - own)}, unexpected {unexpected}"
+                f"weights do not match: missing {sorted(set(missing) - own)}, "
+                f"unexpected {unexpected}"
             )
         new.cfg.init_weights = init_weights
         device = next(model.parameters()).device
@@ -234,7 +235,9 @@ class PhaseTransformer(HookedTransformer):
                 "(to feed residual activations, pass start_at_layer)"
             )
         if tokens.ndim not in (1, 2):
-            raise ValueError(f"tokens have shape {tuple(tokens.shape)}: expected [batch, pos] or [pos]")
+            raise ValueError(
+                f"tokens have shape {tuple(tokens.shape)}: expected [batch, pos] or [pos]"
+            )
         seq = tokens.shape[-1]
         if seq > self.cfg.n_ctx:
             raise ValueError(f"tokens have {seq} positions: at most n_ctx={self.cfg.n_ctx} allowed")
@@ -309,7 +312,15 @@ class PhaseTransformer(HookedTransformer):
 
 def _is_compressor_param(name: str) -> bool:
     return any(
-        part in name for part in ("W_gate", "phase_bias", "compress_k", "compress_v", "pos_embed_k", "pos_embed_v")
+        part in name
+        for part in (
+            "W_gate",
+            "phase_bias",
+            "compress_k",
+            "compress_v",
+            "pos_embed_k",
+            "pos_embed_v",
+        )
     )
 
 

@@ -1,4 +1,4 @@
-"""Compressed attention designs, one per file. ``DESIGN_CLASSES`` maps a design name to its mixin."""
+"""Compressed attention designs, one per file; ``DESIGN_CLASSES`` maps names to mixins."""
 
 from phasemech.attention.base import CompressedAttentionMixin, make_attention_class
 from phasemech.attention.gated import GatedPoolAttention

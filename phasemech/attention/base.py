@@ -120,7 +120,9 @@ class CompressedAttentionMixin:
         out = torch.gather(x.transpose(1, 2), 2, idx).reshape(b, g, nb, sl, dd)
         return out * geo.slot_valid[..., None]
 
-    def _output(self, z: Float[Tensor, "batch pos head d_head"]) -> Float[Tensor, "batch pos d_model"]:
+    def _output(
+        self, z: Float[Tensor, "batch pos head d_head"]
+    ) -> Float[Tensor, "batch pos d_model"]:
         """TransformerLens' output projection (with ``hook_result`` when enabled)."""
         if not self.cfg.use_attn_result:
             w = einops.rearrange(self.W_O, "head d_head d_model -> d_model (head d_head)")
@@ -307,7 +309,7 @@ _CLASS_CACHE: dict[tuple[type, type], type] = {}
 
 
 def make_attention_class(design_cls: type, grouped: bool) -> type:
-    """The concrete module class: a design mixin over TL's ``Attention`` / ``GroupedQueryAttention``."""
+    """The module class: a design mixin over TL's ``Attention`` or ``GroupedQueryAttention``."""
     base = GroupedQueryAttention if grouped else Attention
     key = (design_cls, base)
     if key not in _CLASS_CACHE:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import einops
 import torch
 import torch.nn as nn
-from jaxtyping import Float
 from torch import Tensor
 
 from phasemech.attention.base import CompressedAttentionMixin

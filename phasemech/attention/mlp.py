@@ -47,8 +47,12 @@ class MLPCompressorAttention(CompressedAttentionMixin):
         self.compress_k = _compressor(sl * dh, dh, gen, self.cfg.dtype)
         self.compress_v = _compressor(sl * dh, dh, gen, self.cfg.dtype)
         std = self.cfg.initializer_range if self.cfg.initializer_range > 0 else 0.02
-        self.pos_embed_k = nn.Parameter((torch.randn(g, sl, dh, generator=gen) * std).to(self.cfg.dtype))
-        self.pos_embed_v = nn.Parameter((torch.randn(g, sl, dh, generator=gen) * std).to(self.cfg.dtype))
+        self.pos_embed_k = nn.Parameter(
+            (torch.randn(g, sl, dh, generator=gen) * std).to(self.cfg.dtype)
+        )
+        self.pos_embed_v = nn.Parameter(
+            (torch.randn(g, sl, dh, generator=gen) * std).to(self.cfg.dtype)
+        )
 
     def _inputs(self, x: Tensor, pe: Tensor, geo: Geometry) -> Float[Tensor, "b g n flat"]:
         slots = (self._gather_slots(x, geo) + pe[None, :, None]) * geo.slot_valid[..., None]

@@ -55,7 +55,9 @@ class BlockRouteAttention(CompressedAttentionMixin):
         member = self._blocks_to_tokens(geo.slot_valid.float(), geo, seq) > 0  # [b, g, n, key]
         via_block = (selected.float() @ self._repeat_kv(member.float(), 1)) > 0
         t = torch.arange(seq, device=q.device)
-        raw = (t[None, None, None, :] >= geo.raw_start[..., None]) & (t[None, None, None, :] <= t[:, None])
+        raw = (t[None, None, None, :] >= geo.raw_start[..., None]) & (
+            t[None, None, None, :] <= t[:, None]
+        )
         # padding keys are already absent from blocks; drop them from the raw window too
         key_ok = torch.ones(b, seq, dtype=torch.bool, device=q.device)
         if geo.key_valid is not None:
@@ -63,7 +65,9 @@ class BlockRouteAttention(CompressedAttentionMixin):
         visible = (self._repeat_kv(raw, 1) & key_ok[:, None, None, :]) | via_block
         kh = self._repeat_kv(k.transpose(1, 2), 1)
         vh = self._repeat_kv(v.transpose(1, 2), 1)
-        scores = apply_softcap((qh @ kh.transpose(-1, -2)) / self.attn_scale, self.cfg.attn_scores_soft_cap)
+        scores = apply_softcap(
+            (qh @ kh.transpose(-1, -2)) / self.attn_scale, self.cfg.attn_scores_soft_cap
+        )
         scores = self.hook_attn_scores(scores.masked_fill(~visible, float("-inf")))
         visible = visible & (scores > float("-inf"))
         pattern = self.hook_pattern(_masked_softmax(scores, visible))
