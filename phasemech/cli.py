@@ -4,6 +4,7 @@ add their commands here."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
 import torch
 import typer
@@ -27,11 +28,11 @@ def info() -> None:
 
 @app.command("phase-attention")
 def phase_attention_cmd(
-    model_dir: Path = typer.Argument(..., help="folder written by PhaseTransformer.save"),
-    sequences: int = typer.Option(64, min=1, help="random token sequences to average over"),
-    length: int = typer.Option(0, min=0, help="sequence length (0: the model's n_ctx)"),
-    seed: int = typer.Option(0),
-    out: Path | None = typer.Option(None, help="write the tidy table here (.parquet or .csv)"),
+    model_dir: Annotated[Path, typer.Argument(help="folder written by PhaseTransformer.save")],
+    sequences: Annotated[int, typer.Option(min=1, help="random sequences to average over")] = 64,
+    length: Annotated[int, typer.Option(min=0, help="sequence length (0: the model's n_ctx)")] = 0,
+    seed: int = 0,
+    out: Annotated[Path | None, typer.Option(help="write the tidy table (.parquet/.csv)")] = None,
 ) -> None:
     """Attention mass per (layer, head, source phase) on seeded random tokens."""
     torch.set_num_threads(1)
