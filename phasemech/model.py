@@ -291,13 +291,21 @@ class PhaseTransformer(HookedTransformer):
             raw = json.loads(cfg_file.read_text())
         except json.JSONDecodeError as err:
             raise ValueError(f"{cfg_file} is not valid JSON: {err}") from err
+        if not isinstance(raw, dict):
+            raise ValueError(f"{cfg_file} must hold a JSON object, got {type(raw).__name__}")
         if isinstance(raw.get("dtype"), str):
-            raw["dtype"] = getattr(torch, raw["dtype"])
+            dtype = getattr(torch, raw["dtype"], None)
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(f"{cfg_file}: dtype={raw['dtype']!r} is not a torch dtype")
+            raw["dtype"] = dtype
         if device is not None:
             raw["device"] = device
         init_weights = raw.get("init_weights", True)
         raw["init_weights"] = False
-        model = cls(PhaseTransformerConfig(**raw))
+        try:
+            model = cls(PhaseTransformerConfig(**raw))
+        except (TypeError, ValueError) as err:  # unknown fields, invalid or mistyped values
+            raise ValueError(f"{cfg_file} holds an invalid config: {err}") from err
         model.cfg.init_weights = init_weights
         try:
             state = load_file(str(weights_file), device=str(model.cfg.device))

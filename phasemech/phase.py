@@ -7,6 +7,8 @@ on compressed layers, ``hook_pattern`` on dense ones) is reduced over source pha
 head's phases are those of its own grid in that forward (``hook_grid_offset``: per-layer,
 per-head and random offsets are honoured); dense layers, and every layer when
 ``reference_offset`` is given, use the reference grid ``phase = (j - reference_offset) mod d``.
+With ``offsets="random"`` call it in eval mode (or seed torch): a training-mode forward draws
+new offsets every call.
 
 Two reductions:
 
@@ -53,7 +55,10 @@ class PhaseAttention:
     def table(self, layer: int | None = None) -> pd.DataFrame:
         """Head-by-phase table (rows ``L{layer}H{head}``, columns phases)."""
         df = self.frame if layer is None else self.frame[self.frame.layer == layer]
-        wide = df.pivot_table(index=["layer", "head"], columns="phase", values="mass", sort=True)
+        # dropna=False: keep phases with no pair (NaN) so the table is always head x phase
+        wide = df.pivot_table(
+            index=["layer", "head"], columns="phase", values="mass", sort=True, dropna=False
+        )
         wide.index = [f"L{layer_}H{head}" for layer_, head in wide.index]
         wide.columns.name = "phase"
         return wide
@@ -135,7 +140,10 @@ def phase_attention(
         raise ValueError("phase_attention: give exactly one of tokens= or cache=")
     comp = getattr(model.cfg, "compression", None)
     stride = stride if stride is not None else (comp.stride if comp is not None else None)
-    if stride is None or isinstance(stride, bool) or not isinstance(stride, int) or stride < 1:
+    if stride is None or isinstance(stride, bool) or not isinstance(stride, int | np.integer):
+        raise ValueError(f"phase_attention: stride={stride!r} is invalid: must be an int >= 1")
+    stride = int(stride)
+    if stride < 1:
         raise ValueError(f"phase_attention: stride={stride!r} is invalid: must be an int >= 1")
     if reference_offset is not None and not 0 <= reference_offset < stride:
         raise ValueError(
@@ -146,6 +154,8 @@ def phase_attention(
     bad = [i for i in layers if not 0 <= i < n_layers]
     if bad:
         raise ValueError(f"phase_attention: layers {bad} do not exist (0..{n_layers - 1})")
+    if len(set(layers)) != len(layers):
+        raise ValueError(f"phase_attention: layers={layers} repeats a layer")
     pair_mode = key_pos is not None
     if pair_mode and query_pos is None:
         raise ValueError("phase_attention: key_pos needs query_pos (one query per target)")
@@ -265,8 +275,8 @@ def phase_attention(
     pairs = pd.concat(pair_frames, ignore_index=True) if pair_mode else None
     keep = torch.tensor(layers)
     return PhaseAttention(
-        tensor=tensor[keep] if len(layers) != n_layers else tensor,
-        counts=counts[keep] if len(layers) != n_layers else counts,
+        tensor=tensor[keep],  # rows follow `layers`, in its order
+        counts=counts[keep],
         stride=stride,
         kind=kind,
         frame=frame,

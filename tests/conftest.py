@@ -1,0 +1,116 @@
+"""Shared tiny-model factories. Everything here is small enough for a 2-core CPU."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from phasemech import CompressionConfig, PhaseTransformer, PhaseTransformerConfig
+from phasemech.model import quiet_tl_deprecation
+
+torch.set_num_threads(1)
+warnings.filterwarnings("ignore", message="HookedTransformer is deprecated")
+
+DESIGNS = ("mean", "gated", "mlp", "route")
+EXACT_DESIGNS = ("mean", "gated", "route")
+D_VOCAB = 37
+N_CTX = 48
+
+
+def tl_fields(
+    *,
+    n_layers: int = 2,
+    d_model: int = 32,
+    n_heads: int = 4,
+    d_head: int = 8,
+    n_ctx: int = N_CTX,
+    d_vocab: int = D_VOCAB,
+    attn_only: bool = True,
+    rotary: bool = False,
+    gqa: bool = False,
+    seed: int = 0,
+    **extra,
+) -> dict:
+    """Keyword arguments of a tiny ``HookedTransformerConfig``."""
+    fields = dict(
+        n_layers=n_layers,
+        d_model=d_model,
+        n_heads=n_heads,
+        d_head=d_head,
+        n_ctx=n_ctx,
+        d_vocab=d_vocab,
+        attn_only=attn_only,
+        act_fn=None if attn_only else "gelu",
+        d_mlp=None if attn_only else 2 * d_model,
+        seed=seed,
+        normalization_type="LN",
+    )
+    if rotary:
+        fields.update(positional_embedding_type="rotary", rotary_dim=d_head)
+    if gqa:
+        fields.update(n_key_value_heads=2)
+    fields.update(extra)
+    return fields
+
+
+def make_config(compression: CompressionConfig | None = None, **kw) -> PhaseTransformerConfig:
+    comp = compression if compression is not None else CompressionConfig("none")
+    return PhaseTransformerConfig(**tl_fields(**kw), compression=comp)
+
+
+def make_model(
+    design: str = "mean", compression: CompressionConfig | None = None, **kw
+) -> PhaseTransformer:
+    """A tiny ``PhaseTransformer`` in eval mode. ``kw``: ``tl_fields`` options, or
+    ``CompressionConfig`` fields when no ``compression`` is given."""
+    comp_keys = {
+        "stride",
+        "block_len",
+        "window",
+        "visibility",
+        "offsets",
+        "layers",
+        "top_k",
+        "gate",
+        "eval_offset",
+    }
+    comp_kw = {k: kw.pop(k) for k in list(kw) if k in comp_keys}
+    if compression is None:
+        compression = CompressionConfig(design, **comp_kw)
+    elif comp_kw:
+        raise TypeError("give either compression= or its fields, not both")
+    with quiet_tl_deprecation():
+        model = PhaseTransformer(make_config(compression, **kw))
+    model.eval()
+    return model
+
+
+def make_hooked(**kw):
+    """A plain TransformerLens ``HookedTransformer`` with the same tiny config."""
+    from transformer_lens import HookedTransformer, HookedTransformerConfig
+
+    with quiet_tl_deprecation():
+        model = HookedTransformer(HookedTransformerConfig(**tl_fields(**kw)))
+    model.eval()
+    return model
+
+
+def randomize_compressors(model: PhaseTransformer, seed: int = 0, scale: float = 0.5) -> None:
+    """Give compressor parameters non-trivial values (gated starts at near-mean pooling)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "phase_bias" in name or "W_gate" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * scale)
+
+
+def tokens(batch: int = 2, seq: int = 24, seed: int = 0, d_vocab: int = D_VOCAB) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, d_vocab, (batch, seq), generator=gen)
+
+
+@pytest.fixture
+def toks() -> torch.Tensor:
+    return tokens()

@@ -1,0 +1,305 @@
+"""Validation of CompressionConfig / PhaseTransformerConfig / model inputs, and phase_of."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+from conftest import D_VOCAB, N_CTX, make_config, make_model
+
+from phasemech import CompressionConfig, phase_of
+from phasemech.config import DEFAULT_TOP_K
+
+
+def _raises(field: str, value, **kwargs):
+    """CompressionConfig(**kwargs) raises a ValueError naming ``field`` and ``value``."""
+    with pytest.raises(ValueError) as info:
+        CompressionConfig(**kwargs)
+    msg = str(info.value)
+    assert field in msg, msg
+    assert repr(value) in msg or str(value) in msg, msg
+    return msg
+
+
+@pytest.mark.parametrize("stride", [0, -1, 2.0, "4", True, None])
+def test_bad_stride(stride):
+    _raises("stride", stride, design="mean", stride=stride)
+
+
+@pytest.mark.parametrize(("stride", "block_len"), [(4, 3), (4, 1), (3, 0), (4, 5.0), (2, "3")])
+def test_bad_block_len(stride, block_len):
+    msg = _raises("block_len", block_len, design="mean", stride=stride, block_len=block_len)
+    assert f"stride ({stride})" in msg
+
+
+@pytest.mark.parametrize("window", [-1, -10, 2.5, "8"])
+def test_bad_window(window):
+    _raises("window", window, design="mean", window=window)
+
+
+@pytest.mark.parametrize("visibility", ["Inclusive", "loose", "", None])
+def test_bad_visibility(visibility):
+    _raises("visibility", visibility, design="mean", visibility=visibility)
+
+
+@pytest.mark.parametrize("design", ["Mean", "max", "", None, "nsa"])
+def test_bad_design(design):
+    _raises("design", design, design=design)
+
+
+@pytest.mark.parametrize(
+    ("stride", "offsets"),
+    [(4, 4), (4, -1), (4, (0, 4)), (3, ((0, 1), (2, 3))), (2, (5,)), (4, torch.tensor([0, 7]))],
+)
+def test_offsets_out_of_range(stride, offsets):
+    with pytest.raises(ValueError) as info:
+        CompressionConfig("mean", stride=stride, offsets=offsets)
+    msg = str(info.value)
+    assert "offsets" in msg and f"stride={stride}" in msg, msg
+
+
+@pytest.mark.parametrize(
+    "offsets", ["random_per_head", "Aligned", "", (), ((0, 1), (1,)), (0.5,), [[0], 1]]
+)
+def test_bad_offsets_mode(offsets):
+    with pytest.raises(ValueError) as info:
+        CompressionConfig("mean", stride=4, offsets=offsets)
+    msg = str(info.value)
+    assert "offsets" in msg
+    assert repr(offsets) in msg or str(offsets) in msg, msg
+
+
+@pytest.mark.parametrize("design", ["none", "mean", "gated", "mlp"])
+def test_top_k_needs_route(design):
+    msg = _raises("top_k", 2, design=design, top_k=2)
+    assert design in msg
+
+
+@pytest.mark.parametrize("top_k", [0, -3, 1.5])
+def test_route_bad_top_k(top_k):
+    _raises("top_k", top_k, design="route", top_k=top_k)
+
+
+@pytest.mark.parametrize("design", ["none", "mean", "mlp", "route"])
+def test_channel_gate_needs_gated(design):
+    msg = _raises("gate", "channel", design=design, gate="channel")
+    assert design in msg
+
+
+def test_bad_gate_name():
+    _raises("gate", "vector", design="gated", gate="vector")
+
+
+@pytest.mark.parametrize("offsets", ["aligned", "per_layer", "per_head", 1, (0, 1)])
+def test_eval_offset_needs_random(offsets):
+    msg = _raises("eval_offset", 1, design="mean", stride=4, offsets=offsets, eval_offset=1)
+    assert "random" in msg
+
+
+@pytest.mark.parametrize("eval_offset", [4, -1, 1.0])
+def test_eval_offset_range(eval_offset):
+    _raises(
+        "eval_offset",
+        eval_offset,
+        design="mean",
+        stride=4,
+        offsets="random",
+        eval_offset=eval_offset,
+    )
+
+
+@pytest.mark.parametrize("layers", [(0, 0), (1, 2, 1), (-1,), (0, -2), (), (0.0,)])
+def test_bad_layers(layers):
+    _raises("layers", layers, design="mean", layers=layers)
+
+
+def test_defaults_resolve():
+    c = CompressionConfig("mean", stride=5)
+    assert (c.block_len, c.window, c.top_k, c.offsets, c.layers) == (5, 10, None, "aligned", None)
+    r = CompressionConfig("route", stride=3)
+    assert r.top_k == DEFAULT_TOP_K == 2
+    assert r.block_len == 3 and r.window == 6
+    assert CompressionConfig("mean", stride=4, window=0).window == 0
+    assert CompressionConfig("mean", stride=2, layers=[1, 0]).layers == (0, 1)
+    n = CompressionConfig("none")
+    assert not n.enabled and n.compressed_layers(3) == []
+    assert CompressionConfig("mean", layers=(1,)).compressed_layers(3) == [1]
+
+
+def test_numpy_ints_accepted():
+    c = CompressionConfig("mean", stride=np.int64(4), block_len=np.int32(6), window=np.int64(0))
+    assert (c.stride, c.block_len, c.window) == (4, 6, 0)
+    assert all(type(x) is int for x in (c.stride, c.block_len, c.window))
+
+
+def test_explicit_offsets_tensor_become_tuples():
+    c = CompressionConfig("mean", stride=4, offsets=torch.tensor([0, 3]))
+    assert c.offsets == (0, 3) and all(type(o) is int for o in c.offsets)
+    c2 = CompressionConfig("mean", stride=4, offsets=torch.tensor([[0, 1], [2, 3]]))
+    assert c2.offsets == ((0, 1), (2, 3))
+    c3 = CompressionConfig("mean", stride=4, offsets=np.array([1, 2]))
+    assert c3.offsets == (1, 2)
+    assert CompressionConfig("mean", stride=4, offsets=torch.tensor(2)).offsets == 2
+    assert CompressionConfig("mean", stride=4, offsets=[[1, 0], [0, 1]]).offsets == (
+        (1, 0),
+        (0, 1),
+    )
+    hash(c2)  # frozen config stays hashable
+
+
+def test_dict_roundtrip():
+    c = CompressionConfig(
+        "route",
+        stride=3,
+        block_len=5,
+        window=0,
+        offsets=((0, 1), (2, 0)),
+        layers=(0, 1),
+        top_k=3,
+        visibility="strict",
+    )
+    assert CompressionConfig.from_dict(c.to_dict()) == c
+    import json
+
+    assert CompressionConfig.from_dict(json.loads(json.dumps(c.to_dict()))) == c
+
+
+def test_base_offsets():
+    c = CompressionConfig("mean", stride=4, offsets="per_head")
+    assert c.base_offsets(2, 4).tolist() == [[0, 1, 2, 3]] * 2
+    c = CompressionConfig("mean", stride=4, offsets="per_layer", layers=(1, 2))
+    assert c.base_offsets(3, 2).tolist() == [[0, 0], [0, 0], [2, 2]]
+    c = CompressionConfig("mean", stride=4, offsets=3)
+    assert (c.base_offsets(2, 2) == 3).all()
+    c = CompressionConfig("mean", stride=4, offsets=((0, 1), (2, 3)))
+    assert c.base_offsets(2, 2).tolist() == [[0, 1], [2, 3]]
+
+
+# ----------------------------------------------------------------- PhaseTransformerConfig
+def test_layers_beyond_n_layers():
+    with pytest.raises(ValueError, match=r"layers=\(0, 2\).*\[2\]"):
+        make_config(CompressionConfig("mean", layers=(0, 2)), n_layers=2)
+
+
+@pytest.mark.parametrize(
+    "offsets", [(0, 1, 2), ((0, 1),), ((0, 1, 2), (0, 1, 2)), ((0,), (1,)), (0, 1, 2, 3, 0)]
+)
+def test_explicit_offsets_wrong_shape(offsets):
+    comp = CompressionConfig("mean", stride=4, offsets=offsets)
+    with pytest.raises(ValueError, match=re.escape(str(np.shape(offsets)))) as info:
+        make_config(comp, n_layers=2, n_heads=4, gqa=True)  # 2 kv heads
+    assert "offsets" in str(info.value)
+
+
+def test_explicit_offsets_right_shape():
+    make_config(CompressionConfig("mean", stride=4, offsets=(0, 3)), n_layers=2, gqa=True)
+    make_config(CompressionConfig("mean", stride=4, offsets=((0, 3), (1, 2))), gqa=True)
+    make_config(CompressionConfig("mean", stride=4, offsets=(0, 1, 2, 3)), n_heads=4)
+
+
+def test_compression_dict_accepted_and_bad_type_rejected():
+    cfg = make_config(CompressionConfig("gated", stride=3).to_dict())
+    assert cfg.compression == CompressionConfig("gated", stride=3)
+    with pytest.raises(ValueError, match="compression"):
+        make_config("mean")
+
+
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [
+        ({"attention_dir": "bidirectional"}, "attention_dir"),
+        ({"positional_embedding_type": "alibi"}, "positional_embedding_type"),
+    ],
+)
+def test_unsupported_tl_options(extra, field):
+    with pytest.raises(ValueError, match=field):
+        make_config(CompressionConfig("mean"), **extra)
+    make_config(CompressionConfig("none"), **extra)  # dense models keep TL's options
+
+
+# ----------------------------------------------------------------- model inputs
+@pytest.fixture(scope="module")
+def model():
+    return make_model("mean", stride=3)
+
+
+def _no_forward(model, monkeypatch):
+    """Fail if any attention layer runs: validation must come before work."""
+
+    def boom(*a, **k):
+        raise AssertionError("attention ran before validation")
+
+    for block in model.blocks:
+        monkeypatch.setattr(block.attn, "forward", boom)
+
+
+@pytest.mark.parametrize(
+    ("bad", "pattern"),
+    [
+        (torch.zeros(1, N_CTX + 1, dtype=torch.long), f"n_ctx={N_CTX}"),
+        (torch.zeros(1, 5), "dtype"),
+        (torch.zeros(1, 5, dtype=torch.bool), "dtype"),
+        (torch.full((1, 5), D_VOCAB), f"{D_VOCAB - 1}"),
+        (torch.full((1, 5), -1), "-1"),
+        (torch.zeros(1, 2, 5, dtype=torch.long), r"\(1, 2, 5\)"),
+    ],
+)
+def test_bad_tokens_raise_before_work(model, monkeypatch, bad, pattern):
+    _no_forward(model, monkeypatch)
+    with pytest.raises(ValueError, match=pattern):
+        model(bad)
+    with pytest.raises(ValueError, match=pattern):
+        model.run_with_cache(bad)
+
+
+def test_good_tokens_1d_and_full_context(model):
+    assert model(torch.zeros(N_CTX, dtype=torch.long)).shape == (1, N_CTX, D_VOCAB)
+    assert model(torch.full((2, 3), D_VOCAB - 1)).shape == (2, 3, D_VOCAB)
+
+
+def test_use_local_attn_rejected():
+    from phasemech import PhaseTransformer
+
+    cfg = make_config(
+        CompressionConfig("mean"), use_local_attn=True, window_size=4, attn_types=["local", "local"]
+    )
+    with pytest.raises(ValueError, match="use_local_attn"):
+        PhaseTransformer(cfg)
+
+
+# ----------------------------------------------------------------- phase_of
+def test_phase_of_ints():
+    assert [phase_of(j, 4) for j in range(9)] == [0, 1, 2, 3, 0, 1, 2, 3, 0]
+    assert [phase_of(j, 4, 1) for j in range(5)] == [3, 0, 1, 2, 3]
+    assert phase_of(-1, 4) == 3 and phase_of(-5, 4, 2) == 1
+    assert phase_of(np.int64(7), 3) == 1
+    assert type(phase_of(np.int64(7), 3)) is int
+    assert phase_of(5, 1) == 0
+
+
+def test_phase_of_numpy_and_torch():
+    pos = np.arange(-6, 7)
+    np.testing.assert_array_equal(phase_of(pos, 4, 1), np.mod(pos - 1, 4))
+    assert phase_of(pos, 4).min() >= 0
+    tpos = torch.arange(-6, 7)
+    assert torch.equal(phase_of(tpos, 4, 1), torch.remainder(tpos - 1, 4))
+    # broadcasting positions against per-head offsets
+    out = phase_of(torch.arange(8)[None, :], 4, torch.tensor([[0], [1], [3]]))
+    assert out.shape == (3, 8)
+    assert out[2].tolist() == [1, 2, 3, 0, 1, 2, 3, 0]
+    outn = phase_of(np.arange(8)[None, :], 4, np.array([[0], [2]]))
+    assert outn[1].tolist() == [2, 3, 0, 1, 2, 3, 0, 1]
+
+
+@pytest.mark.parametrize("stride", [0, -2, 2.0, True, "4", None])
+def test_phase_of_bad_stride(stride):
+    with pytest.raises(ValueError, match="stride"):
+        phase_of(3, stride)
+
+
+@pytest.mark.parametrize("pos", [1.5, torch.tensor([1.0]), np.array([0.5]), "3", True])
+def test_phase_of_bad_pos(pos):
+    with pytest.raises(ValueError, match="pos"):
+        phase_of(pos, 4)

@@ -1,0 +1,204 @@
+"""The coverage rule of ``phasemech.grid`` against a brute-force Python reference.
+
+For every query ``t`` the geometry gives a raw set (band slots with ``band_valid``, mapped to
+absolute positions by ``geo.band_pos``) and a block set (``slot_pos`` of used blocks'
+valid slots). The rule: their union is exactly the real tokens ``0..t``, they overlap in at most
+``l - 1`` tokens, the raw set is ``[r_t, t]`` and every used block is complete.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from phasemech.grid import build_geometry, n_blocks, phase_of, raw_band_width
+
+VIS = ("inclusive", "strict")
+
+
+def ref_raw_start(t: int, d: int, w: int, o: int) -> int:
+    seg_start = t - (t - o) % d
+    return max(0, min(t - w + 1, seg_start))
+
+
+def geometry_sets(geo, b: int, g: int, t: int) -> tuple[set[int], set[int], list[int]]:
+    band_pos = geo.band_pos[t]
+    raw = {int(p) for p, ok in zip(band_pos, geo.band_valid[b, g, t], strict=True) if ok}
+    used = [int(i) for i in torch.nonzero(geo.block_used[b, g, t]).flatten()]
+    via_blocks: set[int] = set()
+    for i in used:
+        for p, ok in zip(geo.slot_pos[b, g, i], geo.slot_valid[b, g, i], strict=True):
+            if ok:
+                via_blocks.add(int(p))
+    return raw, via_blocks, used
+
+
+def check_geometry(
+    seq: int,
+    d: int,
+    l: int,
+    w: int,
+    vis: str,
+    offsets: list[int],
+    key_valid: torch.Tensor | None = None,
+) -> None:
+    """Brute-force every (sequence, head, query) of one geometry. ``offsets`` is one kv_head
+    per entry; ``key_valid`` ``[batch, seq]`` (batch 1 when None)."""
+    batch = 1 if key_valid is None else key_valid.shape[0]
+    off = torch.tensor(offsets, dtype=torch.long)[None].expand(batch, -1)
+    geo = build_geometry(off, seq, d, l, w, vis, key_valid)
+    nb = n_blocks(seq, d)
+    assert geo.slot_pos.shape == (batch, len(offsets), nb, l)
+    assert geo.band == raw_band_width(seq, d, w)
+    for b, (g, o) in itertools.product(range(batch), enumerate(offsets)):
+        real = [True] * seq if key_valid is None else [bool(x) for x in key_valid[b]]
+        # every block's slots are exactly its positions, valid where real and in the sequence
+        for i in range(nb):
+            last = i * d + o - 1
+            expect = list(range(last - l + 1, last + 1))
+            assert geo.slot_pos[b, g, i].tolist() == expect
+            valid = [0 <= p < seq and real[p] for p in expect]
+            assert geo.slot_valid[b, g, i].tolist() == valid
+        for t in range(seq):
+            raw, blk, used = geometry_sets(geo, b, g, t)
+            past = {j for j in range(t + 1) if real[j]}
+            r_t = ref_raw_start(t, d, w, o)
+            ctx = f"T={seq} d={d} l={l} W={w} {vis} o={o} b={b} t={t}"
+            # (a) no hole, nothing from the future, no padding
+            assert raw | blk == past, f"{ctx}: missing {past - raw - blk}, extra {raw | blk - past}"
+            # (b) at most l - 1 tokens reached both ways
+            assert len(raw & blk) <= l - 1, f"{ctx}: overlap {sorted(raw & blk)}"
+            # (c) the raw set is [r_t, t] (minus padding)
+            assert raw == {j for j in range(r_t, t + 1) if real[j]}, f"{ctx}: raw {sorted(raw)}"
+            # the query's own segment (from its phase) is always raw
+            assert r_t <= max(0, t - phase_of(t, d, o))
+            # (d) used blocks: complete under the visibility rule, with a real token before r_t
+            for i in used:
+                last = i * d + o - 1
+                assert last <= t if vis == "inclusive" else last < t, f"{ctx}: block {i}"
+                toks = [p for p in range(last - l + 1, last + 1) if 0 <= p < seq and real[p]]
+                assert toks, f"{ctx}: block {i} holds only padding"
+                assert min(toks) < r_t, f"{ctx}: block {i} lies inside the raw window"
+            # and the rule is exactly that (no useful candidate is skipped)
+            expect_used = []
+            for i in range(nb):
+                last = i * d + o - 1
+                toks = [p for p in range(last - l + 1, last + 1) if 0 <= p < seq and real[p]]
+                visible = last <= t if vis == "inclusive" else last < t
+                if visible and toks and min(toks) < r_t:
+                    expect_used.append(i)
+            assert used == expect_used, f"{ctx}: used {used} != {expect_used}"
+
+
+GRID = [
+    (d, l, w, vis)
+    for d in range(1, 6)
+    for l in range(d, d + 3)
+    for w in sorted({0, 1, max(d - 1, 0), d, d + 1, 2 * d, 3 * d + 1})
+    for vis in VIS
+]
+
+
+@pytest.mark.parametrize("d", range(1, 6))
+def test_coverage_grid(d):
+    """All offsets at once (one kv_head each), T = 30, many block lengths and windows."""
+    for dd, l, w, vis in GRID:
+        if dd == d:
+            check_geometry(30, d, l, w, vis, list(range(d)))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seq=st.integers(1, 30),
+    d=st.integers(1, 7),
+    extra=st.integers(0, 4),
+    w=st.integers(0, 14),
+    vis=st.sampled_from(VIS),
+    data=st.data(),
+)
+def test_coverage_hypothesis(seq, d, extra, w, vis, data):
+    offsets = data.draw(st.lists(st.integers(0, d - 1), min_size=1, max_size=3))
+    check_geometry(seq, d, d + extra, w, vis, offsets)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    seq=st.integers(1, 24),
+    d=st.integers(1, 6),
+    extra=st.integers(0, 3),
+    w=st.integers(0, 10),
+    vis=st.sampled_from(VIS),
+    data=st.data(),
+)
+def test_coverage_with_padding(seq, d, extra, w, vis, data):
+    """Arbitrary padding masks (left padding and holes): padding never reachable, blocks of
+    only padding never used, every real past token still reached."""
+    offsets = data.draw(st.lists(st.integers(0, d - 1), min_size=1, max_size=2))
+    rows = data.draw(
+        st.lists(st.lists(st.booleans(), min_size=seq, max_size=seq), min_size=1, max_size=2)
+    )
+    n_left = data.draw(st.integers(0, seq))
+    rows.append([False] * n_left + [True] * (seq - n_left))  # a left-padded row
+    check_geometry(seq, d, d + extra, w, vis, offsets, torch.tensor(rows))
+
+
+def test_padding_only_blocks_never_used():
+    seq, d = 16, 4
+    kv = torch.ones(1, seq, dtype=torch.bool)
+    kv[0, :9] = False  # blocks 0..2 ([-4,-1], [0,3], [4,7]) hold no real token; block 3
+    # ([8, 11]) holds one
+    geo = build_geometry(torch.zeros(1, 1, dtype=torch.long), seq, d, d, 0, "inclusive", kv)
+    assert not geo.block_used[0, 0, :, :3].any()
+    assert (geo.block_first[0, 0, :3] == seq).all()
+    assert geo.block_used[0, 0, 12:, 3].all()  # queries 12.. reach token 8 through block 3
+    check_geometry(seq, d, d, 0, "inclusive", [0], kv)
+
+
+def _naive_sets(geo, t: int, w: int, vis: str) -> set[int]:
+    """Naive rule: raw = [t-W+1, t], blocks = complete blocks ending before t-W+1."""
+    raw = set(range(max(0, t - w + 1), t + 1))
+    blk: set[int] = set()
+    last = geo.block_last[0, 0]
+    for i in range(last.shape[0]):
+        ok = last[i] <= t if vis == "inclusive" else last[i] < t
+        if ok and last[i] < t - w + 1:
+            pairs = zip(geo.slot_pos[0, 0, i], geo.slot_valid[0, 0, i], strict=True)
+            blk |= {int(p) for p, v in pairs if v}
+    return raw | blk
+
+
+def test_naive_rule_leaves_holes():
+    """The naive rule misses up to d - 1 tokens; so the hole check above is not vacuous."""
+    seq, d, w = 20, 4, 2
+    geo = build_geometry(torch.zeros(1, 1, dtype=torch.long), seq, d, d, w, "inclusive")
+    holes = {t: set(range(t + 1)) - _naive_sets(geo, t, w, "inclusive") for t in range(seq)}
+    assert holes[6] == {4}  # raw [5, 6], block [0, 3]: token 4 reached by neither path
+    assert max(len(h) for h in holes.values()) == d - 1
+    # same geometry, phasemech's rule: no hole
+    for t in range(seq):
+        raw, blk, _ = geometry_sets(geo, 0, 0, t)
+        assert raw | blk == set(range(t + 1))
+
+    # across a grid of configs the naive rule fails somewhere for every stride > 1
+    for d in range(2, 6):
+        found = False
+        for w, o in itertools.product(range(0, 2 * d + 2), range(d)):
+            g = build_geometry(torch.tensor([[o]]), seq, d, d, w, "inclusive")
+            if any(set(range(t + 1)) - _naive_sets(g, t, w, "inclusive") for t in range(seq)):
+                found = True
+                break
+        assert found, d
+
+
+def test_raw_band_is_wide_enough_and_never_past_t():
+    for seq, d, w in itertools.product([1, 5, 17], [1, 3, 8], [0, 2, 9, 40]):
+        off = torch.arange(d)[None]
+        geo = build_geometry(off, seq, d, d, w, "inclusive")
+        bp = geo.band_pos
+        assert (bp <= torch.arange(seq)[:, None]).all()
+        assert (bp[:, -1] == torch.arange(seq)).all()  # last band slot is the query itself
+        assert not geo.band_valid[..., bp < 0].any()
