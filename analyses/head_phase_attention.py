@@ -193,8 +193,10 @@ def main() -> None:
         f"copy accuracy {summary['copy_accuracy']:.3f}; by needle phase "
         + ", ".join(f"{p}: {a:.3f}" for p, a in acc.items())
     )
-    console.print(f"wrote {args.out}/head_phase_attention.html, head_phase_needle.html "
-                  f"in {time.perf_counter() - t0:.1f}s")
+    console.print(
+        f"wrote {args.out}/head_phase_attention.html, head_phase_needle.html "
+        f"in {time.perf_counter() - t0:.1f}s"
+    )
 
 
 if __name__ == "__main__":
