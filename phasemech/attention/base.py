@@ -45,9 +45,15 @@ from phasemech.grid import Geometry, build_geometry
 
 
 def _masked_softmax(
-    scores: Float[Tensor, "... key"], visible: Bool[Tensor, "... key"]
+    scores: Float[Tensor, "... key"], visible: Bool[Tensor, "... key"], neg_inf_masked: bool = False
 ) -> Float[Tensor, "... key"]:
-    """Softmax over visible entries; rows with nothing visible give zeros (and finite grads)."""
+    """Softmax over visible entries; rows with nothing visible give zeros (and finite grads).
+
+    ``neg_inf_masked``: the caller guarantees every hidden entry already holds ``-inf``; then,
+    unless a row is entirely hidden, a plain softmax is exact and saves two passes.
+    """
+    if neg_inf_masked and bool(visible.any(-1).all()):
+        return torch.softmax(scores, dim=-1)
     filled = scores.masked_fill(~visible, torch.finfo(scores.dtype).min)
     return torch.softmax(filled, dim=-1) * visible
 
@@ -279,15 +285,8 @@ class CompressedAttentionMixin:
         vh = self._repeat_kv(v.transpose(1, 2), 1)
         s_blk = qh @ self._repeat_kv(k_blk, 1).transpose(-1, -2)  # [batch, head, pos, block]
         s_raw = self._band_scores(qh, kh, geo.band)  # [batch, head, pos, w]
-        scores = apply_softcap(
-            torch.cat([s_blk, s_raw], dim=-1) / self.attn_scale, self.cfg.attn_scores_soft_cap
-        )
-        visible = torch.cat([geo.block_used, geo.band_valid], dim=-1)
-        visible = self._repeat_kv(visible, 1)
-        scores = self.hook_attn_scores(scores.masked_fill(~visible, float("-inf")))
-        # A hook may mask more entries (set -inf); respect it.
-        visible = visible & (scores > float("-inf"))
-        pattern = self.hook_pattern(_masked_softmax(scores, visible))
+        visible = self._repeat_kv(torch.cat([geo.block_used, geo.band_valid], dim=-1), 1)
+        pattern = self._pattern(torch.cat([s_blk, s_raw], dim=-1), visible)
         nb = s_blk.shape[-1]
         p_blk, p_raw = pattern[..., :nb], pattern[..., nb:]
         z = p_blk @ self._repeat_kv(v_blk, 1) + self._band_mix(p_raw, vh)
@@ -298,6 +297,25 @@ class CompressedAttentionMixin:
             a = self._blocks_to_tokens(weights, geo, seq)  # [batch, kv_head, block, key_pos]
             token_pattern = p_blk @ self._repeat_kv(a, 1) + self._unband(p_raw)
         return z.transpose(1, 2), token_pattern
+
+    def _pattern(
+        self,
+        scores: Float[Tensor, "batch head pos key"],
+        visible: Bool[Tensor, "batch head pos key"],
+    ) -> Float[Tensor, "batch head pos key"]:
+        """Scale, soft-cap and mask the raw ``q . k`` scores (TransformerLens' order), run
+        ``hook_attn_scores`` (hidden entries ``-inf``) and return the hooked ``hook_pattern``.
+
+        ``scores`` must be a fresh tensor: it is scaled and masked in place (the score tensor is
+        the largest one here, so each avoided copy matters; see ``bench/attention_scaling.py``).
+        """
+        scores = apply_softcap(scores.div_(self.attn_scale), self.cfg.attn_scores_soft_cap)
+        scores = scores.masked_fill_(~visible, float("-inf"))
+        hooked = self.hook_attn_scores.has_hooks()
+        scores = self.hook_attn_scores(scores)
+        if hooked:  # a hook may hide more entries (set -inf); respect it
+            visible = visible & (scores > float("-inf"))
+        return self.hook_pattern(_masked_softmax(scores, visible, neg_inf_masked=not hooked))
 
     def block_attribution(
         self, x: Tensor | None, k: Tensor, v: Tensor, geo: Geometry

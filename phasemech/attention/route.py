@@ -19,9 +19,8 @@ from __future__ import annotations
 
 import torch
 from transformer_lens.hook_points import HookPoint
-from transformer_lens.utilities.activation_functions import apply_softcap
 
-from phasemech.attention.base import CompressedAttentionMixin, _masked_softmax
+from phasemech.attention.base import CompressedAttentionMixin
 
 
 class BlockRouteAttention(CompressedAttentionMixin):
@@ -65,12 +64,7 @@ class BlockRouteAttention(CompressedAttentionMixin):
         visible = (self._repeat_kv(raw, 1) & key_ok[:, None, None, :]) | via_block
         kh = self._repeat_kv(k.transpose(1, 2), 1)
         vh = self._repeat_kv(v.transpose(1, 2), 1)
-        scores = apply_softcap(
-            (qh @ kh.transpose(-1, -2)) / self.attn_scale, self.cfg.attn_scores_soft_cap
-        )
-        scores = self.hook_attn_scores(scores.masked_fill(~visible, float("-inf")))
-        visible = visible & (scores > float("-inf"))
-        pattern = self.hook_pattern(_masked_softmax(scores, visible))
+        pattern = self._pattern(qh @ kh.transpose(-1, -2), visible)
         z = pattern @ vh
         token_pattern = pattern if self._token_pattern_wanted() else None
         return z.transpose(1, 2), token_pattern
