@@ -25,6 +25,7 @@ DESIGNS = ("none", "mean", "gated", "mlp", "route")
 VISIBILITY = ("inclusive", "strict")
 OFFSET_MODES = ("aligned", "per_layer", "per_head", "random")
 GATES = ("scalar", "channel")
+BLOCK_SCOPES = ("outside_window", "all")
 
 Design = Literal["none", "mean", "gated", "mlp", "route"]
 OffsetSpec = str | int | tuple[int, ...] | tuple[tuple[int, ...], ...]
@@ -93,6 +94,12 @@ class CompressionConfig:
             an exact convex mass, so token attribution is exact) or ``"channel"`` (DeepSeek-V4
             style, one gate per channel).
         eval_offset: the offset that ``offsets="random"`` uses in eval mode.
+        block_scope: ``"outside_window"`` (default: blocks wholly inside the raw window are not
+            used, so at most ``l - 1`` tokens are reached both raw and compressed) or ``"all"``
+            (DeepSeek-V4: every complete block plus the raw window, in one softmax).
+
+    The exact coverage rule (which past token is reached raw, which through a block) is in
+    ``phasemech.grid``.
     """
 
     design: Design
@@ -105,6 +112,7 @@ class CompressionConfig:
     top_k: int | None = None
     gate: Literal["scalar", "channel"] = "scalar"
     eval_offset: int = 0
+    block_scope: Literal["outside_window", "all"] = "outside_window"
 
     def __post_init__(self) -> None:
         # Frozen dataclass: normalise with object.__setattr__, validate before any work starts.
@@ -140,6 +148,8 @@ class CompressionConfig:
                 )
         set_(self, "offsets", offsets)
         if self.layers is not None:
+            if isinstance(self.layers, str) or not isinstance(self.layers, Sequence):
+                raise _bad("layers", self.layers, "must be None or a non-empty tuple of ints >= 0")
             layers = tuple(self.layers)
             if not layers or not all(_is_int(i) and i >= 0 for i in layers):
                 raise _bad("layers", self.layers, "must be None or a non-empty tuple of ints >= 0")
@@ -163,6 +173,8 @@ class CompressionConfig:
             raise _bad(
                 "eval_offset", self.eval_offset, f"must be an int in [0, stride={self.stride})"
             )
+        if self.block_scope not in BLOCK_SCOPES:
+            raise _bad("block_scope", self.block_scope, f"allowed: {BLOCK_SCOPES}")
         if self.eval_offset != 0 and self.offsets != "random":
             raise _bad("eval_offset", self.eval_offset, "only offsets='random' uses eval_offset")
 
@@ -199,6 +211,13 @@ class CompressionConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CompressionConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown or "design" not in d:
+            raise ValueError(
+                f"CompressionConfig fields {unknown or ['design']} are "
+                f"{'unknown' if unknown else 'missing'}: allowed {sorted(known)}, design required"
+            )
         d = dict(d)
         if isinstance(d.get("offsets"), list):
             d["offsets"] = _freeze_offsets(d["offsets"])
@@ -253,6 +272,23 @@ class PhaseTransformerConfig(HookedTransformerConfig):
                 f"attention_dir={self.attention_dir!r} is invalid with compression: chunked KV "
                 "compression is defined for causal attention only"
             )
+        if c.enabled:
+            # TL attention features the compressed forward does not reproduce: refuse them
+            # rather than silently compute something else.
+            unsupported = {
+                "use_local_attn": self.use_local_attn,
+                "clip_qkv": self.clip_qkv is not None,
+                "use_attention_sinks": self.use_attention_sinks,
+                "use_logn_attn": self.use_logn_attn,
+                "original_architecture (OLMo QK-norm)": str(self.original_architecture)
+                in ("OlmoeForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM"),
+            }
+            bad = [name for name, on in unsupported.items() if on]
+            if bad:
+                raise ValueError(
+                    f"{', '.join(bad)} is not supported with compression "
+                    f"(design={c.design!r}): compress another layer set or use design='none'"
+                )
         if c.enabled and self.positional_embedding_type in ("alibi", "relative_positional_bias"):
             raise ValueError(
                 f"positional_embedding_type={self.positional_embedding_type!r} is not supported "

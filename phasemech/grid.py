@@ -10,18 +10,28 @@ is ``(j - o) mod d`` and its *segment* is the ``d`` tokens ``[j - phase, j - pha
 
 Coverage rule (one rule for every design; tested in ``tests/test_coverage.py``):
 
-* **raw**: query ``t`` reaches ``[r_t, t]`` raw, with ``r_t = min(t - W + 1, s_t)`` and ``s_t``
-  the start of ``t``'s own segment, so the query's own incomplete block is always raw;
-* **blocks**: query ``t`` uses block ``i`` iff it is *visible* (complete: last token ``<= t``
-  for ``inclusive``, ``< t`` for ``strict``), holds at least one real token, and its first real
-  token lies before ``r_t`` (a block wholly inside the raw window adds nothing);
-* so every past token ``j < r_t`` is reached through at least one block (its segment's block ends
-  before ``s_t <= t``), every ``j >= r_t`` raw, and no token is reached by neither path. Tokens
-  reached **both ways** are the raw tokens inside a used block that straddles ``r_t``: at most
-  ``l - 1`` of them per query. A naive "blocks that end before the window" rule would instead
-  leave up to ``d - 1`` tokens reachable by neither path.
+* **visible blocks**: block ``i`` is visible to query ``t`` once it is complete: its last token
+  ``e <= t`` (``inclusive``) or ``e < t`` (``strict``). Let ``e_t`` be the last token of the latest
+  visible block (a block boundary, possibly negative);
+* **raw**: query ``t`` reaches ``[r_t, t]`` raw, ``r_t = min(t - W + 1, e_t + 1)``: the window, and
+  always everything after the latest visible block, so the query's own incomplete block is raw.
+  With ``W = 0`` the raw part is exactly that incomplete block (MoBA/Quest "current block",
+  GLM-5.3 "tail"); under ``inclusive`` a query in the last slot of its block has an empty tail
+  and reads its own block compressed, under ``strict`` it reads it raw;
+* **blocks** (``block_scope="outside_window"``, default): query ``t`` uses a visible block that
+  holds at least one real token and whose first real token lies before ``r_t`` (a block wholly
+  inside the raw window adds nothing). Every past token ``j < r_t`` is then reached through a
+  block (its own block ends at or before ``e_t``), every ``j >= r_t`` raw: no token is reachable
+  by neither path. Tokens reached **both ways** are the raw tokens of a used block straddling
+  ``r_t``: at most ``l - 1`` per query. A naive "blocks that end before the window" rule would
+  leave up to ``d - 1`` tokens reachable by neither path;
+* ``block_scope="all"`` (DeepSeek-V4 CSA/HCA): every visible block with a real token is used, so
+  the raw window and the compressed entries overlap (up to ``W + l - 1`` tokens both ways);
 * ``route`` uses the same candidates but attends only the raw tokens of its top-k blocks: tokens
   of unselected blocks are dropped on purpose.
+
+Block numbering: block ``i`` ends at ``i*d + o - 1``, so it is COMPRESSION.md's block ``i - 1``;
+block 0 lies before the grid offset (all padding, never used, when ``o = 0``).
 """
 
 from __future__ import annotations
@@ -103,6 +113,7 @@ def build_geometry(
     window: int,
     visibility: str,
     key_valid: Bool[Tensor, "batch pos"] | None = None,
+    block_scope: str = "outside_window",
 ) -> Geometry:
     """Blocks, raw band and the coverage rule of the module docstring, as tensors."""
     device = offsets.device
@@ -126,13 +137,17 @@ def build_geometry(
     first = torch.where(slot_valid, slot_pos, torch.full_like(slot_pos, seq_len)).amin(-1)
 
     t = torch.arange(seq_len, device=device)
-    seg_start = t - torch.remainder(t - o, d)  # [batch, kv_head, pos]
-    raw_start = torch.minimum(t - window + 1, seg_start)
+    # last token of the latest visible block: block ends e satisfy (e + 1 - o) mod d == 0
+    newest = t if visibility == "inclusive" else t - 1
+    latest_end = newest - torch.remainder(newest + 1 - o, d)  # [batch, kv_head, pos]
+    raw_start = torch.minimum(t - window + 1, latest_end + 1)
 
     last_q = last[:, :, None, :]  # [batch, kv_head, 1, block]
     t_q = t[None, None, :, None]
     complete = last_q <= t_q if visibility == "inclusive" else last_q < t_q
-    block_used = complete & has_token[:, :, None, :] & (first[:, :, None, :] < raw_start[..., None])
+    block_used = complete & has_token[:, :, None, :]
+    if block_scope == "outside_window":
+        block_used = block_used & (first[:, :, None, :] < raw_start[..., None])
 
     band = raw_band_width(seq_len, d, window)
     w = torch.arange(band, device=device)

@@ -135,11 +135,6 @@ class PhaseTransformer(HookedTransformer):
         default_padding_side: Any = None,
     ):
         cfg = _as_phase_config(cfg)
-        if cfg.compression.enabled and cfg.use_local_attn:
-            raise ValueError(
-                "use_local_attn=True is invalid with compression: local (windowed) TL attention "
-                "and chunked compression cannot be combined"
-            )
         with quiet_tl_deprecation():
             super().__init__(cfg, tokenizer, move_to_device, default_padding_side)
         self.grid_state = GridState(cfg.compression)
@@ -253,6 +248,14 @@ class PhaseTransformer(HookedTransformer):
         self.grid_state.begin_forward(self.training)
         return super().forward(input, *args, **kwargs)
 
+    def run_with_cache(self, *model_args: Any, names_filter: Any = None, **kwargs: Any) -> Any:
+        """TransformerLens' ``run_with_cache``; ``hook_token_pattern`` (``O(T^2)`` per layer) is
+        cached only when switched on (``set_use_token_pattern``) or named in ``names_filter``,
+        as TransformerLens does for ``hook_result``."""
+        if names_filter is None and not self.cfg.use_token_pattern:
+            names_filter = _not_token_pattern
+        return super().run_with_cache(*model_args, names_filter=names_filter, **kwargs)
+
     # ------------------------------------------------------------------ save / load
     def config_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -316,6 +319,10 @@ class PhaseTransformer(HookedTransformer):
         except RuntimeError as err:
             raise ValueError(f"{weights_file} does not match {cfg_file}: {err}") from err
         return model
+
+
+def _not_token_pattern(name: str) -> bool:
+    return not name.endswith("hook_token_pattern")
 
 
 def _is_compressor_param(name: str) -> bool:

@@ -80,12 +80,20 @@ def _layer_phases(
     stride: int,
     reference_offset: int | None,
     device: torch.device,
+    attention_mask: Tensor | None = None,
 ) -> Int[Tensor, "batch head key_pos"]:
-    """Phase of every key position for every head of one layer."""
+    """Phase of every key position for every head of one layer.
+
+    The reference grid, like the compressed layers' own grids, is anchored at each sequence's
+    first real token: leading zeros of ``attention_mask`` shift it.
+    """
     n_heads = model.cfg.n_heads
     pos = torch.arange(seq, device=device)
     if reference_offset is not None or offsets is None:
         o = torch.full((batch, n_heads), reference_offset or 0, dtype=torch.long, device=device)
+        if attention_mask is not None:
+            pad = (attention_mask.to(device).long().cumsum(-1) == 0).sum(-1)
+            o = o + pad[:, None]
     else:
         rep = n_heads // offsets.shape[1]
         o = torch.repeat_interleave(offsets.to(device).long(), rep, dim=1)
@@ -132,8 +140,9 @@ def phase_attention(
             ``[batch, n_pairs]``. ``query_pos`` alone: a list of query positions to average over.
         stride: phase period; defaults to the model's compression stride.
         reference_offset: report every layer on this one grid instead of each head's own.
-        attention_mask: ``[batch, pos]`` padding mask (1 = token), forwarded to the model and
-            used to skip padding queries.
+        attention_mask: ``[batch, pos]`` padding mask (1 = token): forwarded to the model, used
+            to skip padding queries and to anchor the reference grid at the first real token
+            (pass it in cache mode too).
         layers: layers to report (default all).
     """
     if (tokens is None) == (cache is None):
@@ -195,7 +204,7 @@ def phase_attention(
         m = m.detach().float()
         device = m.device
         phases = _layer_phases(
-            model, i, layer_offsets, batch, seq, stride, reference_offset, device
+            model, i, layer_offsets, batch, seq, stride, reference_offset, device, attention_mask
         )
         if pair_mode:
             q, k = qp.to(device), kp.to(device)

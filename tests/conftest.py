@@ -75,6 +75,7 @@ def make_model(
         "top_k",
         "gate",
         "eval_offset",
+        "block_scope",
     }
     comp_kw = {k: kw.pop(k) for k in list(kw) if k in comp_keys}
     if compression is None:

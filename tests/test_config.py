@@ -259,14 +259,32 @@ def test_good_tokens_1d_and_full_context(model):
     assert model(torch.full((2, 3), D_VOCAB - 1)).shape == (2, 3, D_VOCAB)
 
 
-def test_use_local_attn_rejected():
-    from phasemech import PhaseTransformer
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        (dict(use_local_attn=True, window_size=4, attn_types=["local", "local"]), "use_local_attn"),
+        (dict(clip_qkv=1.0), "clip_qkv"),
+        (dict(use_attention_sinks=True), "use_attention_sinks"),
+        (dict(use_logn_attn=True), "use_logn_attn"),
+        (dict(original_architecture="Olmo2ForCausalLM"), "OLMo"),
+    ],
+)
+def test_tl_features_the_compressed_forward_does_not_reproduce_are_rejected(kwargs, name):
+    # refused at config construction, before any model is built
+    with pytest.raises(ValueError, match=name):
+        make_config(CompressionConfig("mean"), **kwargs)
+    make_config(CompressionConfig("none"), **kwargs)  # dense models keep them
 
-    cfg = make_config(
-        CompressionConfig("mean"), use_local_attn=True, window_size=4, attn_types=["local", "local"]
-    )
-    with pytest.raises(ValueError, match="use_local_attn"):
-        PhaseTransformer(cfg)
+
+def test_layers_and_compression_dict_errors_are_value_errors():
+    with pytest.raises(ValueError, match="layers"):
+        CompressionConfig("mean", layers=1)
+    with pytest.raises(ValueError, match="foo"):
+        make_config({"design": "mean", "foo": 1})
+    with pytest.raises(ValueError, match="design"):
+        make_config({"stride": 2})
+    with pytest.raises(ValueError, match="block_scope"):
+        CompressionConfig("mean", block_scope="some")
 
 
 # ----------------------------------------------------------------- phase_of

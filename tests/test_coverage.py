@@ -20,9 +20,15 @@ from phasemech.grid import build_geometry, n_blocks, phase_of, raw_band_width
 VIS = ("inclusive", "strict")
 
 
-def ref_raw_start(t: int, d: int, w: int, o: int) -> int:
-    seg_start = t - (t - o) % d
-    return max(0, min(t - w + 1, seg_start))
+def ref_latest_end(t: int, d: int, o: int, vis: str) -> int:
+    """Last token of the latest block visible to ``t``, by enumerating block ends."""
+    newest = t if vis == "inclusive" else t - 1
+    return max(e for e in range(-2 * d - 1, newest + 1) if (e + 1 - o) % d == 0)
+
+
+def ref_raw_start(t: int, d: int, w: int, o: int, vis: str) -> int:
+    """The window, extended back to just after the latest visible block."""
+    return max(0, min(t - w + 1, ref_latest_end(t, d, o, vis) + 1))
 
 
 def geometry_sets(geo, b: int, g: int, t: int) -> tuple[set[int], set[int], list[int]]:
@@ -45,12 +51,13 @@ def check_geometry(
     vis: str,
     offsets: list[int],
     key_valid: torch.Tensor | None = None,
+    scope: str = "outside_window",
 ) -> None:
     """Brute-force every (sequence, head, query) of one geometry. ``offsets`` is one kv_head
     per entry; ``key_valid`` ``[batch, seq]`` (batch 1 when None)."""
     batch = 1 if key_valid is None else key_valid.shape[0]
     off = torch.tensor(offsets, dtype=torch.long)[None].expand(batch, -1)
-    geo = build_geometry(off, seq, d, l, w, vis, key_valid)
+    geo = build_geometry(off, seq, d, l, w, vis, key_valid, scope)
     nb = n_blocks(seq, d)
     assert geo.slot_pos.shape == (batch, len(offsets), nb, l)
     assert geo.band == raw_band_width(seq, d, w)
@@ -66,30 +73,34 @@ def check_geometry(
         for t in range(seq):
             raw, blk, used = geometry_sets(geo, b, g, t)
             past = {j for j in range(t + 1) if real[j]}
-            r_t = ref_raw_start(t, d, w, o)
-            ctx = f"T={seq} d={d} l={l} W={w} {vis} o={o} b={b} t={t}"
+            r_t = ref_raw_start(t, d, w, o, vis)
+            ctx = f"T={seq} d={d} l={l} W={w} {vis} {scope} o={o} b={b} t={t}"
             # (a) no hole, nothing from the future, no padding
             assert raw | blk == past, f"{ctx}: missing {past - raw - blk}, extra {raw | blk - past}"
-            # (b) at most l - 1 tokens reached both ways
-            assert len(raw & blk) <= l - 1, f"{ctx}: overlap {sorted(raw & blk)}"
+            # (b) at most l - 1 tokens reached both ways (all of the window may be, with "all")
+            bound = l - 1 if scope == "outside_window" else max(w, d)
+            assert len(raw & blk) <= bound, f"{ctx}: overlap {sorted(raw & blk)}"
             # (c) the raw set is [r_t, t] (minus padding)
             assert raw == {j for j in range(r_t, t + 1) if real[j]}, f"{ctx}: raw {sorted(raw)}"
-            # the query's own segment (from its phase) is always raw
-            assert r_t <= max(0, t - phase_of(t, d, o))
+            # everything after the latest visible block (the own incomplete block) is raw
+            assert r_t <= max(0, ref_latest_end(t, d, o, vis) + 1)
+            if vis == "strict":  # strict: the query's whole segment (from its phase) is raw
+                assert r_t <= max(0, t - phase_of(t, d, o))
             # (d) used blocks: complete under the visibility rule, with a real token before r_t
             for i in used:
                 last = i * d + o - 1
                 assert last <= t if vis == "inclusive" else last < t, f"{ctx}: block {i}"
                 toks = [p for p in range(last - l + 1, last + 1) if 0 <= p < seq and real[p]]
                 assert toks, f"{ctx}: block {i} holds only padding"
-                assert min(toks) < r_t, f"{ctx}: block {i} lies inside the raw window"
+                if scope == "outside_window":
+                    assert min(toks) < r_t, f"{ctx}: block {i} lies inside the raw window"
             # and the rule is exactly that (no useful candidate is skipped)
             expect_used = []
             for i in range(nb):
                 last = i * d + o - 1
                 toks = [p for p in range(last - l + 1, last + 1) if 0 <= p < seq and real[p]]
                 visible = last <= t if vis == "inclusive" else last < t
-                if visible and toks and min(toks) < r_t:
+                if visible and toks and (scope == "all" or min(toks) < r_t):
                     expect_used.append(i)
             assert used == expect_used, f"{ctx}: used {used} != {expect_used}"
 
@@ -103,12 +114,13 @@ GRID = [
 ]
 
 
+@pytest.mark.parametrize("scope", ["outside_window", "all"])
 @pytest.mark.parametrize("d", range(1, 6))
-def test_coverage_grid(d):
+def test_coverage_grid(d, scope):
     """All offsets at once (one kv_head each), T = 30, many block lengths and windows."""
     for dd, l, w, vis in GRID:
         if dd == d:
-            check_geometry(30, d, l, w, vis, list(range(d)))
+            check_geometry(30, d, l, w, vis, list(range(d)), scope=scope)
 
 
 @settings(max_examples=40, deadline=None)
@@ -122,7 +134,8 @@ def test_coverage_grid(d):
 )
 def test_coverage_hypothesis(seq, d, extra, w, vis, data):
     offsets = data.draw(st.lists(st.integers(0, d - 1), min_size=1, max_size=3))
-    check_geometry(seq, d, d + extra, w, vis, offsets)
+    scope = data.draw(st.sampled_from(["outside_window", "all"]))
+    check_geometry(seq, d, d + extra, w, vis, offsets, scope=scope)
 
 
 @settings(max_examples=30, deadline=None)

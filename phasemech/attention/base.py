@@ -218,7 +218,7 @@ class CompressedAttentionMixin:
         Weighted-sum designs share this: weights first (so ``hook_block_weights`` can be
         patched), then the same weights pool keys and values.
         """
-        weights = self.hook_block_weights(self.pooling_weights(x, geo))
+        weights = self.hook_block_weights(self.pooling_weights(x, geo).to(k.dtype))
         ks, vs = self._gather_slots(k, geo), self._gather_slots(v, geo)
         if weights.ndim == 4:  # one weight per slot
             return (
@@ -259,7 +259,14 @@ class CompressedAttentionMixin:
         offsets = self.hook_grid_offset(self.grid_offsets(batch, q.device, attention_mask))
         key_valid = None if attention_mask is None else attention_mask.to(q.device).bool()
         geo = build_geometry(
-            offsets, seq, self.stride, self.block_len, self.window, self.visibility, key_valid
+            offsets,
+            seq,
+            self.stride,
+            self.block_len,
+            self.window,
+            self.visibility,
+            key_valid,
+            self.cfg.compression.block_scope,
         )
         z, token_pattern = self.attend(key_input, q, k, v, geo)
         if token_pattern is not None:

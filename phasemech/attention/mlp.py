@@ -82,4 +82,4 @@ class MLPCompressorAttention(CompressedAttentionMixin):
         rel = (xv * grad).unflatten(-1, (self.block_len, -1)).sum(-1).abs() * geo.slot_valid
         total = rel.sum(-1, keepdim=True)
         uniform = geo.slot_valid / geo.slot_valid.sum(-1, keepdim=True).clamp(min=1)
-        return torch.where(total > 0, rel / total.clamp(min=1e-30), uniform)
+        return torch.where(total > 0, rel / total.clamp(min=1e-30), uniform).to(xv.dtype)

@@ -38,7 +38,7 @@ class BlockRouteAttention(CompressedAttentionMixin):
 
     def attend(self, x, q, k, v, geo):
         b, seq = q.shape[0], q.shape[1]
-        weights = self.hook_block_weights(self.pooling_weights(x, geo))
+        weights = self.hook_block_weights(self.pooling_weights(x, geo).to(k.dtype))
         ks = self._gather_slots(k, geo)
         k_blk = torch.einsum("bgns,bgnsd->bgnd", weights, ks)
         k_blk = self.hook_k_block(k_blk.permute(0, 2, 1, 3)).permute(0, 2, 1, 3)
