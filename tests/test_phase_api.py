@@ -159,11 +159,20 @@ def test_shift_grid_moves_phase_labels():
     model = _model("mean", gqa=False, offsets="aligned")
     x = tokens(2, 24)
     with model.shift_grid(1):
-        shifted = phase_attention(model, x)
-    base_ref1 = None
-    with model.shift_grid(1):
-        base_ref1 = phase_attention(model, x, reference_offset=1)
-    torch.testing.assert_close(shifted.tensor, base_ref1.tensor, atol=1e-6, rtol=0)
+        shifted = phase_attention(model, x)  # labels from hook_grid_offset (offset 1)
+        ref1 = phase_attention(model, x, reference_offset=1)
+        ref0 = phase_attention(model, x, reference_offset=0)
+    torch.testing.assert_close(shifted.tensor, ref1.tensor, atol=1e-6, rtol=0)
+    # the labels really moved: on the aligned grid the same masses are rolled by one phase
+    torch.testing.assert_close(ref0.tensor.roll(-1, dims=-1), ref1.tensor, atol=1e-6, rtol=0)
+    assert not torch.allclose(ref0.tensor, ref1.tensor)
+    # and the same tokens on a shifted grid are a different computation
+    assert not torch.allclose(model(x), _run_shift(model, x, 1))
+
+
+def _run_shift(model, x, k):
+    with model.shift_grid(k):
+        return model(x)
 
 
 def _fake_phase0_cache(model, batch=2, seq=16, offset=0):
