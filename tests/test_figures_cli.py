@@ -6,9 +6,10 @@ from pathlib import Path
 
 import pandas as pd
 import torch
+from conftest import make_model
 from typer.testing import CliRunner
 
-from phasemech import CompressionConfig, PhaseTransformer, PhaseTransformerConfig, phase_attention
+from phasemech import PhaseTransformer, phase_attention
 from phasemech.cli import app
 from phasemech.viz import head_phase_heatmap
 
@@ -16,19 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _small_model() -> PhaseTransformer:
-    cfg = PhaseTransformerConfig(
-        n_layers=2,
-        d_model=16,
-        n_heads=2,
-        d_head=8,
-        n_ctx=24,
-        d_vocab=20,
-        attn_only=True,
-        act_fn=None,
-        seed=3,
-        compression=CompressionConfig("mean", stride=4, window=4, layers=(1,)),
-    )
-    return PhaseTransformer(cfg)
+    kw = dict(n_ctx=24, d_vocab=20, n_heads=2, d_model=16, seed=3)
+    return make_model("mean", stride=4, window=4, layers=(1,), **kw)
 
 
 def test_head_phase_analysis_tiny_profile_writes_figures(tmp_path):

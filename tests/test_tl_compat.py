@@ -2,25 +2,15 @@
 
 import pytest
 import torch
+from conftest import make_model
 from transformer_lens import patching
 
-from phasemech import CompressionConfig, PhaseTransformer, PhaseTransformerConfig
+from phasemech import PhaseTransformer
 
 
 def _model(design: str) -> PhaseTransformer:
-    cfg = PhaseTransformerConfig(
-        n_layers=2,
-        d_model=16,
-        n_heads=2,
-        d_head=8,
-        n_ctx=20,
-        d_vocab=12,
-        attn_only=True,
-        act_fn=None,
-        seed=1,
-        compression=CompressionConfig(design, stride=3, window=3),
-    )
-    return PhaseTransformer(cfg)
+    kw = dict(n_ctx=20, d_vocab=12, n_heads=2, d_model=16, seed=1)
+    return make_model(design, stride=3, window=3, **kw)
 
 
 @pytest.mark.parametrize("design", ["mean", "gated", "route"])
