@@ -59,7 +59,8 @@ def _masked_softmax(
 
 
 class CompressedAttentionMixin:
-    """Forward pass shared by every compressed design; designs implement ``pool``."""
+    """Forward pass shared by every compressed design. A weighted-sum design implements
+    ``pooling_weights``; ``mlp`` overrides ``pool`` and ``route`` overrides ``attend``."""
 
     design: str = "abstract"
     #: whether ``hook_token_pattern`` is an exact decomposition of ``hook_z``
