@@ -79,7 +79,9 @@ class CompressionConfig:
         stride: ``d``, the distance between consecutive block starts.
         block_len: ``l >= d``; ``None`` means ``l = d`` (no overlap).
         window: ``W``, the raw sliding window in tokens (query included); ``None`` means ``2d``.
-            ``0`` leaves only the query's own stride segment raw (MoBA/Quest "current block").
+            ``0`` leaves only the query's own incomplete block raw (MoBA/Quest "current block",
+            GLM-5.3 tail); under ``inclusive`` a query in the last slot of its block then has
+            no raw token and reads that block compressed (``route`` forces it instead).
         visibility: ``"inclusive"`` (a block is visible to query ``t`` once its last token is
             ``<= t``; NSA, DeepSeek-V4) or ``"strict"`` (last token ``< t``; lucidrains NSA).
         offsets: the grid offset ``o``: ``"aligned"`` (0 everywhere), ``"per_layer"``
@@ -175,6 +177,12 @@ class CompressionConfig:
             )
         if self.block_scope not in BLOCK_SCOPES:
             raise _bad("block_scope", self.block_scope, f"allowed: {BLOCK_SCOPES}")
+        if self.block_scope == "all" and self.design == "route":
+            raise _bad(
+                "block_scope",
+                self.block_scope,
+                "design='route' reads blocks raw, so its candidates must lie outside the window",
+            )
         if self.eval_offset != 0 and self.offsets != "random":
             raise _bad("eval_offset", self.eval_offset, "only offsets='random' uses eval_offset")
 

@@ -26,9 +26,9 @@ Coverage rule (one rule for every design; tested in ``tests/test_coverage.py``):
   ``r_t``: at most ``l - 1`` per query. A naive "blocks that end before the window" rule would
   leave up to ``d - 1`` tokens reachable by neither path;
 * ``block_scope="all"`` (DeepSeek-V4 CSA/HCA): every visible block with a real token is used, so
-  the raw window and the compressed entries overlap (up to ``W + l - 1`` tokens both ways);
-* ``route`` uses the same candidates but attends only the raw tokens of its top-k blocks: tokens
-  of unselected blocks are dropped on purpose.
+  the raw window and the compressed entries overlap (up to ``W`` tokens both ways);
+* ``route`` uses the same candidates but attends only the raw tokens of its top-k blocks (plus
+  the block the query closes, forced): tokens of unselected blocks are dropped on purpose.
 
 Block numbering: block ``i`` ends at ``i*d + o - 1``, so it is COMPRESSION.md's block ``i - 1``;
 block 0 lies before the grid offset (all padding, never used, when ``o = 0``).

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import tempfile
@@ -30,6 +31,8 @@ from phasemech.attention import DESIGN_CLASSES, CompressedAttentionMixin, make_a
 from phasemech.config import CompressionConfig, PhaseTransformerConfig
 
 CONFIG_FILE = "config.json"
+#: compressed-layer hooks without a position axis (no ``pos_slice`` when caching)
+POSITIONLESS_HOOKS = ("hook_grid_offset", "hook_k_block", "hook_v_block", "hook_block_weights")
 WEIGHTS_FILE = "model.safetensors"
 
 
@@ -255,6 +258,38 @@ class PhaseTransformer(HookedTransformer):
         if names_filter is None and not self.cfg.use_token_pattern:
             names_filter = _not_token_pattern
         return super().run_with_cache(*model_args, names_filter=names_filter, **kwargs)
+
+    def get_caching_hooks(
+        self,
+        names_filter: Any = None,
+        incl_bwd: bool = False,
+        device: Any = None,
+        remove_batch_dim: bool = False,
+        cache: dict | None = None,
+        pos_slice: Any = None,
+    ) -> tuple[dict, list, list]:
+        """TransformerLens' caching hooks, except that hooks with no position axis
+        (``hook_grid_offset``, ``hook_k_block``, ``hook_v_block``, ``hook_block_weights``) are
+        never position-sliced: TL would cut their head, batch or block axis instead."""
+        cache, fwd, bwd = super().get_caching_hooks(
+            names_filter, incl_bwd, device, remove_batch_dim, cache, pos_slice
+        )
+
+        def save(tensor: Tensor, hook: Any, is_backward: bool = False) -> None:
+            value = tensor.detach().to(device)
+            cache[hook.name + ("_grad" if is_backward else "")] = (
+                value[0] if remove_batch_dim else value
+            )
+
+        def patch(hooks: list, is_backward: bool) -> list:
+            return [
+                (name, functools.partial(save, is_backward=is_backward))
+                if name.endswith(POSITIONLESS_HOOKS)
+                else (name, fn)
+                for name, fn in hooks
+            ]
+
+        return cache, patch(fwd, False), patch(bwd, True)
 
     # ------------------------------------------------------------------ save / load
     def config_dict(self) -> dict[str, Any]:

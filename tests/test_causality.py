@@ -39,7 +39,9 @@ def configs(draw):
         gate=draw(st.sampled_from(["scalar", "channel"])) if design == "gated" else "scalar",
         eval_offset=draw(st.integers(0, d - 1)) if mode == "random" else 0,
         layers=draw(st.sampled_from([None, (1,), (0, 1)])),
-        block_scope=draw(st.sampled_from(["outside_window", "all"])),
+        block_scope="outside_window"
+        if design == "route"
+        else draw(st.sampled_from(["outside_window", "all"])),
     )
     rotary = draw(st.booleans())
     return comp, gqa, rotary

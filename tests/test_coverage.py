@@ -78,7 +78,7 @@ def check_geometry(
             # (a) no hole, nothing from the future, no padding
             assert raw | blk == past, f"{ctx}: missing {past - raw - blk}, extra {raw | blk - past}"
             # (b) at most l - 1 tokens reached both ways (all of the window may be, with "all")
-            bound = l - 1 if scope == "outside_window" else max(w, d)
+            bound = l - 1 if scope == "outside_window" else w
             assert len(raw & blk) <= bound, f"{ctx}: overlap {sorted(raw & blk)}"
             # (c) the raw set is [r_t, t] (minus padding)
             assert raw == {j for j in range(r_t, t + 1) if real[j]}, f"{ctx}: raw {sorted(raw)}"

@@ -56,3 +56,19 @@ def test_names_filter_and_start_at_layer():
     assert all(k.endswith("resid_pre") for k in cache.keys())
     again = model(cache["blocks.1.hook_resid_pre"], start_at_layer=1)
     torch.testing.assert_close(again, logits)
+
+
+def test_cache_options_remove_batch_dim_and_pos_slice():
+    model = make_model("gated", stride=3, window=3, n_ctx=20, d_vocab=12, gqa=True)
+    tokens = torch.randint(0, 12, (1, 20))
+    _, full = model.run_with_cache(tokens)
+    _, single = model.run_with_cache(tokens, remove_batch_dim=True)
+    for name in ("hook_grid_offset", "hook_k_block", "hook_block_weights", "hook_z"):
+        key = f"blocks.1.attn.{name}"
+        torch.testing.assert_close(single[key], full[key][0])
+    _, last = model.run_with_cache(tokens, pos_slice=-1)
+    # position-free hooks keep every axis; positional ones keep the last position only
+    for name in ("hook_grid_offset", "hook_k_block", "hook_v_block", "hook_block_weights"):
+        key = f"blocks.1.attn.{name}"
+        torch.testing.assert_close(last[key], full[key])
+    torch.testing.assert_close(last["blocks.1.attn.hook_z"], full["blocks.1.attn.hook_z"][:, -1:])

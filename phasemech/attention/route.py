@@ -3,7 +3,8 @@
 Axes: ``batch, head, pos, key_pos, block``. Each candidate block (same candidates as the pooled
 designs' used blocks, see ``phasemech.grid``) is scored per query head by the parameter-free
 MoBA gate ``q_t . mean_j(k_j)`` (post-RoPE keys); the query attends, in one softmax over raw
-tokens, the tokens of its ``top_k`` best blocks plus its raw window / current segment. Nothing is
+tokens, the tokens of its ``top_k`` best blocks plus its current block (the raw window / tail,
+or, when the query closes its block, that whole block, forced as in MoBA). Nothing is
 compressed: phase acts only through whether the needle's block is selected, and tokens of
 unselected blocks are dropped on purpose. Selection has no gradient (as in MoBA).
 
@@ -12,7 +13,8 @@ memory-saving (real MoBA needs a kernel). ``hook_attn_scores``/``hook_pattern`` 
 ``hook_token_pattern`` (identical to the pattern, exact) are ``[batch, head, pos, key_pos]``;
 ``hook_k_block`` holds the block means used for routing; ``hook_route_scores``
 ``[batch, head, pos, block]`` the gate (``-inf`` off the candidates); ``hook_route_selected``
-the selection mask.
+the selection mask (top-k plus the forced current block). ``block_scope="all"`` is refused: it
+would spend top-k picks on blocks already read raw.
 """
 
 from __future__ import annotations
@@ -44,16 +46,20 @@ class BlockRouteAttention(CompressedAttentionMixin):
         k_blk = self.hook_k_block(k_blk.permute(0, 2, 1, 3)).permute(0, 2, 1, 3)
         qh = q.transpose(1, 2)  # [batch, head, pos, d]
         candidate = self._repeat_kv(geo.block_used, 1)  # [batch, head, pos, block]
+        # MoBA always keeps the current block: the one ending at the query itself (inclusive
+        # visibility, last slot, nothing left raw) is forced, not ranked.
+        t = torch.arange(seq, device=q.device)
+        own = self._repeat_kv(geo.block_last[:, :, None, :] == t[None, None, :, None], 1)
+        forced = candidate & own
         gate = (qh @ self._repeat_kv(k_blk, 1).transpose(-1, -2)).detach()
-        gate = self.hook_route_scores(gate.masked_fill(~candidate, float("-inf")))
+        gate = self.hook_route_scores(gate.masked_fill(~(candidate & ~forced), float("-inf")))
         n_pick = min(self.top_k, gate.shape[-1])
         top = gate.topk(n_pick, dim=-1).indices
-        selected = torch.zeros_like(candidate).scatter(-1, top, True) & candidate
-        selected = self.hook_route_selected(selected)
+        ranked = torch.zeros_like(candidate).scatter(-1, top, True) & candidate & ~forced
+        selected = self.hook_route_selected(ranked | forced)
         # token j is reachable if it is in the raw window or in a selected block
         member = self._blocks_to_tokens(geo.slot_valid.float(), geo, seq) > 0  # [b, g, n, key]
         via_block = (selected.float() @ self._repeat_kv(member.float(), 1)) > 0
-        t = torch.arange(seq, device=q.device)
         raw = (t[None, None, None, :] >= geo.raw_start[..., None]) & (
             t[None, None, None, :] <= t[:, None]
         )
