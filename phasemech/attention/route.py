@@ -12,9 +12,9 @@ This reference implementation materialises ``[pos, key_pos]`` scores: exact and 
 memory-saving (real MoBA needs a kernel). ``hook_attn_scores``/``hook_pattern`` and
 ``hook_token_pattern`` (identical to the pattern, exact) are ``[batch, head, pos, key_pos]``;
 ``hook_k_block`` holds the block means used for routing; ``hook_route_scores``
-``[batch, head, pos, block]`` the gate (``-inf`` off the candidates); ``hook_route_selected``
-the selection mask (top-k plus the forced current block). ``block_scope="all"`` is refused: it
-would spend top-k picks on blocks already read raw.
+``[batch, head, pos, block]`` the gate (``-inf`` off the ranked candidates: the forced current
+block is not ranked); ``hook_route_selected`` the selection (top-k plus the forced block).
+``block_scope="all"`` is refused: it would spend top-k picks on blocks already read raw.
 """
 
 from __future__ import annotations
