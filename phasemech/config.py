@@ -37,7 +37,8 @@ def _bad(field_name: str, value: Any, allowed: str) -> ValueError:
     return ValueError(f"CompressionConfig.{field_name}={value!r} is invalid: {allowed}")
 
 
-def _is_int(x: Any) -> bool:
+def is_int(x: Any) -> bool:
+    """A Python or numpy integer (not a bool)."""
     return isinstance(x, int | np.integer) and not isinstance(x, bool)
 
 
@@ -47,14 +48,12 @@ def _freeze_offsets(value: Any) -> OffsetSpec:
         return value
     if hasattr(value, "tolist"):  # torch.Tensor or numpy array
         value = value.tolist()
-    if _is_int(value):
+    if is_int(value):
         return int(value)
     if isinstance(value, Sequence) and len(value) > 0:
-        if all(_is_int(v) for v in value):
+        if all(is_int(v) for v in value):
             return tuple(int(v) for v in value)
-        if all(
-            isinstance(v, Sequence) and len(v) > 0 and all(_is_int(x) for x in v) for v in value
-        ):
+        if all(isinstance(v, Sequence) and len(v) > 0 and all(is_int(x) for x in v) for v in value):
             rows = tuple(tuple(int(x) for x in v) for v in value)
             if len({len(r) for r in rows}) != 1:
                 raise _bad("offsets", value, "explicit offset rows must all have the same length")
@@ -121,17 +120,17 @@ class CompressionConfig:
         set_ = object.__setattr__
         if self.design not in DESIGNS:
             raise _bad("design", self.design, f"allowed: {DESIGNS}")
-        if not _is_int(self.stride) or self.stride < 1:
+        if not is_int(self.stride) or self.stride < 1:
             raise _bad("stride", self.stride, "must be an int >= 1")
         set_(self, "stride", int(self.stride))
         if self.block_len is None:
             set_(self, "block_len", self.stride)
-        if not _is_int(self.block_len) or self.block_len < self.stride:
+        if not is_int(self.block_len) or self.block_len < self.stride:
             raise _bad("block_len", self.block_len, f"must be an int >= stride ({self.stride})")
         set_(self, "block_len", int(self.block_len))
         if self.window is None:
             set_(self, "window", 2 * self.stride)
-        if not _is_int(self.window) or self.window < 0:
+        if not is_int(self.window) or self.window < 0:
             raise _bad("window", self.window, "must be an int >= 0 (raw tokens per query)")
         set_(self, "window", int(self.window))
         if self.visibility not in VISIBILITY:
@@ -153,7 +152,7 @@ class CompressionConfig:
             if isinstance(self.layers, str) or not isinstance(self.layers, Sequence):
                 raise _bad("layers", self.layers, "must be None or a non-empty tuple of ints >= 0")
             layers = tuple(self.layers)
-            if not layers or not all(_is_int(i) and i >= 0 for i in layers):
+            if not layers or not all(is_int(i) and i >= 0 for i in layers):
                 raise _bad("layers", self.layers, "must be None or a non-empty tuple of ints >= 0")
             if len(set(layers)) != len(layers):
                 raise _bad("layers", self.layers, "layer indices must be unique")
@@ -161,7 +160,7 @@ class CompressionConfig:
         if self.design == "route":
             if self.top_k is None:
                 set_(self, "top_k", DEFAULT_TOP_K)
-            if not _is_int(self.top_k) or self.top_k < 1:
+            if not is_int(self.top_k) or self.top_k < 1:
                 raise _bad("top_k", self.top_k, "must be an int >= 1 for design='route'")
         elif self.top_k is not None:
             raise _bad(
@@ -171,7 +170,7 @@ class CompressionConfig:
             raise _bad("gate", self.gate, f"allowed: {GATES}")
         if self.gate != "scalar" and self.design != "gated":
             raise _bad("gate", self.gate, f"only design='gated' has a gate, not {self.design!r}")
-        if not _is_int(self.eval_offset) or not 0 <= self.eval_offset < self.stride:
+        if not is_int(self.eval_offset) or not 0 <= self.eval_offset < self.stride:
             raise _bad(
                 "eval_offset", self.eval_offset, f"must be an int in [0, stride={self.stride})"
             )

@@ -43,6 +43,8 @@ import torch
 from jaxtyping import Bool, Int
 from torch import Tensor
 
+from phasemech.config import is_int
+
 
 def phase_of(pos, stride: int, offset=0):
     """Phase of position(s) ``pos`` on a grid of stride ``stride`` and offset ``offset``.
@@ -50,7 +52,7 @@ def phase_of(pos, stride: int, offset=0):
     ``(pos - offset) mod stride``, always in ``[0, stride)``. Works on ints, numpy arrays and
     torch tensors (broadcasting ``pos`` against ``offset``).
     """
-    if isinstance(stride, bool) or not isinstance(stride, int | np.integer) or stride < 1:
+    if not is_int(stride) or stride < 1:
         raise ValueError(f"phase_of: stride={stride!r} is invalid: must be an int >= 1")
     if isinstance(pos, Tensor):
         if pos.is_floating_point():
@@ -60,9 +62,14 @@ def phase_of(pos, stride: int, offset=0):
         if not np.issubdtype(pos.dtype, np.integer):
             raise ValueError(f"phase_of: pos has dtype {pos.dtype}: positions must be integers")
         return np.mod(pos - np.asarray(offset), stride)
-    if isinstance(pos, bool) or not isinstance(pos, int | np.integer):
+    if not is_int(pos):
         raise ValueError(f"phase_of: pos={pos!r} is invalid: must be an int, array or tensor")
     return int((pos - offset) % stride)
+
+
+def left_padding(attention_mask: Int[Tensor, "batch pos"]) -> Int[Tensor, "batch"]:
+    """Leading zeros of a padding mask: how far each sequence's first real token is shifted."""
+    return (attention_mask.long().cumsum(-1) == 0).sum(-1)
 
 
 def n_blocks(seq_len: int, stride: int) -> int:
@@ -73,6 +80,11 @@ def n_blocks(seq_len: int, stride: int) -> int:
 def raw_band_width(seq_len: int, stride: int, window: int) -> int:
     """``Wr``: the longest raw span ``t - r_t + 1`` a query can have, capped at the sequence."""
     return max(1, min(max(window, stride), seq_len))
+
+
+def _band_positions(seq_len: int, band: int, device: torch.device) -> Int[Tensor, "pos w"]:
+    t = torch.arange(seq_len, device=device)
+    return t[:, None] - band + 1 + torch.arange(band, device=device)[None, :]
 
 
 @dataclass(frozen=True)
@@ -99,10 +111,7 @@ class Geometry:
     @property
     def band_pos(self) -> Int[Tensor, "pos w"]:
         """Absolute key position of raw band slot ``w`` for query ``t`` (may be negative)."""
-        seq_len = self.raw_start.shape[-1]
-        t = torch.arange(seq_len, device=self.raw_start.device)
-        w = torch.arange(self.band, device=self.raw_start.device)
-        return t[:, None] - self.band + 1 + w[None, :]
+        return _band_positions(self.raw_start.shape[-1], self.band, self.raw_start.device)
 
 
 def build_geometry(
@@ -150,8 +159,7 @@ def build_geometry(
         block_used = block_used & (first[:, :, None, :] < raw_start[..., None])
 
     band = raw_band_width(seq_len, d, window)
-    w = torch.arange(band, device=device)
-    band_pos = t[:, None] - band + 1 + w[None, :]  # [pos, w]
+    band_pos = _band_positions(seq_len, band, device)  # [pos, w]
     band_valid = (band_pos >= 0) & (band_pos[None, None] >= raw_start[..., None])
     if key_valid is not None:
         kvb = key_valid.bool()[:, band_pos.clamp(min=0)]  # [batch, pos, w]

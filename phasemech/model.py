@@ -147,6 +147,8 @@ class PhaseTransformer(HookedTransformer):
     # ------------------------------------------------------------------ construction
     def _swap_attention(self) -> None:
         comp = self.cfg.compression
+        # state-dict keys a plain TL model lacks (the compressors): from_hooked must not expect them
+        self.compressor_keys: set[str] = set()
         if not comp.enabled:
             return
         base = comp.base_offsets(self.cfg.n_layers, self.cfg.n_kv_heads)
@@ -160,6 +162,7 @@ class PhaseTransformer(HookedTransformer):
             missing, unexpected = new.load_state_dict(old.state_dict(), strict=False)
             if unexpected:
                 raise RuntimeError(f"layer {i}: unexpected attention weights {unexpected}")
+            self.compressor_keys |= {f"blocks.{i}.attn.{k}" for k in missing}
             new.to(device)
             new.base_offset.copy_(torch.as_tensor(base[i], dtype=torch.long))
             new._grid_state = self.grid_state
@@ -184,10 +187,9 @@ class PhaseTransformer(HookedTransformer):
         cfg = PhaseTransformerConfig(**fields, compression=compression)
         new = cls(cfg, tokenizer=model.tokenizer, move_to_device=False)
         missing, unexpected = new.load_state_dict(model.state_dict(), strict=False)
-        own = {n for n, _ in new.named_parameters() if _is_compressor_param(n)}
-        if unexpected or set(missing) - own - _buffer_names(new):
+        if unexpected or set(missing) - new.compressor_keys:
             raise RuntimeError(
-                f"weights do not match: missing {sorted(set(missing) - own)}, "
+                f"weights do not match: missing {sorted(set(missing) - new.compressor_keys)}, "
                 f"unexpected {unexpected}"
             )
         new.cfg.init_weights = init_weights
@@ -358,24 +360,6 @@ class PhaseTransformer(HookedTransformer):
 
 def _not_token_pattern(name: str) -> bool:
     return not name.endswith("hook_token_pattern")
-
-
-def _is_compressor_param(name: str) -> bool:
-    return any(
-        part in name
-        for part in (
-            "W_gate",
-            "phase_bias",
-            "compress_k",
-            "compress_v",
-            "pos_embed_k",
-            "pos_embed_v",
-        )
-    )
-
-
-def _buffer_names(model: torch.nn.Module) -> set[str]:
-    return {n for n, _ in model.named_buffers()}
 
 
 __all__ = ["CompressedAttentionMixin", "GridState", "PhaseTransformer", "quiet_tl_deprecation"]

@@ -33,6 +33,8 @@ from torch import Tensor
 from transformer_lens import ActivationCache, HookedTransformer
 
 from phasemech.attention import CompressedAttentionMixin
+from phasemech.config import is_int
+from phasemech.grid import left_padding
 
 
 @dataclass(frozen=True)
@@ -92,8 +94,7 @@ def _layer_phases(
     if reference_offset is not None or offsets is None:
         o = torch.full((batch, n_heads), reference_offset or 0, dtype=torch.long, device=device)
         if attention_mask is not None:
-            pad = (attention_mask.to(device).long().cumsum(-1) == 0).sum(-1)
-            o = o + pad[:, None]
+            o = o + left_padding(attention_mask.to(device))[:, None]
     else:
         rep = n_heads // offsets.shape[1]
         o = torch.repeat_interleave(offsets.to(device).long(), rep, dim=1)
@@ -149,11 +150,9 @@ def phase_attention(
         raise ValueError("phase_attention: give exactly one of tokens= or cache=")
     comp = getattr(model.cfg, "compression", None)
     stride = stride if stride is not None else (comp.stride if comp is not None else None)
-    if stride is None or isinstance(stride, bool) or not isinstance(stride, int | np.integer):
+    if not is_int(stride) or stride < 1:
         raise ValueError(f"phase_attention: stride={stride!r} is invalid: must be an int >= 1")
     stride = int(stride)
-    if stride < 1:
-        raise ValueError(f"phase_attention: stride={stride!r} is invalid: must be an int >= 1")
     if reference_offset is not None and not 0 <= reference_offset < stride:
         raise ValueError(
             f"phase_attention: reference_offset={reference_offset} must lie in [0, {stride})"
@@ -186,10 +185,9 @@ def phase_attention(
             )
         if (kp > qp).any():
             raise ValueError("phase_attention: a target lies after its query (key_pos > query_pos)")
-        queries = None
-    else:
+    queries = None
+    if not pair_mode:
         qp = kp = None
-        queries = None
         if query_pos is not None:
             queries = torch.as_tensor(query_pos).long().reshape(-1)
             if queries.numel() == 0 or queries.min() < 0 or queries.max() >= seq:

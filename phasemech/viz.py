@@ -50,7 +50,6 @@ def head_phase_heatmap(
                 zmin=0.0,
                 zmax=zmax,
                 colorscale=PHASE_SCALE,
-                coloraxis=None,
                 showscale=col == len(layers),
                 colorbar=dict(title="mass", thickness=12),
                 texttemplate="%{z:.2f}",

@@ -41,7 +41,7 @@ from transformer_lens.components import Attention, GroupedQueryAttention
 from transformer_lens.hook_points import HookPoint
 from transformer_lens.utilities.activation_functions import apply_softcap
 
-from phasemech.grid import Geometry, build_geometry
+from phasemech.grid import Geometry, build_geometry, left_padding
 
 
 def _masked_softmax(
@@ -107,7 +107,7 @@ class CompressedAttentionMixin:
         if self._grid_state is not None:
             shift = shift + self._grid_state.shift(batch, device)
         if attention_mask is not None:
-            shift = shift + (attention_mask.to(device).long().cumsum(-1) == 0).sum(-1)
+            shift = shift + left_padding(attention_mask.to(device))
         return torch.remainder(off + shift[:, None], self.stride)
 
     def _repeat_kv(self, x: Tensor, dim: int) -> Tensor:

@@ -14,12 +14,17 @@ from phasemech.attention.base import CompressedAttentionMixin
 from phasemech.grid import Geometry
 
 
+def mean_weights(geo: Geometry) -> Float[Tensor, "batch kv_head block slot"]:
+    """Uniform weights over each block's real tokens."""
+    valid = geo.slot_valid.float()
+    # A block of only padding gets all-zero weights (count clamped: no 0/0).
+    return valid / valid.sum(-1, keepdim=True).clamp(min=1.0)
+
+
 class MeanPoolAttention(CompressedAttentionMixin):
     design = "mean"
 
     def pooling_weights(
         self, x: Tensor | None, geo: Geometry
     ) -> Float[Tensor, "batch kv_head block slot"]:
-        valid = geo.slot_valid.float()
-        # A block of only padding gets all-zero weights (count clamped: no 0/0).
-        return valid / valid.sum(-1, keepdim=True).clamp(min=1.0)
+        return mean_weights(geo)

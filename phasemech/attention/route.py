@@ -23,6 +23,7 @@ import torch
 from transformer_lens.hook_points import HookPoint
 
 from phasemech.attention.base import CompressedAttentionMixin
+from phasemech.attention.mean import mean_weights
 
 
 class BlockRouteAttention(CompressedAttentionMixin):
@@ -35,11 +36,10 @@ class BlockRouteAttention(CompressedAttentionMixin):
         self.hook_route_selected = HookPoint()  # [batch, head, pos, block] (bool)
 
     def pooling_weights(self, x, geo):
-        valid = geo.slot_valid.float()
-        return valid / valid.sum(-1, keepdim=True).clamp(min=1.0)
+        return mean_weights(geo)  # MoBA's block key is the mean key
 
     def attend(self, x, q, k, v, geo):
-        b, seq = q.shape[0], q.shape[1]
+        seq = q.shape[1]
         weights = self.hook_block_weights(self.pooling_weights(x, geo).to(k.dtype))
         ks = self._gather_slots(k, geo)
         k_blk = torch.einsum("bgns,bgnsd->bgnd", weights, ks)
@@ -60,14 +60,9 @@ class BlockRouteAttention(CompressedAttentionMixin):
         # token j is reachable if it is in the raw window or in a selected block
         member = self._blocks_to_tokens(geo.slot_valid.float(), geo, seq) > 0  # [b, g, n, key]
         via_block = (selected.float() @ self._repeat_kv(member.float(), 1)) > 0
-        raw = (t[None, None, None, :] >= geo.raw_start[..., None]) & (
-            t[None, None, None, :] <= t[:, None]
-        )
-        # padding keys are already absent from blocks; drop them from the raw window too
-        key_ok = torch.ones(b, seq, dtype=torch.bool, device=q.device)
-        if geo.key_valid is not None:
-            key_ok = geo.key_valid
-        visible = (self._repeat_kv(raw, 1) & key_ok[:, None, None, :]) | via_block
+        # the raw window is the pooled designs' band (raw start, causality, padding) on key_pos
+        raw = self._unband(geo.band_valid.float()) > 0  # [batch, kv_head, pos, key_pos]
+        visible = self._repeat_kv(raw, 1) | via_block
         kh = self._repeat_kv(k.transpose(1, 2), 1)
         vh = self._repeat_kv(v.transpose(1, 2), 1)
         pattern = self._pattern(qh @ kh.transpose(-1, -2), visible)
