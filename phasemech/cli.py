@@ -1,5 +1,6 @@
-"""``phasemech`` command line. Later capabilities (data, train, eval, ablate, patch, dashboard)
-add their commands here."""
+"""``phasemech`` command line: ``info``, ``phase-attention``, ``data``, ``train``, ``eval``.
+
+Later capabilities (ablate, patch, dashboard) add their commands here."""
 
 from __future__ import annotations
 
@@ -58,6 +59,211 @@ def phase_attention_cmd(
         else:
             pa.frame.to_parquet(out)
         console.print(f"wrote {out}")
+
+
+# ------------------------------------------------------------------------------------ data
+
+data_app = typer.Typer(no_args_is_help=True, help="Write a phase-controlled retrieval dataset.")
+app.add_typer(data_app, name="data")
+
+OutOpt = Annotated[Path, typer.Option("--out", "-o", help="folder (save_to_disk) or .parquet")]
+SeqOpt = Annotated[int, typer.Option(min=1, help="number of sequences")]
+BalancedOpt = Annotated[
+    bool, typer.Option(help="every content at every prefix: equal counts per phase and depth")
+]
+
+
+def _write_dataset(task, sequences: int, seed: int, balanced: bool, out: Path) -> None:
+    from phasemech.tasks import generate, targets_frame
+
+    try:
+        ds = generate(task, sequences, seed, balanced=balanced)
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from err
+    if out.suffix == ".parquet":
+        out.parent.mkdir(parents=True, exist_ok=True)
+        ds.to_parquet(str(out))
+    else:
+        ds.save_to_disk(str(out))
+    counts = targets_frame(ds).groupby("phase").size()
+    console.print(
+        f"wrote {len(ds)} {task.name} sequences ({int(counts.sum())} targets) to {out}; "
+        f"targets per phase (stride {task.stride}): {counts.to_dict()}"
+    )
+
+
+@data_app.command("mqar")
+def data_mqar(
+    out: OutOpt,
+    sequences: SeqOpt = 4096,
+    seed: int = 0,
+    balanced: BalancedOpt = False,
+    vocab_size: int = 64,
+    seq_len: int = 64,
+    pairs: int = 8,
+    queries: Annotated[int | None, typer.Option(help="default: one per pair")] = None,
+    stride: Annotated[int, typer.Option(help="grid the phases are logged on")] = 8,
+    grid_offset: int = 0,
+    jitter: Annotated[int, typer.Option(help="0..jitter fillers before each pair")] = 0,
+) -> None:
+    """Multi-query associative recall (Zoology conventions) with a random or balanced prefix."""
+    from phasemech.tasks import MQARTask
+
+    try:
+        task = MQARTask(vocab_size, seq_len, pairs, queries, stride, grid_offset, jitter)
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from err
+    _write_dataset(task, sequences, seed, balanced, out)
+
+
+@data_app.command("needle")
+def data_needle(
+    out: OutOpt,
+    sequences: SeqOpt = 1000,
+    seed: int = 0,
+    balanced: BalancedOpt = True,
+    vocab_size: int = 64,
+    seq_len: int = 64,
+    needles: int = 1,
+    distractors: int = 8,
+    depths: Annotated[str, typer.Option(help="comma-separated fractions")] = "0,0.25,0.5,0.75,1",
+    stride: Annotated[int, typer.Option(help="grid the phases are logged on")] = 8,
+    grid_offset: int = 0,
+) -> None:
+    """Single- or multi-needle retrieval among distractor pairs, every phase at every depth."""
+    from phasemech.tasks import NeedleTask
+
+    try:
+        fractions = tuple(float(x) for x in depths.split(","))
+        task = NeedleTask(vocab_size, seq_len, needles, distractors, fractions, stride, grid_offset)
+    except ValueError as err:
+        raise typer.BadParameter(f"{err} (--depths {depths!r})") from err
+    _write_dataset(task, sequences, seed, balanced, out)
+
+
+# ----------------------------------------------------------------------------------- train
+
+
+@app.command()
+def train(
+    out: Annotated[Path, typer.Option("--out", "-o", help="run folder")],
+    config: Annotated[Path | None, typer.Option(help="TrainConfig JSON (flags override)")] = None,
+    resume: Annotated[bool, typer.Option(help="continue from the last checkpoint")] = False,
+    design: Annotated[str | None, typer.Option(help="none|mean|gated|mlp|route")] = None,
+    stride: int | None = None,
+    window: Annotated[int | None, typer.Option(help="raw window (default 2*stride)")] = None,
+    layers: Annotated[str | None, typer.Option(help="compressed layers, e.g. '1'")] = None,
+    offsets: Annotated[str | None, typer.Option(help="aligned|per_layer|per_head|random")] = None,
+    heads: int | None = None,
+    d_model: int | None = None,
+    n_layers: int | None = None,
+    seq_len: int | None = None,
+    pairs: int | None = None,
+    jitter: int | None = None,
+    steps: int | None = None,
+    batch_size: int | None = None,
+    lr: float | None = None,
+    warmup_steps: int | None = None,
+    eval_every: int | None = None,
+    target_accuracy: float | None = None,
+    seed: int | None = None,
+    threads: int | None = None,
+) -> None:
+    """Train a model from scratch on MQAR (progress shows held-out accuracy per phase)."""
+    import dataclasses
+    import json
+
+    from phasemech.config import CompressionConfig
+    from phasemech.train import TrainConfig
+    from phasemech.train import train as run_train
+
+    try:
+        cfg = TrainConfig()
+        if config is not None:
+            cfg = TrainConfig.from_dict(json.loads(config.read_text()))
+        elif resume and (out / "train_config.json").is_file():
+            cfg = TrainConfig.from_dict(json.loads((out / "train_config.json").read_text()))
+        task = dataclasses.replace(
+            cfg.task, **_given(seq_len=seq_len, n_pairs=pairs, jitter=jitter)
+        )
+        model = dataclasses.replace(cfg.model, **_given(n_heads=heads, d_model=d_model,
+                                                        n_layers=n_layers))
+        comp = cfg.compression.to_dict()
+        comp.update(_given(design=design, stride=stride, window=window, offsets=offsets))
+        if layers is not None:
+            comp["layers"] = [int(x) for x in layers.split(",")] if layers else None
+        if stride is not None and window is None and config is None:
+            comp["window"] = None  # default 2*stride for the new stride
+        if comp["design"] != "route":
+            comp["top_k"] = None
+        cfg = dataclasses.replace(
+            cfg,
+            task=task,
+            model=model,
+            compression=CompressionConfig.from_dict(comp),
+            **_given(steps=steps, batch_size=batch_size, lr=lr, warmup_steps=warmup_steps,
+                     eval_every=eval_every, target_accuracy=target_accuracy, seed=seed,
+                     threads=threads),
+        )
+    except (ValueError, TypeError, json.JSONDecodeError, OSError) as err:
+        raise typer.BadParameter(str(err)) from err
+    try:
+        result = run_train(cfg, out, resume=resume)
+    except (FileExistsError, ValueError) as err:
+        console.print(f"[red]error:[/] {err}")
+        raise typer.Exit(1) from err
+    phases = " ".join(f"{p:.3f}" for p in result.accuracy_by_phase)
+    console.print(
+        f"step {result.step}: held-out accuracy {result.accuracy:.3f} (by phase {phases})"
+        f"{' (early stop)' if result.stopped_early else ''}; checkpoint {result.checkpoint}"
+    )
+
+
+def _given(**kwargs):
+    return {k: v for k, v in kwargs.items() if v is not None}
+
+
+# ------------------------------------------------------------------------------------ eval
+
+
+@app.command("eval")
+def eval_cmd(
+    checkpoint: Annotated[Path, typer.Argument(help="run folder, checkpoint or model folder")],
+    data: Annotated[Path | None, typer.Option(help="dataset (default: the run's test set)")] = None,
+    sequences: Annotated[int, typer.Option(min=1, help="test-set size without --data")] = 4096,
+    data_seed: Annotated[int, typer.Option(help="test-set seed without --data")] = 777,
+    stride: Annotated[int | None, typer.Option(help="report on this grid stride")] = None,
+    grid_offset: Annotated[int | None, typer.Option(help="report on this grid offset")] = None,
+    n_boot: int = 1000,
+    n_perm: int = 1000,
+    seed: int = 0,
+    out: Annotated[Path | None, typer.Option(help="default: CHECKPOINT/eval")] = None,
+) -> None:
+    """Per-phase accuracy with the full statistics template (parquet + JSON)."""
+    from phasemech.evaluate import evaluate, load_dataset_path, resolve_checkpoint, test_set
+    from phasemech.tasks import task_of
+
+    torch.set_num_threads(1)
+    try:
+        model_dir, cfg = resolve_checkpoint(checkpoint)
+        model = PhaseTransformer.load(model_dir)
+        if data is not None:
+            ds = load_dataset_path(data)
+        elif cfg is not None:
+            ds = test_set(cfg.task, sequences, data_seed)
+        else:
+            raise ValueError(f"{checkpoint} is not part of a training run: pass --data")
+        evaluation = evaluate(model, ds, stride=stride, grid_offset=grid_offset, seed=seed,
+                              n_boot=n_boot, n_perm=n_perm)
+    except (FileNotFoundError, ValueError) as err:
+        console.print(f"[red]error:[/] {err}")
+        raise typer.Exit(1) from err
+    task = task_of(ds)
+    console.print(f"model {model_dir}; data: {task.name if task else 'dataset'} "
+                  f"({len(ds)} sequences); phases on {evaluation.grid_note}")
+    console.print(evaluation.report.summary())
+    dest = evaluation.save(out or model_dir / "eval")
+    console.print(f"wrote {dest}/targets.parquet, per_phase.parquet, report.json")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,187 @@
+"""Per-phase evaluation of a model on a retrieval dataset.
+
+:func:`predict` scores every target (one row per target: the task columns of
+:func:`phasemech.tasks.targets_frame` plus ``correct``, ``logprob`` and ``margin``);
+:func:`evaluate` adds the statistics template of :mod:`phasemech.stats` on the model's
+reference grid. Clusters for the statistics are *contents* (``group_id``): in a phase-balanced
+set the ``stride`` shifted copies of one content are correlated, so they are resampled together.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+from datasets import Dataset, load_from_disk
+
+from phasemech.model import PhaseTransformer
+from phasemech.stats import PhaseReport, phase_report
+from phasemech.tasks import Task, generate, targets_frame, task_of, to_tensors
+from phasemech.train import (
+    CKPT_DIR,
+    CONFIG_NAME,
+    TrainConfig,
+    answer_logits,
+    checkpoint_dirs,
+    reference_grid,
+)
+
+
+@torch.no_grad()
+def predict(model: PhaseTransformer, ds: Dataset, batch_size: int = 256) -> pd.DataFrame:
+    """One row per target with ``correct`` (greedy answer), ``logprob`` of the answer and
+    ``margin`` (answer logit minus the best other logit)."""
+    if len(ds) == 0:
+        raise ValueError("dataset is empty: nothing to evaluate")
+    seq_len = len(ds[0]["input_ids"])
+    if seq_len > model.cfg.n_ctx:
+        raise ValueError(f"sequences of {seq_len} tokens exceed the model's n_ctx={model.cfg.n_ctx}")
+    was_training = model.training
+    model.eval()
+    tokens, query_pos, answer = to_tensors(ds)
+    correct, logprob, margin = [], [], []
+    for i in range(0, len(tokens), batch_size):
+        logits = answer_logits(model, tokens[i : i + batch_size], query_pos[i : i + batch_size])
+        ans = answer[i : i + batch_size]
+        lp = logits.log_softmax(-1)
+        logprob.append(lp.gather(-1, ans[..., None])[..., 0])
+        correct.append(logits.argmax(-1) == ans)
+        right = logits.gather(-1, ans[..., None])[..., 0]
+        margin.append(right - logits.scatter(-1, ans[..., None], -torch.inf).amax(-1))
+    model.train(was_training)
+    df = targets_frame(ds)
+    df["correct"] = torch.cat(correct).flatten().numpy()
+    df["logprob"] = torch.cat(logprob).flatten().numpy()
+    df["margin"] = torch.cat(margin).flatten().numpy()
+    return df
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    targets: pd.DataFrame  # one row per target, ``phase`` on the reference grid
+    report: PhaseReport
+    stride: int
+    grid_offset: int
+    grid_note: str
+
+    def save(self, out: str | Path) -> Path:
+        """``targets.parquet`` plus the report's parquet and JSON files under ``out``."""
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        self.targets.to_parquet(out / "targets.parquet")
+        self.report.save(out)
+        meta = {"stride": self.stride, "grid_offset": self.grid_offset, "grid": self.grid_note}
+        (out / "grid.json").write_text(json.dumps(meta, indent=2))
+        return out
+
+
+def grid_note(model: PhaseTransformer) -> tuple[int, int, str]:
+    """``(stride, offset, sentence)``: the grid phases are reported on, stated for the reader."""
+    comp = model.cfg.compression
+    stride, offset = reference_grid(comp)
+    if not comp.enabled:
+        return stride, offset, (
+            f"dense model: phases on the stride-{stride} grid of its matched compressed models"
+        )
+    spec = comp.offsets
+    if spec == "aligned" or isinstance(spec, int):
+        return stride, offset, f"the model's own grid (stride {stride}, offset {offset})"
+    base = comp.base_offsets(model.cfg.n_layers, model.cfg.n_kv_heads)
+    return stride, offset, (
+        f"reference grid stride {stride}, offset {offset}; the model's heads use offsets "
+        f"'{spec}' ({base[comp.compressed_layers(model.cfg.n_layers)].tolist()} per "
+        "compressed layer and KV head)"
+        if spec != "random"
+        else f"reference grid stride {stride}, offset {offset} (the evaluation offset of a "
+        "model trained with random offsets)"
+    )
+
+
+def evaluate(
+    model: PhaseTransformer,
+    ds: Dataset,
+    *,
+    stride: int | None = None,
+    grid_offset: int | None = None,
+    seed: int = 0,
+    n_boot: int = 1000,
+    n_perm: int = 1000,
+    batch_size: int = 256,
+) -> Evaluation:
+    """Score ``model`` on ``ds`` and compute the full per-phase statistics template.
+
+    Phases are taken on the model's reference grid (:func:`grid_note`) unless ``stride`` /
+    ``grid_offset`` name another one (e.g. a dense model scored on a stride-4 grid).
+    """
+    m_stride, m_offset, note = grid_note(model)
+    if stride is not None or grid_offset is not None:
+        m_stride = stride or m_stride
+        m_offset = 0 if grid_offset is None else grid_offset
+        note = f"stated grid stride {m_stride}, offset {m_offset}"
+    if m_stride < 2:
+        raise ValueError(f"stride={m_stride} is invalid for a phase report: need >= 2")
+    df = predict(model, ds, batch_size)
+    df["phase"] = np.mod(df["source_pos"].to_numpy() - m_offset, m_stride)
+    stats_df = df.assign(seq_id=df["group_id"])  # cluster = content (see module docstring)
+    report = phase_report(stats_df, m_stride, n_boot=n_boot, n_perm=n_perm, seed=seed)
+    return Evaluation(df, report, m_stride, m_offset, note)
+
+
+# ---------------------------------------------------------------------------------- resolving
+
+
+def resolve_checkpoint(path: str | Path) -> tuple[Path, TrainConfig | None]:
+    """A model folder from a run folder (its last checkpoint), a checkpoint or a saved model;
+    plus the run's :class:`TrainConfig` when one is found."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist")
+    run_dir = None
+    if (path / CONFIG_NAME).is_file():
+        run_dir = path
+        ckpts = checkpoint_dirs(path)
+        if not ckpts:
+            raise FileNotFoundError(f"{path} is a run folder without checkpoints ({CKPT_DIR}/)")
+        path = ckpts[-1]
+    elif path.parent.name == CKPT_DIR and (path.parent.parent / CONFIG_NAME).is_file():
+        run_dir = path.parent.parent
+    cfg = None
+    if run_dir is not None:
+        try:
+            cfg = TrainConfig.from_dict(json.loads((run_dir / CONFIG_NAME).read_text()))
+        except (json.JSONDecodeError, TypeError, ValueError) as err:
+            raise ValueError(f"{run_dir / CONFIG_NAME} is not a valid train config: {err}") from err
+    return path, cfg
+
+
+def load_dataset_path(path: str | Path) -> Dataset:
+    """A dataset written by ``phasemech data``: a ``save_to_disk`` folder or a parquet file."""
+    path = Path(path)
+    if path.is_dir():
+        return load_from_disk(str(path))
+    if path.suffix == ".parquet":
+        return Dataset.from_parquet(str(path))
+    raise ValueError(f"{path} is neither a save_to_disk folder nor a .parquet file")
+
+
+def test_set(task: Task, sequences: int = 4096, seed: int = 777) -> Dataset:
+    """The phase-balanced test set of a task (seed distinct from training and held-out sets)."""
+    return generate(task, sequences, seed, balanced=True)
+
+
+test_set.__test__ = False  # pytest: not a test
+
+__all__ = [
+    "Evaluation",
+    "evaluate",
+    "grid_note",
+    "load_dataset_path",
+    "predict",
+    "resolve_checkpoint",
+    "task_of",
+    "test_set",
+]

@@ -1,0 +1,472 @@
+"""Training from scratch on a retrieval task, with resumable atomic checkpoints.
+
+A run is a folder::
+
+    RUN/train_config.json            the TrainConfig (a resumed run must match it)
+    RUN/metrics.jsonl                one JSON line per evaluation (and the final summary)
+    RUN/checkpoints/step_000200/     config.json + model.safetensors (PhaseTransformer.save),
+                                     trainer.pt (optimizer, scheduler, torch RNG), trainer.json
+
+A checkpoint folder is written under a temporary name and renamed into place, so a folder named
+``step_*`` is always complete. Training data is a pure function of ``(seed, step)``
+(:func:`phasemech.tasks.training_batch`) and the learning rate a pure function of the step, so
+a run interrupted anywhere and resumed from its last checkpoint ends with the same weights as
+one that never stopped.
+
+Loss and accuracy are taken only at answer positions (Zoology's MQAR convention). The held-out
+set is phase-balanced and seeded independently of the model (``eval_seed``), so every model of a
+sweep is scored on the same sequences.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from jaxtyping import Int
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+from torch import Tensor
+from transformer_lens.utilities import apply_softcap
+
+from phasemech.config import CompressionConfig, PhaseTransformerConfig, is_int
+from phasemech.model import PhaseTransformer
+from phasemech.tasks import MQARTask, Task, generate, task_from_dict, task_to_dict, to_tensors
+from phasemech.tasks import training_batch as task_batch
+
+CONFIG_NAME = "train_config.json"
+METRICS_NAME = "metrics.jsonl"
+CKPT_DIR = "checkpoints"
+STATE_FILE = "trainer.pt"
+INFO_FILE = "trainer.json"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Size of a from-scratch model (attention-only by default, as in the paper's toy runs)."""
+
+    n_layers: int = 2
+    d_model: int = 64
+    n_heads: int = 4
+    d_head: int | None = None  # None: d_model // n_heads
+    attn_only: bool = True
+    d_mlp: int | None = None  # None: 4 * d_model when attn_only is False
+    normalization_type: str | None = "LN"
+    positional_embedding_type: str = "standard"
+
+    def hooked_config(self, task: Task, compression: CompressionConfig, seed: int):
+        d_head = self.d_head or self.d_model // self.n_heads
+        extra: dict[str, Any] = {}
+        if not self.attn_only:
+            extra = {"d_mlp": self.d_mlp or 4 * self.d_model, "act_fn": "gelu"}
+        return PhaseTransformerConfig(
+            n_layers=self.n_layers,
+            d_model=self.d_model,
+            n_heads=self.n_heads,
+            d_head=d_head,
+            n_ctx=task.seq_len,
+            d_vocab=task.vocab_size,
+            attn_only=self.attn_only,
+            normalization_type=self.normalization_type,
+            positional_embedding_type=self.positional_embedding_type,
+            seed=seed,
+            compression=compression,
+            **extra,
+        )
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything that decides a run's result. Defaults: the paper-scale toy of the sweep."""
+
+    task: Task = field(default_factory=MQARTask)
+    model: ModelSpec = field(default_factory=ModelSpec)
+    compression: CompressionConfig = field(default_factory=lambda: CompressionConfig("none"))
+    steps: int = 2000
+    batch_size: int = 64
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    warmup_steps: int = 100
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    grad_clip: float = 1.0
+    eval_every: int = 100
+    checkpoint_every: int | None = None  # None: at every evaluation
+    eval_sequences: int = 512  # phase-balanced held-out set
+    eval_seed: int = 12345
+    target_accuracy: float | None = None  # early stop once held-out accuracy reaches it
+    seed: int = 0
+    threads: int = 1
+
+    def __post_init__(self) -> None:
+        def need(name: str, ok: bool, allowed: str) -> None:
+            if not ok:
+                raise ValueError(f"{name}={getattr(self, name)!r} is invalid: {allowed}")
+
+        for name in ("steps", "batch_size", "eval_every", "eval_sequences", "threads"):
+            need(name, is_int(getattr(self, name)) and getattr(self, name) >= 1, "need int >= 1")
+        need("warmup_steps", is_int(self.warmup_steps) and self.warmup_steps >= 0, "need >= 0")
+        ce = self.checkpoint_every
+        need("checkpoint_every", ce is None or (is_int(ce) and ce >= 1), "need None or >= 1")
+        need("lr", isinstance(self.lr, int | float) and self.lr > 0, "need > 0")
+        need("weight_decay", self.weight_decay >= 0, "need >= 0")
+        need("min_lr_ratio", 0 <= self.min_lr_ratio <= 1, "need in [0, 1]")
+        need("grad_clip", self.grad_clip > 0, "need > 0")
+        ta = self.target_accuracy
+        need("target_accuracy", ta is None or 0 < ta <= 1, "need None or in (0, 1]")
+        need("eval_sequences", self.eval_sequences % self.task.stride == 0,
+             f"need a multiple of the task stride {self.task.stride} (phase-balanced set)")
+        need("seed", is_int(self.seed), "need an int")
+
+    @property
+    def ckpt_every(self) -> int:
+        return self.checkpoint_every or self.eval_every
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["task"] = task_to_dict(self.task)
+        out["model"] = dataclasses.asdict(self.model)
+        out["compression"] = self.compression.to_dict()
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
+        d = dict(d)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"train config fields {unknown} are unknown: allowed {sorted(known)}")
+        if "task" in d:
+            d["task"] = task_from_dict(d["task"])
+        if "model" in d:
+            mk = {f.name for f in dataclasses.fields(ModelSpec)}
+            bad = sorted(set(d["model"]) - mk)
+            if bad:
+                raise ValueError(f"model fields {bad} are unknown: allowed {sorted(mk)}")
+            d["model"] = ModelSpec(**d["model"])
+        if "compression" in d:
+            d["compression"] = CompressionConfig.from_dict(d["compression"])
+        return cls(**d)
+
+    def build_model(self) -> PhaseTransformer:
+        torch.manual_seed(self.seed)
+        return PhaseTransformer(self.model.hooked_config(self.task, self.compression, self.seed))
+
+
+def lr_factor(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up, then cosine decay to ``min_lr_ratio`` at ``cfg.steps``."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    span = max(cfg.steps - cfg.warmup_steps, 1)
+    progress = min((step - cfg.warmup_steps) / span, 1.0)
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def answer_logits(
+    model: PhaseTransformer,
+    tokens: Int[Tensor, "batch pos"],
+    query_pos: Int[Tensor, "batch target"],
+) -> Tensor:
+    """Logits ``[batch, target, vocab]`` at the answer positions only."""
+    resid = model(tokens, return_type=None, stop_at_layer=model.cfg.n_layers)
+    picked = resid.gather(1, query_pos[..., None].expand(-1, -1, resid.shape[-1]))
+    if model.cfg.normalization_type is not None:  # per-position norms: same as on all positions
+        picked = model.ln_final(picked)
+    return apply_softcap(model.unembed(picked), model.cfg.output_logits_soft_cap)
+
+
+# ------------------------------------------------------------------------------- held-out eval
+
+
+@dataclass
+class HeldOut:
+    tokens: Tensor
+    query_pos: Tensor
+    answer: Tensor
+    phase: np.ndarray  # [batch, target] on the model's phase grid
+
+
+def held_out_set(cfg: TrainConfig) -> HeldOut:
+    ds = generate(cfg.task, cfg.eval_sequences, cfg.eval_seed, balanced=True)
+    tokens, qp, ans = to_tensors(ds)
+    source = np.asarray(ds["source_pos"])
+    stride, offset = reference_grid(cfg.compression, cfg.model.n_layers)
+    return HeldOut(tokens, qp, ans, np.mod(source - offset, stride))
+
+
+def reference_grid(compression: CompressionConfig, n_layers: int = 1) -> tuple[int, int]:
+    """``(stride, offset)`` of the grid phases are reported on.
+
+    Aligned or one explicit offset: the model's own grid. Staggered, random or per-head offsets
+    have no single grid; phases are then reported on the aligned reference grid (offset 0,
+    or ``eval_offset`` for random offsets, the grid the model is evaluated with). A dense model
+    uses the grid of its matched compressed models (its ``stride`` field).
+    """
+    spec = compression.offsets
+    if isinstance(spec, int):
+        return compression.stride, spec
+    if spec == "random":
+        return compression.stride, compression.eval_offset
+    return compression.stride, 0
+
+
+@torch.no_grad()
+def held_out_accuracy(model: PhaseTransformer, data: HeldOut, stride: int, batch: int = 256):
+    """``(accuracy, accuracy per phase [stride], mean loss)`` on the held-out set."""
+    was_training = model.training
+    model.eval()
+    correct, losses = [], []
+    for i in range(0, len(data.tokens), batch):
+        logits = answer_logits(model, data.tokens[i : i + batch], data.query_pos[i : i + batch])
+        ans = data.answer[i : i + batch]
+        correct.append((logits.argmax(-1) == ans).numpy())
+        losses.append(F.cross_entropy(logits.flatten(0, 1), ans.flatten(), reduction="sum"))
+    model.train(was_training)
+    ok = np.concatenate(correct).ravel()
+    phase = data.phase.ravel()
+    by_phase = [float(ok[phase == p].mean()) if (phase == p).any() else math.nan
+                for p in range(stride)]
+    return float(ok.mean()), by_phase, float(sum(losses)) / ok.size
+
+
+# ---------------------------------------------------------------------------------- checkpoints
+
+
+def checkpoint_dirs(run_dir: str | Path) -> list[Path]:
+    """Complete checkpoints of a run, oldest first."""
+    root = Path(run_dir) / CKPT_DIR
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_"))
+
+
+def save_checkpoint(
+    run_dir: Path, step: int, model: PhaseTransformer, opt, sched, info: dict[str, Any]
+) -> Path:
+    root = run_dir / CKPT_DIR
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{step:06d}"
+    tmp = root / f".tmp-step_{step:06d}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save(tmp)
+    state = {
+        "optimizer": opt.state_dict(),
+        "scheduler": sched.state_dict(),
+        "torch_rng": torch.get_rng_state(),
+        "step": step,
+    }
+    torch.save(state, tmp / STATE_FILE)
+    (tmp / INFO_FILE).write_text(json.dumps({"step": step, **info}, indent=2))
+    if final.exists():  # re-saving the same step (e.g. early stop at a checkpoint step)
+        shutil.rmtree(final)
+    os.replace(tmp, final)  # atomic: readers see no folder or a complete one
+    return final
+
+
+def load_checkpoint(ckpt: Path, model: PhaseTransformer, opt, sched) -> int:
+    """Restore weights, optimizer, scheduler and RNG from ``ckpt``; return its step."""
+    loaded = PhaseTransformer.load(ckpt)
+    try:
+        model.load_state_dict(loaded.state_dict(), strict=True)
+    except RuntimeError as err:
+        raise ValueError(f"{ckpt} does not match this run's model: {err}") from err
+    state_file = ckpt / STATE_FILE
+    if not state_file.is_file():
+        raise FileNotFoundError(f"{state_file} is missing: not a phasemech training checkpoint")
+    try:
+        state = torch.load(state_file, weights_only=True)
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["torch_rng"])
+        return int(state["step"])
+    except Exception as err:  # pickle/zip errors, missing keys, shape mismatches
+        raise ValueError(f"{state_file} could not be restored: {err}") from err
+
+
+def _diff(a: dict, b: dict, prefix: str = "") -> list[str]:
+    out = []
+    for k in sorted(set(a) | set(b)):
+        va, vb = a.get(k), b.get(k)
+        if isinstance(va, dict) and isinstance(vb, dict):
+            out += _diff(va, vb, f"{prefix}{k}.")
+        elif va != vb:
+            out.append(f"{prefix}{k}: {va!r} (saved) != {vb!r} (given)")
+    return out
+
+
+# -------------------------------------------------------------------------------------- train
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    run_dir: Path
+    step: int
+    accuracy: float
+    accuracy_by_phase: list[float]
+    stopped_early: bool
+    seconds: float
+
+    @property
+    def checkpoint(self) -> Path:
+        return self.run_dir / CKPT_DIR / f"step_{self.step:06d}"
+
+
+def _write_json_atomic(path: Path, obj: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=2))
+    os.replace(tmp, path)
+
+
+def train(
+    cfg: TrainConfig,
+    run_dir: str | Path,
+    *,
+    resume: bool = False,
+    progress: bool = True,
+    on_step: Callable[[int, float], None] | None = None,
+) -> TrainResult:
+    """Train ``cfg`` into ``run_dir``; with ``resume`` continue from its last checkpoint.
+
+    A folder that already holds a run is refused without ``resume`` (nothing is overwritten).
+    ``on_step(step, loss)`` runs after every optimizer step (tests use it to interrupt a run).
+    """
+    run_dir = Path(run_dir)
+    cfg_file = run_dir / CONFIG_NAME
+    if cfg_file.exists() and not resume:
+        raise FileExistsError(f"{run_dir} already holds a run: pass resume=True (--resume)")
+    if resume and cfg_file.exists():
+        try:
+            saved = json.loads(cfg_file.read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{cfg_file} is not valid JSON: {err}") from err
+        diffs = _diff(saved, cfg.to_dict())
+        if diffs:
+            raise ValueError(f"{run_dir} was trained with another config: " + "; ".join(diffs))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    _write_json_atomic(cfg_file, cfg.to_dict())
+
+    prev_threads = torch.get_num_threads()
+    torch.set_num_threads(cfg.threads)
+    try:
+        return _train(cfg, run_dir, resume, progress, on_step)
+    finally:
+        torch.set_num_threads(prev_threads)
+
+
+def _train(cfg, run_dir: Path, resume: bool, progress: bool, on_step) -> TrainResult:
+    t0 = time.perf_counter()
+    model = cfg.build_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
+    step = 0
+    ckpts = checkpoint_dirs(run_dir)
+    metrics_file = run_dir / METRICS_NAME
+    if resume and ckpts:
+        step = load_checkpoint(ckpts[-1], model, opt, sched)
+        info = json.loads((ckpts[-1] / INFO_FILE).read_text())
+        # drop log lines written after the checkpoint by the interrupted process
+        if metrics_file.exists():
+            kept = [ln for ln in metrics_file.read_text().splitlines()
+                    if ln.strip() and json.loads(ln).get("step", 0) <= step
+                    and json.loads(ln).get("event") != "done"]
+            metrics_file.write_text("".join(ln + "\n" for ln in kept))
+        if info.get("finished"):
+            return TrainResult(run_dir, step, info["accuracy"], info["accuracy_by_phase"],
+                               info["stopped_early"], 0.0)
+    elif metrics_file.exists():
+        metrics_file.unlink()
+
+    data = held_out_set(cfg)
+    stride, _ = reference_grid(cfg.compression, cfg.model.n_layers)
+    acc, by_phase = math.nan, [math.nan] * stride
+    stopped_early = False
+    model.train()
+    recent: list[float] = []
+    bar = Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total} loss {task.fields[loss]:.3f} "
+                   "acc {task.fields[acc]} by phase {task.fields[phases]}"),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+        disable=not progress,
+    )
+    with bar, metrics_file.open("a") as log:
+        name = f"{cfg.compression.design} d={cfg.compression.stride} h={cfg.model.n_heads}"
+        task_id = bar.add_task(name, total=cfg.steps, completed=step, loss=math.nan, acc="-",
+                               phases="-")
+        while step < cfg.steps:
+            tokens, qp, ans = task_batch(cfg.task, cfg.batch_size, cfg.seed, step)
+            logits = answer_logits(model, tokens, qp)
+            loss = F.cross_entropy(logits.flatten(0, 1), ans.flatten())
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            opt.step()
+            sched.step()
+            step += 1
+            recent.append(loss.item())
+            bar.update(task_id, completed=step, loss=float(np.mean(recent[-50:])))
+            if on_step is not None:
+                on_step(step, recent[-1])
+            last = step == cfg.steps
+            if step % cfg.eval_every == 0 or last:
+                acc, by_phase, eval_loss = held_out_accuracy(model, data, stride)
+                log.write(json.dumps({
+                    "step": step,
+                    "train_loss": float(np.mean(recent)),
+                    "eval_loss": eval_loss,
+                    "accuracy": acc,
+                    "accuracy_by_phase": by_phase,
+                    "lr": sched.get_last_lr()[0],
+                    "seconds": time.perf_counter() - t0,
+                }) + "\n")
+                log.flush()
+                recent = []
+                bar.update(task_id, acc=f"{acc:.3f}",
+                           phases=" ".join(f"{p:.2f}" for p in by_phase))
+                stopped_early = cfg.target_accuracy is not None and acc >= cfg.target_accuracy
+            done = last or stopped_early
+            if step % cfg.ckpt_every == 0 or done:
+                info = {"finished": done, "stopped_early": stopped_early, "accuracy": acc,
+                        "accuracy_by_phase": by_phase}
+                save_checkpoint(run_dir, step, model, opt, sched, info)
+            if done:
+                break
+    seconds = time.perf_counter() - t0
+    with metrics_file.open("a") as log:
+        log.write(json.dumps({"event": "done", "step": step, "accuracy": acc,
+                              "stopped_early": stopped_early, "seconds": seconds}) + "\n")
+    return TrainResult(run_dir, step, acc, by_phase, stopped_early, seconds)
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The evaluation lines of a run's ``metrics.jsonl``."""
+    path = Path(run_dir) / METRICS_NAME
+    if not path.is_file():
+        return []
+    rows = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+    return [r for r in rows if r.get("event") != "done"]
+
+
+__all__ = [
+    "ModelSpec",
+    "TrainConfig",
+    "TrainResult",
+    "answer_logits",
+    "checkpoint_dirs",
+    "lr_factor",
+    "read_metrics",
+    "reference_grid",
+    "train",
+]
