@@ -63,12 +63,54 @@ class Profile:
 
 
 PROFILES = {
-    "tiny": Profile(("none", "gated"), (4,), (2,), (32,), (0,), 30, 10, 10, None, 64, 50, 50,
-                    long_designs=(), long_heads=(), n_pairs=4),
-    "default": Profile(DESIGNS, (4, 8), (2, 4), (64, 128), (0, 1, 2), 2000, 100, 500, 0.995,
-                       4096, 400, 400, long_designs=("none", "gated"), long_strides=(8,)),
-    "full": Profile(DESIGNS, (4, 8), (2, 4), (64, 128), (0, 1, 2, 3, 4), 4000, 100, 500, None,
-                    8192, 1000, 1000, long_heads=(2, 4)),
+    "tiny": Profile(
+        ("none", "gated"),
+        (4,),
+        (2,),
+        (32,),
+        (0,),
+        30,
+        10,
+        10,
+        None,
+        64,
+        50,
+        50,
+        long_designs=(),
+        long_heads=(),
+        n_pairs=4,
+    ),
+    "default": Profile(
+        DESIGNS,
+        (4, 8),
+        (2, 4),
+        (64, 128),
+        (0, 1, 2),
+        2000,
+        100,
+        500,
+        0.995,
+        4096,
+        400,
+        400,
+        long_designs=("none", "gated"),
+        long_strides=(8,),
+    ),
+    "full": Profile(
+        DESIGNS,
+        (4, 8),
+        (2, 4),
+        (64, 128),
+        (0, 1, 2, 3, 4),
+        4000,
+        100,
+        500,
+        None,
+        8192,
+        1000,
+        1000,
+        long_heads=(2, 4),
+    ),
 }
 
 
@@ -106,13 +148,13 @@ def train_config(spec: RunSpec, p: Profile):
     from phasemech.train import ModelSpec, TrainConfig
 
     # one task stride for all runs: the same data stream and test set for every design
-    task = MQARTask(vocab_size=64, seq_len=spec.seq_len, n_pairs=p.n_pairs,
-                    stride=max(p.strides))
+    task = MQARTask(vocab_size=64, seq_len=spec.seq_len, n_pairs=p.n_pairs, stride=max(p.strides))
     if spec.design == "none":
         comp = CompressionConfig("none", stride=spec.stride)
     else:
-        comp = CompressionConfig(spec.design, stride=spec.stride, window=2 * spec.stride,
-                                 layers=(1,))
+        comp = CompressionConfig(
+            spec.design, stride=spec.stride, window=2 * spec.stride, layers=(1,)
+        )
     return TrainConfig(
         task=task,
         model=ModelSpec(n_layers=2, d_model=64, n_heads=spec.heads),
@@ -152,8 +194,13 @@ def run_one(spec: RunSpec, p: Profile, sweep_dir: str) -> dict:
         tmp = out.with_suffix(".tmp")
         df.to_parquet(tmp)
         os.replace(tmp, out)
-    return {"name": spec.name, "train_seconds": t_train, "step": result.step,
-            "accuracy": result.accuracy, "total_seconds": time.perf_counter() - t0}
+    return {
+        "name": spec.name,
+        "train_seconds": t_train,
+        "step": result.step,
+        "accuracy": result.accuracy,
+        "total_seconds": time.perf_counter() - t0,
+    }
 
 
 # ----------------------------------------------------------------------------------- aggregate
@@ -163,8 +210,9 @@ def load_targets(sweep_dir: Path, specs: list[RunSpec]) -> pd.DataFrame:
     frames = []
     for spec in specs:
         for f in sorted((sweep_dir / spec.name).glob("targets_step_*.parquet")):
-            df = pd.read_parquet(f, columns=["group_id", "source_pos", "depth", "distance",
-                                             "correct", "step"])
+            df = pd.read_parquet(
+                f, columns=["group_id", "source_pos", "depth", "distance", "correct", "step"]
+            )
             df["run"] = spec.name
             for k in ("design", "stride", "heads", "seq_len", "seed"):
                 df[k] = getattr(spec, k)
@@ -173,8 +221,9 @@ def load_targets(sweep_dir: Path, specs: list[RunSpec]) -> pd.DataFrame:
 
 
 def _stage(df: pd.DataFrame, final_steps: dict[str, int]) -> pd.Series:
-    return np.where(df["step"].to_numpy() == df["run"].map(final_steps).to_numpy(), "final",
-                    "intermediate")
+    return np.where(
+        df["step"].to_numpy() == df["run"].map(final_steps).to_numpy(), "final", "intermediate"
+    )
 
 
 def report_row(key: dict, df: pd.DataFrame, stride: int, n_boot: int, n_perm: int) -> dict:
@@ -226,16 +275,27 @@ def aggregate(sweep_dir: Path, specs: list[RunSpec], p: Profile, workers: int) -
     for keys, g in targets.groupby(group_cols):
         key = dict(zip(group_cols, keys, strict=True))
         # dense runs are scored on every stride's grid
-        grids = [s for s in p.strides if s <= key["stride"]] if key["design"] == "none" else [
-            key["stride"]]
+        grids = (
+            [s for s in p.strides if s <= key["stride"]]
+            if key["design"] == "none"
+            else [key["stride"]]
+        )
         for stride in grids:
             fin = g[g["stage"] == "final"]
-            jobs.append(({**key, "seed": "pooled", "step": "final"}, fin, stride, p.n_boot,
-                         p.n_perm))
+            jobs.append(
+                ({**key, "seed": "pooled", "step": "final"}, fin, stride, p.n_boot, p.n_perm)
+            )
             for (seed, step), gs in g.groupby(["seed", "step"]):
                 stage = "final" if final_steps[gs["run"].iat[0]] == step else int(step)
-                jobs.append(({**key, "seed": int(seed), "step": stage}, gs, stride,
-                             min(p.n_boot, 200), min(p.n_perm, 200)))
+                jobs.append(
+                    (
+                        {**key, "seed": int(seed), "step": stage},
+                        gs,
+                        stride,
+                        min(p.n_boot, 200),
+                        min(p.n_perm, 200),
+                    )
+                )
     rows = []
     with _progress() as bar, ProcessPoolExecutor(workers) as pool:
         task = bar.add_task("statistics", total=len(jobs))
@@ -252,22 +312,38 @@ def aggregate(sweep_dir: Path, specs: list[RunSpec], p: Profile, workers: int) -
     for spec in specs:
         for m in read_metrics(sweep_dir / spec.name):
             by = np.asarray(m["accuracy_by_phase"], dtype=float)
-            grids = [s for s in p.strides if s <= spec.stride] if spec.design == "none" else [
-                spec.stride]
+            grids = (
+                [s for s in p.strides if s <= spec.stride]
+                if spec.design == "none"
+                else [spec.stride]
+            )
             for stride in grids:
                 # accuracy by phase on a coarser grid: phases fold (mod), counts are equal
                 folded = by.reshape(-1, stride).mean(0) if len(by) != stride else by
-                curve.append({"design": spec.design, "stride": stride, "heads": spec.heads,
-                              "seq_len": spec.seq_len, "seed": spec.seed, "step": m["step"],
-                              "accuracy": m["accuracy"],
-                              "raw_gap": float(folded.max() - folded.min())})
+                curve.append(
+                    {
+                        "design": spec.design,
+                        "stride": stride,
+                        "heads": spec.heads,
+                        "seq_len": spec.seq_len,
+                        "seed": spec.seed,
+                        "step": m["step"],
+                        "accuracy": m["accuracy"],
+                        "raw_gap": float(folded.max() - folded.min()),
+                    }
+                )
     pd.DataFrame(curve).to_parquet(sweep_dir / "gap_vs_accuracy.parquet")
     return results
 
 
 def _progress() -> Progress:
-    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TimeElapsedColumn(), console=console)
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+    )
 
 
 def _fmt(x: float) -> str:
@@ -288,8 +364,9 @@ def write_summary(sweep_dir: Path, results: pd.DataFrame, seconds: float, p: Pro
     ]
     order = {d: i for i, d in enumerate(DESIGNS)}
     fin = fin.sort_values(["seq_len", "phase_stride", "heads"], kind="stable")
-    fin = fin.iloc[np.lexsort((fin["design"].map(order), fin["heads"], fin["phase_stride"],
-                               fin["seq_len"]))]
+    fin = fin.iloc[
+        np.lexsort((fin["design"].map(order), fin["heads"], fin["phase_stride"], fin["seq_len"]))
+    ]
     for r in fin.itertuples():
         phases = " ".join(f"{x:.3f}" for x in r.acc_by_phase)
         lines.append(
@@ -298,14 +375,20 @@ def write_summary(sweep_dir: Path, results: pd.DataFrame, seconds: float, p: Pro
             f"[{_fmt(r.debiased_lo)}, {_fmt(r.debiased_hi)}] | {r.p_logistic:.2g} | "
             f"{r.p_perm:.2g} |"
         )
-    lines += ["", "## Per seed, final", "",
-              "| design | d | heads | T | seed | step | acc | raw gap | debiased gap | p (perm) |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "## Per seed, final",
+        "",
+        "| design | d | heads | T | seed | step | acc | raw gap | debiased gap | p (perm) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     per = results[(results["seed"] != "pooled") & (results["step"] == "final")]
     for r in per.sort_values(["seq_len", "phase_stride", "heads", "design", "seed"]).itertuples():
-        lines.append(f"| {r.design} | {r.phase_stride} | {r.heads} | {r.seq_len} | {r.seed} | "
-                     f"final | {r.accuracy:.3f} | {_fmt(r.raw_gap)} | {_fmt(r.debiased_gap)} | "
-                     f"{r.p_perm:.2g} |")
+        lines.append(
+            f"| {r.design} | {r.phase_stride} | {r.heads} | {r.seq_len} | {r.seed} | "
+            f"final | {r.accuracy:.3f} | {_fmt(r.raw_gap)} | {_fmt(r.debiased_gap)} | "
+            f"{r.p_perm:.2g} |"
+        )
     text = "\n".join(lines) + "\n"
     (sweep_dir / "summary.md").write_text(text)
     return text
@@ -324,8 +407,10 @@ def main() -> None:
     sweep_dir = args.runs / f"phase_sweep_{args.profile}"
     sweep_dir.mkdir(parents=True, exist_ok=True)
     specs = run_specs(p)
-    console.print(f"[bold]phase sweep[/] profile {args.profile}: {len(specs)} models, "
-                  f"{args.workers} worker processes, cache {sweep_dir}")
+    console.print(
+        f"[bold]phase sweep[/] profile {args.profile}: {len(specs)} models, "
+        f"{args.workers} worker processes, cache {sweep_dir}"
+    )
     t0 = time.perf_counter()
     timings = []
     with _progress() as bar, ProcessPoolExecutor(args.workers) as pool:
@@ -334,15 +419,26 @@ def main() -> None:
         for fut in as_completed(futures):
             info = fut.result()
             timings.append(info)
-            bar.console.print(f"  {info['name']}: step {info['step']}, held-out acc "
-                              f"{info['accuracy']:.3f}, {info['total_seconds']:.0f}s")
+            bar.console.print(
+                f"  {info['name']}: step {info['step']}, held-out acc "
+                f"{info['accuracy']:.3f}, {info['total_seconds']:.0f}s"
+            )
             bar.advance(task)
     results = aggregate(sweep_dir, specs, p, args.workers)
     seconds = time.perf_counter() - t0
     text = write_summary(sweep_dir, results, seconds, p)
-    (sweep_dir / "summary.json").write_text(json.dumps(
-        {"profile": args.profile, "models": len(specs), "wall_seconds": seconds,
-         "workers": args.workers, "runs": timings}, indent=2))
+    (sweep_dir / "summary.json").write_text(
+        json.dumps(
+            {
+                "profile": args.profile,
+                "models": len(specs),
+                "wall_seconds": seconds,
+                "workers": args.workers,
+                "runs": timings,
+            },
+            indent=2,
+        )
+    )
     print(text)
 
 

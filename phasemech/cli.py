@@ -186,8 +186,9 @@ def train(
         task = dataclasses.replace(
             cfg.task, **_given(seq_len=seq_len, n_pairs=pairs, jitter=jitter)
         )
-        model = dataclasses.replace(cfg.model, **_given(n_heads=heads, d_model=d_model,
-                                                        n_layers=n_layers))
+        model = dataclasses.replace(
+            cfg.model, **_given(n_heads=heads, d_model=d_model, n_layers=n_layers)
+        )
         comp = cfg.compression.to_dict()
         comp.update(_given(design=design, stride=stride, window=window, offsets=offsets))
         if layers is not None:
@@ -201,9 +202,16 @@ def train(
             task=task,
             model=model,
             compression=CompressionConfig.from_dict(comp),
-            **_given(steps=steps, batch_size=batch_size, lr=lr, warmup_steps=warmup_steps,
-                     eval_every=eval_every, target_accuracy=target_accuracy, seed=seed,
-                     threads=threads),
+            **_given(
+                steps=steps,
+                batch_size=batch_size,
+                lr=lr,
+                warmup_steps=warmup_steps,
+                eval_every=eval_every,
+                target_accuracy=target_accuracy,
+                seed=seed,
+                threads=threads,
+            ),
         )
     except (ValueError, TypeError, json.JSONDecodeError, OSError) as err:
         raise typer.BadParameter(str(err)) from err
@@ -253,14 +261,23 @@ def eval_cmd(
             ds = test_set(cfg.task, sequences, data_seed)
         else:
             raise ValueError(f"{checkpoint} is not part of a training run: pass --data")
-        evaluation = evaluate(model, ds, stride=stride, grid_offset=grid_offset, seed=seed,
-                              n_boot=n_boot, n_perm=n_perm)
+        evaluation = evaluate(
+            model,
+            ds,
+            stride=stride,
+            grid_offset=grid_offset,
+            seed=seed,
+            n_boot=n_boot,
+            n_perm=n_perm,
+        )
     except (FileNotFoundError, ValueError) as err:
         console.print(f"[red]error:[/] {err}")
         raise typer.Exit(1) from err
     task = task_of(ds)
-    console.print(f"model {model_dir}; data: {task.name if task else 'dataset'} "
-                  f"({len(ds)} sequences); phases on {evaluation.grid_note}")
+    console.print(
+        f"model {model_dir}; data: {task.name if task else 'dataset'} "
+        f"({len(ds)} sequences); phases on {evaluation.grid_note}"
+    )
     console.print(evaluation.report.summary())
     dest = evaluation.save(out or model_dir / "eval")
     console.print(f"wrote {dest}/targets.parquet, per_phase.parquet, report.json")

@@ -39,7 +39,9 @@ def predict(model: PhaseTransformer, ds: Dataset, batch_size: int = 256) -> pd.D
         raise ValueError("dataset is empty: nothing to evaluate")
     seq_len = len(ds[0]["input_ids"])
     if seq_len > model.cfg.n_ctx:
-        raise ValueError(f"sequences of {seq_len} tokens exceed the model's n_ctx={model.cfg.n_ctx}")
+        raise ValueError(
+            f"sequences of {seq_len} tokens exceed the model's n_ctx={model.cfg.n_ctx}"
+        )
     was_training = model.training
     model.eval()
     tokens, query_pos, answer = to_tensors(ds)
@@ -84,20 +86,26 @@ def grid_note(model: PhaseTransformer) -> tuple[int, int, str]:
     comp = model.cfg.compression
     stride, offset = reference_grid(comp)
     if not comp.enabled:
-        return stride, offset, (
-            f"dense model: phases on the stride-{stride} grid of its matched compressed models"
+        return (
+            stride,
+            offset,
+            (f"dense model: phases on the stride-{stride} grid of its matched compressed models"),
         )
     spec = comp.offsets
     if spec == "aligned" or isinstance(spec, int):
         return stride, offset, f"the model's own grid (stride {stride}, offset {offset})"
     base = comp.base_offsets(model.cfg.n_layers, model.cfg.n_kv_heads)
-    return stride, offset, (
-        f"reference grid stride {stride}, offset {offset}; the model's heads use offsets "
-        f"'{spec}' ({base[comp.compressed_layers(model.cfg.n_layers)].tolist()} per "
-        "compressed layer and KV head)"
-        if spec != "random"
-        else f"reference grid stride {stride}, offset {offset} (the evaluation offset of a "
-        "model trained with random offsets)"
+    return (
+        stride,
+        offset,
+        (
+            f"reference grid stride {stride}, offset {offset}; the model's heads use offsets "
+            f"'{spec}' ({base[comp.compressed_layers(model.cfg.n_layers)].tolist()} per "
+            "compressed layer and KV head)"
+            if spec != "random"
+            else f"reference grid stride {stride}, offset {offset} (the evaluation offset of a "
+            "model trained with random offsets)"
+        ),
     )
 
 

@@ -124,8 +124,11 @@ class TrainConfig:
         need("grad_clip", self.grad_clip > 0, "need > 0")
         ta = self.target_accuracy
         need("target_accuracy", ta is None or 0 < ta <= 1, "need None or in (0, 1]")
-        need("eval_sequences", self.eval_sequences % self.task.stride == 0,
-             f"need a multiple of the task stride {self.task.stride} (phase-balanced set)")
+        need(
+            "eval_sequences",
+            self.eval_sequences % self.task.stride == 0,
+            f"need a multiple of the task stride {self.task.stride} (phase-balanced set)",
+        )
         need("seed", is_int(self.seed), "need an int")
 
     @property
@@ -234,8 +237,9 @@ def held_out_accuracy(model: PhaseTransformer, data: HeldOut, stride: int, batch
     model.train(was_training)
     ok = np.concatenate(correct).ravel()
     phase = data.phase.ravel()
-    by_phase = [float(ok[phase == p].mean()) if (phase == p).any() else math.nan
-                for p in range(stride)]
+    by_phase = [
+        float(ok[phase == p].mean()) if (phase == p).any() else math.nan for p in range(stride)
+    ]
     return float(ok.mean()), by_phase, float(sum(losses)) / ok.size
 
 
@@ -376,13 +380,23 @@ def _train(cfg, run_dir: Path, resume: bool, progress: bool, on_step) -> TrainRe
         info = json.loads((ckpts[-1] / INFO_FILE).read_text())
         # drop log lines written after the checkpoint by the interrupted process
         if metrics_file.exists():
-            kept = [ln for ln in metrics_file.read_text().splitlines()
-                    if ln.strip() and json.loads(ln).get("step", 0) <= step
-                    and json.loads(ln).get("event") != "done"]
+            kept = [
+                ln
+                for ln in metrics_file.read_text().splitlines()
+                if ln.strip()
+                and json.loads(ln).get("step", 0) <= step
+                and json.loads(ln).get("event") != "done"
+            ]
             metrics_file.write_text("".join(ln + "\n" for ln in kept))
         if info.get("finished"):
-            return TrainResult(run_dir, step, info["accuracy"], info["accuracy_by_phase"],
-                               info["stopped_early"], 0.0)
+            return TrainResult(
+                run_dir,
+                step,
+                info["accuracy"],
+                info["accuracy_by_phase"],
+                info["stopped_early"],
+                0.0,
+            )
     elif metrics_file.exists():
         metrics_file.unlink()
 
@@ -395,16 +409,19 @@ def _train(cfg, run_dir: Path, resume: bool, progress: bool, on_step) -> TrainRe
     bar = Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
-        TextColumn("{task.completed}/{task.total} loss {task.fields[loss]:.3f} "
-                   "acc {task.fields[acc]} by phase {task.fields[phases]}"),
+        TextColumn(
+            "{task.completed}/{task.total} loss {task.fields[loss]:.3f} "
+            "acc {task.fields[acc]} by phase {task.fields[phases]}"
+        ),
         TimeRemainingColumn(),
         console=Console(stderr=True),
         disable=not progress,
     )
     with bar, metrics_file.open("a") as log:
         name = f"{cfg.compression.design} d={cfg.compression.stride} h={cfg.model.n_heads}"
-        task_id = bar.add_task(name, total=cfg.steps, completed=step, loss=math.nan, acc="-",
-                               phases="-")
+        task_id = bar.add_task(
+            name, total=cfg.steps, completed=step, loss=math.nan, acc="-", phases="-"
+        )
         while step < cfg.steps:
             tokens, qp, ans = task_batch(cfg.task, cfg.batch_size, cfg.seed, step)
             logits = answer_logits(model, tokens, qp)
@@ -422,31 +439,49 @@ def _train(cfg, run_dir: Path, resume: bool, progress: bool, on_step) -> TrainRe
             last = step == cfg.steps
             if step % cfg.eval_every == 0 or last:
                 acc, by_phase, eval_loss = held_out_accuracy(model, data, stride)
-                log.write(json.dumps({
-                    "step": step,
-                    "train_loss": float(np.mean(recent)),
-                    "eval_loss": eval_loss,
-                    "accuracy": acc,
-                    "accuracy_by_phase": by_phase,
-                    "lr": sched.get_last_lr()[0],
-                    "seconds": time.perf_counter() - t0,
-                }) + "\n")
+                log.write(
+                    json.dumps(
+                        {
+                            "step": step,
+                            "train_loss": float(np.mean(recent)),
+                            "eval_loss": eval_loss,
+                            "accuracy": acc,
+                            "accuracy_by_phase": by_phase,
+                            "lr": sched.get_last_lr()[0],
+                            "seconds": time.perf_counter() - t0,
+                        }
+                    )
+                    + "\n"
+                )
                 log.flush()
                 recent = []
-                bar.update(task_id, acc=f"{acc:.3f}",
-                           phases=" ".join(f"{p:.2f}" for p in by_phase))
+                bar.update(task_id, acc=f"{acc:.3f}", phases=" ".join(f"{p:.2f}" for p in by_phase))
                 stopped_early = cfg.target_accuracy is not None and acc >= cfg.target_accuracy
             done = last or stopped_early
             if step % cfg.ckpt_every == 0 or done:
-                info = {"finished": done, "stopped_early": stopped_early, "accuracy": acc,
-                        "accuracy_by_phase": by_phase}
+                info = {
+                    "finished": done,
+                    "stopped_early": stopped_early,
+                    "accuracy": acc,
+                    "accuracy_by_phase": by_phase,
+                }
                 save_checkpoint(run_dir, step, model, opt, sched, info)
             if done:
                 break
     seconds = time.perf_counter() - t0
     with metrics_file.open("a") as log:
-        log.write(json.dumps({"event": "done", "step": step, "accuracy": acc,
-                              "stopped_early": stopped_early, "seconds": seconds}) + "\n")
+        log.write(
+            json.dumps(
+                {
+                    "event": "done",
+                    "step": step,
+                    "accuracy": acc,
+                    "stopped_early": stopped_early,
+                    "seconds": seconds,
+                }
+            )
+            + "\n"
+        )
     return TrainResult(run_dir, step, acc, by_phase, stopped_early, seconds)
 
 
