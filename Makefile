@@ -8,7 +8,7 @@ STAMP := $(VENV)/.phasemech-installed
 TORCH_PIN := torch==2.13.0
 FULL ?= 0
 
-.PHONY: test figures lint bench clean
+.PHONY: test figures lint bench sweep clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,6 +29,9 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/attention_scaling.py
+
+sweep: $(STAMP)
+	$(PY) analyses/phase_sweep.py --runs runs $(if $(filter 1,$(FULL)),--profile full,)
 
 clean:
 	rm -rf figures/*.html figures/*.png runs bench/results

@@ -18,8 +18,8 @@ unless said otherwise; in :func:`harmonics` ``k`` is the harmonic index); array 
 Shape comments read ``(B, C)`` etc.
 
 The keyword ``seed`` of the functions seeds the random number generator; the ``seed`` column
-names training seeds. Everything random is drawn from ``numpy.random.default_rng(seed)``, so a
-call is deterministic given ``seed``.
+names training seeds. Every random draw comes from numpy generators seeded with ``seed``, so a
+call is deterministic given ``seed`` (and :func:`phase_report` reproduces the standalone calls).
 
 Which test to trust: the chi-square, logistic and harmonic tests treat targets as independent
 Bernoulli trials. Under a design that draws each target's phase at random (independently of
@@ -46,7 +46,6 @@ import patsy
 from scipy import stats as sps
 from statsmodels.genmod import families
 from statsmodels.genmod.generalized_linear_model import GLM
-from statsmodels.stats.multitest import multipletests
 from statsmodels.stats.proportion import confint_proportions_2indep, proportion_confint
 
 __all__ = [
@@ -88,6 +87,7 @@ def _check_alpha(where: str, alpha: Any) -> float:
 def _first_bad(series: pd.Series, bad: np.ndarray) -> str:
     """``'VALUE' (and M more)`` for the first offending entry, to put in an error message."""
     value = series.to_numpy()[bad.nonzero()[0][0]]
+    value = value.item() if isinstance(value, np.generic) else value  # 2, not np.int64(2)
     more = int(bad.sum()) - 1
     return f"{value!r}" + (f" (and {more} more)" if more else "")
 
@@ -287,11 +287,12 @@ def _split_gap(k_a: np.ndarray, n_a: np.ndarray, k_b: np.ndarray, n_b: np.ndarra
     p_a, p_b = _ratio(k_a, n_a), _ratio(k_b, n_b)
 
     def pick_measure(p_pick: np.ndarray, p_measure: np.ndarray) -> np.ndarray:
-        hi = np.argmax(np.where(np.isnan(p_pick), -np.inf, p_pick), axis=-1)[..., None]
-        lo = np.argmin(np.where(np.isnan(p_pick), np.inf, p_pick), axis=-1)[..., None]
-        return (np.take_along_axis(p_measure, hi, -1) - np.take_along_axis(p_measure, lo, -1))[
-            ..., 0
-        ]
+        def at(i: np.ndarray) -> np.ndarray:
+            return np.take_along_axis(p_measure, i[..., None], -1)[..., 0]
+
+        hi = np.argmax(np.where(np.isnan(p_pick), -np.inf, p_pick), axis=-1)
+        lo = np.argmin(np.where(np.isnan(p_pick), np.inf, p_pick), axis=-1)
+        return at(hi) - at(lo)  # NaN if a picked phase is unobserved in the other half
 
     return (pick_measure(p_a, p_b) + pick_measure(p_b, p_a)) / 2
 
@@ -546,6 +547,19 @@ def logistic_phase_test(df: pd.DataFrame, stride: int, depth_df: int = 4) -> dic
 # --------------------------------------------------------------------------- harmonics
 
 
+def _holm(p: np.ndarray) -> np.ndarray:
+    """Holm step-down adjusted p-values, as ``multipletests(p, method="holm")[1]``.
+
+    Not that call itself: in statsmodels 0.15 its Holm branch runs ``gc.collect()``, which costs
+    0.2 s and up in a process holding torch and a model (tests/test_stats.py checks equality).
+    """
+    order = np.argsort(p)
+    adjusted = np.maximum.accumulate(p[order] * np.arange(len(p), 0, -1))
+    out = np.empty_like(adjusted)
+    out[order] = np.minimum(adjusted, 1.0)
+    return out
+
+
 def _harmonics(t: _Targets, alpha: float) -> pd.DataFrame:
     d = t.stride
     k, n = t.phase_counts()
@@ -572,7 +586,7 @@ def _harmonics(t: _Targets, alpha: float) -> pd.DataFrame:
             two = (e * zc**2 - 2 * b * zc * zs + a * zs**2) / (a * e - b**2)
             stat = np.where(dof == 1, zc**2 / a, two) / var if var > 0 else np.zeros(len(ks))
         pval = sps.chi2.sf(stat, dof)
-        p_holm = multipletests(pval, alpha=alpha, method="holm")[1]
+        p_holm = _holm(pval)
     return pd.DataFrame(
         {
             "k": ks,
@@ -592,7 +606,7 @@ def harmonics(df: pd.DataFrame, stride: int, alpha: float = 0.05) -> pd.DataFram
     ``A_k = (2/d) sum_phi p_phi exp(-2 pi i k phi / d)`` for ``k = 1..d//2``; ``amplitude`` is
     ``|A_k|`` (for ``k < d/2`` a cosine of amplitude ``a`` gives ``|A_k| = a``; at ``k = d/2``
     it gives ``2a``, the peak-to-peak). ``statistic`` is ``T_k``, chi-square with ``dof`` 2
-    (1 at ``k = d/2``) under "no phase effect"; ``p_holm`` is Holm-corrected across k and
+    (1 at ``k = d/2``) under "no phase effect"; ``p_holm`` is Holm-adjusted across k and
     ``significant`` is ``p_holm < alpha``. k = 1 tests period d, k = d/2 parity.
 
     ``T_k`` uses the exact variance of the Fourier sum for the observed per-phase counts

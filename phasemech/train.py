@@ -353,7 +353,7 @@ def train(
             saved = json.loads(cfg_file.read_text())
         except json.JSONDecodeError as err:
             raise ValueError(f"{cfg_file} is not valid JSON: {err}") from err
-        diffs = _diff(saved, cfg.to_dict())
+        diffs = _diff(saved, json.loads(json.dumps(cfg.to_dict())))  # tuples -> lists
         if diffs:
             raise ValueError(f"{run_dir} was trained with another config: " + "; ".join(diffs))
     run_dir.mkdir(parents=True, exist_ok=True)

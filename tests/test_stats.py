@@ -109,6 +109,14 @@ def test_newcombe_textbook():
     assert hi == pytest.approx(0.3339, abs=5e-5)
 
 
+def test_holm_matches_statsmodels():
+    from statsmodels.stats.multitest import multipletests
+
+    for p in ([0.01, 0.04, 0.03, 0.5], [0.3, 0.3, 0.001], [0.9, 0.8, 0.95, 0.99], [0.2]):
+        p = np.array(p)
+        np.testing.assert_allclose(stats._holm(p), multipletests(p, method="holm")[1])
+
+
 # --------------------------------------------------------------------------- no phase effect
 
 

@@ -1,0 +1,38 @@
+"""The headline sweep runs end to end at its tiny profile, caches its work and reports."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_phase_sweep_tiny_profile(tmp_path):
+    cmd = [sys.executable, str(ROOT / "analyses/phase_sweep.py"), "--profile", "tiny"]
+    cmd += ["--runs", str(tmp_path), "--workers", "1"]
+    subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, timeout=300)
+    sweep = tmp_path / "phase_sweep_tiny"
+    results = pd.read_parquet(sweep / "results.parquet")
+    pooled = results[(results["seed"] == "pooled") & (results["step"] == "final")]
+    assert set(pooled["design"]) == {"none", "gated"}
+    for r in pooled.itertuples():
+        assert len(r.acc_by_phase) == r.phase_stride == 4
+        assert 0 <= r.accuracy <= 1 and 0 <= r.p_perm <= 1
+        assert r.debiased_lo <= r.debiased_gap <= r.debiased_hi
+    # intermediate checkpoints are scored too (steps 10, 20 and the final 30)
+    per_seed = results[results["seed"] != "pooled"]
+    assert set(per_seed["step"]) == {"10", "20", "final"}
+    curve = pd.read_parquet(sweep / "gap_vs_accuracy.parquet")
+    assert set(curve["step"]) == {10, 20, 30}
+    assert "| gated | 4 | 2 | 32 |" in (sweep / "summary.md").read_text()
+    summary = json.loads((sweep / "summary.json").read_text())
+    assert summary["models"] == 2 and len(summary["runs"]) == 2
+    # a second run reuses every checkpoint and scored file: nothing is rewritten
+    cached = sorted(sweep.glob("*/checkpoints/*/model.safetensors"))
+    cached += sorted(sweep.glob("*/targets_*.parquet"))
+    stamps = {f: f.stat().st_mtime_ns for f in cached}
+    subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, timeout=300)
+    assert {f: f.stat().st_mtime_ns for f in cached} == stamps
