@@ -330,13 +330,15 @@ def test_cli_eval_plain_model_needs_data(tmp_path):
 
 def test_cli_data_mqar_folder_and_parquet(tmp_path):
     out = tmp_path / "mqar"
-    result = runner.invoke(app, ["data", "mqar", "--out", str(out), "--sequences", "16", "--balanced"])
+    result = runner.invoke(
+        app, ["data", "mqar", "--out", str(out), "--sequences", "16", "--balanced"]
+    )
     assert result.exit_code == 0, result.output
     ds = load_from_disk(str(out))
     assert len(ds) == 16 and task_of(ds) == MQARTask()
     counts = targets_frame(ds)["phase"].value_counts()
     assert sorted(counts.index) == list(range(8)) and counts.nunique() == 1
-    assert "targets per phase" in result.output
+    assert "targetsperphase" in _flat(result.output)
     # parquet output, then scored by a plain model folder through --data
     pq = tmp_path / "sub" / "mqar.parquet"
     args = ["data", "mqar", "-o", str(pq), "--sequences", "24", "--seq-len", "32"]

@@ -248,7 +248,9 @@ def test_balanced_groups_are_shifted_copies(kind):
         for r in members:
             p = r["prefix"]
             assert r["input_ids"][p : p + task.content_len] == ref_content
-            assert [s - p for s in r["source_pos"]] == [s - ref["prefix"] for s in ref["source_pos"]]
+            assert [s - p for s in r["source_pos"]] == [
+                s - ref["prefix"] for s in ref["source_pos"]
+            ]
             assert [q - p for q in r["query_pos"]] == [q - ref["prefix"] for q in ref["query_pos"]]
             assert r["answer"] == ref["answer"]
             assert r["depth"] == ref["depth"]
