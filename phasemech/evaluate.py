@@ -127,14 +127,17 @@ def evaluate(
     """
     m_stride, m_offset, note = grid_note(model)
     if stride is not None or grid_offset is not None:
-        m_stride = stride or m_stride
+        m_stride = m_stride if stride is None else stride
         m_offset = 0 if grid_offset is None else grid_offset
         note = f"stated grid stride {m_stride}, offset {m_offset}"
     if m_stride < 2:
         raise ValueError(f"stride={m_stride} is invalid for a phase report: need >= 2")
     df = predict(model, ds, batch_size)
     df["phase"] = np.mod(df["source_pos"].to_numpy() - m_offset, m_stride)
-    stats_df = df.assign(seq_id=df["group_id"])  # cluster = content (see module docstring)
+    # cluster = content (see module docstring); a block = one target of one content, seen at
+    # every shift in a phase-balanced set (the paired test uses complete blocks only)
+    pair_id = df["group_id"] * (df["target"].max() + 1) + df["target"]
+    stats_df = df.assign(seq_id=df["group_id"], pair_id=pair_id)
     report = phase_report(stats_df, m_stride, n_boot=n_boot, n_perm=n_perm, seed=seed)
     return Evaluation(df, report, m_stride, m_offset, note)
 

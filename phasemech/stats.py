@@ -36,7 +36,7 @@ import math
 import os
 import tempfile
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +56,7 @@ __all__ = [
     "harmonics",
     "logistic_phase_test",
     "newcombe_diff",
+    "paired_phase_test",
     "per_phase",
     "phase_gap",
     "phase_report",
@@ -803,6 +804,59 @@ def design_guard(df: pd.DataFrame, stride: int, n_bins: int = 5) -> dict:
     return _design_guard(t, _check_int("design_guard", "n_bins", n_bins, 1))
 
 
+def paired_phase_test(df: pd.DataFrame, stride: int) -> dict:
+    """Cochran's Q: does accuracy depend on phase when each target is seen at every phase?
+
+    Needs a ``pair_id`` column naming the *block* of one target measured at several phases,
+    e.g. the ``stride`` shifted copies of one needle in a phase-balanced set (a block seen ``m``
+    times per phase is split into ``m`` blocks). Blocks that do not hold exactly one target at
+    every phase are dropped (counted in ``dropped``). This is the
+    exact within-content test: content, depth and distance are identical inside a block, so
+    only the phase (and the absolute position) differs. Returns ``statistic, dof, p, blocks,
+    dropped, discordant, note``; p is NaN without ``pair_id`` and 1 when no block is discordant.
+    """
+    from statsmodels.stats.contingency_tables import cochrans_q
+
+    t = _load(df, stride, "paired_phase_test", ("correct", "phase"))
+    d = t.stride
+    out = {
+        "statistic": math.nan,
+        "dof": d - 1,
+        "p": math.nan,
+        "blocks": 0,
+        "dropped": 0,
+        "discordant": 0,
+        "note": None,
+    }
+    if "pair_id" not in df.columns:
+        out["note"] = "no pair_id column: no paired design"
+        return out
+    # A block seen twice per phase (8 shifts on a stride-4 grid) is split into sub-blocks:
+    # the j-th copy at each phase goes to sub-block j.
+    frame = pd.DataFrame({"pair": df["pair_id"].to_numpy(), "phase": t.phase})
+    sub = frame.groupby(["pair", "phase"]).cumcount().to_numpy()
+    block = pd.factorize(pd.MultiIndex.from_arrays([frame["pair"], sub]), sort=True)[0]
+    n_blocks = int(block.max()) + 1
+    seen = np.zeros((n_blocks, d), dtype=np.int64)
+    np.add.at(seen, (block, t.phase), 1)
+    complete = (seen == 1).all(axis=1)
+    x = np.zeros((n_blocks, d))
+    np.add.at(x, (block, t.phase), t.correct)
+    x = x[complete]
+    out["blocks"], out["dropped"] = int(complete.sum()), int((~complete).sum())
+    row = x.sum(axis=1)
+    discordant = (row > 0) & (row < d)
+    out["discordant"] = int(discordant.sum())
+    if out["blocks"] == 0:
+        out["note"] = "no complete block (one target at every phase)"
+    elif out["discordant"] == 0:
+        out.update(statistic=0.0, p=1.0, note="every block is all right or all wrong")
+    else:
+        res = cochrans_q(x[discordant])
+        out.update(statistic=float(res.statistic), p=float(res.pvalue))
+    return out
+
+
 # --------------------------------------------------------------------------- the report
 
 
@@ -864,6 +918,7 @@ class PhaseReport:
     harmonics: pd.DataFrame
     gap: dict
     guard: dict
+    paired: dict = field(default_factory=dict)  # paired_phase_test, if pair_id
 
     def to_dict(self) -> dict:
         """Plain ints / floats / lists / dicts (frames as lists of row dicts); NaN -> None."""
@@ -914,6 +969,20 @@ class PhaseReport:
             f" [{_fmt(g['debiased_lo'])}, {_fmt(g['debiased_hi'])}];"
             f" harmonic p2p {_fmt(g['harmonic_p2p'])}"
         )
+        if self.paired.get("blocks"):
+            pq = self.paired
+            lines.append(
+                f"paired (Cochran's Q over {pq['blocks']} targets seen at every phase, "
+                f"{pq['discordant']} discordant): Q={_fmt(pq['statistic'], '.1f')} "
+                f"dof={pq['dof']} p={_fmt_p(pq['p'])}"
+            )
+        lines.append(
+            "by depth: "
+            + "; ".join(
+                f"[{r.depth_lo:.1f}, {r.depth_hi:.1f}) {_fmt(r.accuracy)} (n={r.n})"
+                for r in self.by_depth.itertuples()
+            )
+        )
         gd = self.guard
         lines.append(
             f"design guard: phase uniform p={_fmt_p(gd['uniform_p'])},"
@@ -962,4 +1031,5 @@ def phase_report(
         harmonics=_harmonics(t, alpha),
         gap=_phase_gap(t, n_perm, n_boot, 20, seed, alpha, n_depth_bins),
         guard=_design_guard(t, n_depth_bins),
+        paired=paired_phase_test(df, stride) if "pair_id" in df.columns else {},
     )

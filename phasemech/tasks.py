@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -133,12 +134,16 @@ class NeedleTask:
         _check("n_needles + n_distractors", m + k, m + k <= max_keys, f"at most {max_keys} keys")
         ok = len(self.depths) > 0 and all(0.0 <= x <= 1.0 for x in self.depths)
         _check("depths", self.depths, ok, "need one or more fractions in [0, 1]")
-        _check(
-            "seq_len",
-            self.seq_len,
-            self.context_len >= 2 * (m + k),
-            f"context of {self.context_len} tokens cannot hold {m + k} pairs",
-        )
+        for depth in self.depths:  # pairs cannot straddle needle 0's slot
+            first = _needle_slot(depth, self.context_len)
+            room = first // 2 + (self.context_len - first - 2) // 2 + 1
+            _check(
+                "seq_len",
+                self.seq_len,
+                self.context_len >= 2 and room >= m + k,
+                f"a context of {self.context_len} tokens with needle 0 at depth {depth} holds "
+                f"{room} pairs, not {m + k} (needles + distractors)",
+            )
 
     @property
     def name(self) -> str:
@@ -217,21 +222,36 @@ def _mqar_content(task: MQARTask, rng: np.random.Generator):
     return tokens, key_pos[asked] + 1, starts
 
 
+def _needle_slot(depth: float, context_len: int) -> int:
+    """Key position of needle 0 at ``depth`` (a fraction of the context)."""
+    return int(round(depth * (context_len - 2)))
+
+
 def _needle_content(task: NeedleTask, rng: np.random.Generator, depth: float):
     v, m, k = task.vocab_size, task.n_needles, task.n_distractors
     ctx = task.context_len
     tokens = _fillers(rng, v, task.content_len)
     keys = rng.choice(np.arange(1, v // 2), size=m + k, replace=False)
     values = rng.integers(v // 2, v, size=m + k)
-    first = int(round(depth * (ctx - 2)))  # needle 0's key position
-    taken = np.zeros(ctx, dtype=bool)
-    taken[first : first + 2] = True
+    first = _needle_slot(depth, ctx)
+    # the other pairs: uniformly among non-overlapping 2-slots left and right of needle 0
+    left, right = first, ctx - first - 2
+    rest = m + k - 1
+    n_left = np.arange(rest + 1)
+    ways = np.array(
+        [
+            math.comb(left - a, a) * math.comb(right - rest + a, rest - a)
+            if 2 * a <= left and 2 * (rest - a) <= right
+            else 0
+            for a in n_left
+        ],
+        float,
+    )
+    a = int(rng.choice(n_left, p=ways / ways.sum()))
     key_pos = [first]
-    for _ in range(m + k - 1):  # others: random free 2-slots
-        ok = np.flatnonzero(~taken[:-1] & ~taken[1:])
-        p = int(rng.choice(ok))
-        taken[p : p + 2] = True
-        key_pos.append(p)
+    key_pos += _two_slots(rng, left, a).tolist()
+    key_pos += (_two_slots(rng, right, rest - a) + first + 2).tolist()
+    key_pos[1:] = rng.permutation(key_pos[1:]).tolist()  # needles 1.. at random places
     key_pos = np.asarray(key_pos)
     tokens[key_pos], tokens[key_pos + 1] = keys, values
     order = rng.permutation(m)

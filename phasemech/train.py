@@ -377,17 +377,11 @@ def _train(cfg, run_dir: Path, resume: bool, progress: bool, on_step) -> TrainRe
     metrics_file = run_dir / METRICS_NAME
     if resume and ckpts:
         step = load_checkpoint(ckpts[-1], model, opt, sched)
-        info = json.loads((ckpts[-1] / INFO_FILE).read_text())
-        # drop log lines written after the checkpoint by the interrupted process
-        if metrics_file.exists():
-            kept = [
-                ln
-                for ln in metrics_file.read_text().splitlines()
-                if ln.strip()
-                and json.loads(ln).get("step", 0) <= step
-                and json.loads(ln).get("event") != "done"
-            ]
-            metrics_file.write_text("".join(ln + "\n" for ln in kept))
+        info_file = ckpts[-1] / INFO_FILE
+        try:
+            info = json.loads(info_file.read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise ValueError(f"{info_file} could not be read: {err}") from err
         if info.get("finished"):
             return TrainResult(
                 run_dir,
@@ -397,6 +391,11 @@ def _train(cfg, run_dir: Path, resume: bool, progress: bool, on_step) -> TrainRe
                 info["stopped_early"],
                 0.0,
             )
+        # drop log lines written after the checkpoint by the interrupted process
+        if metrics_file.exists():
+            rows = [json.loads(ln) for ln in metrics_file.read_text().splitlines() if ln.strip()]
+            kept = [r for r in rows if r.get("event") != "done" and r.get("step", 0) <= step]
+            metrics_file.write_text("".join(json.dumps(r) + "\n" for r in kept))
     elif metrics_file.exists():
         metrics_file.unlink()
 

@@ -178,8 +178,9 @@ def test_evaluate_dense_model_and_stated_grid(ds):
     ev_off = evaluate(dense, ds, stride=4, grid_offset=3, n_boot=10, n_perm=10)
     assert ev_off.grid_offset == 3
     np.testing.assert_array_equal(ev_off.targets["phase"], (ev_off.targets["source_pos"] - 3) % 4)
-    with pytest.raises(ValueError, match="stride=1"):
-        evaluate(dense, ds, stride=1, n_boot=10, n_perm=10)
+    for bad in (0, 1):  # 0 must not fall back to the model's stride
+        with pytest.raises(ValueError, match=f"stride={bad}"):
+            evaluate(dense, ds, stride=bad, n_boot=10, n_perm=10)
 
 
 def test_evaluate_explicit_offset_model_reports_on_its_offset(ds):

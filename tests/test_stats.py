@@ -405,4 +405,60 @@ def test_report_save_round_trip(tmp_path):
     text = report.summary()
     assert text.startswith("stride 8:")
     assert "n/a" in text  # the unobserved phase
-    assert len(text.splitlines()) == 2 + D + 4
+    assert len(text.splitlines()) == 2 + D + 5  # + the by-depth line
+
+
+# --------------------------------------------------------------------------- paired design
+
+
+def paired_frame(p_phase, n_blocks: int, rng: np.random.Generator, copies: int = 1):
+    """Each block = one target measured ``copies`` times at every phase; a block effect makes
+    copies of one target correlated (as the shifted copies of one content are)."""
+    d = len(p_phase)
+    block_effect = rng.normal(0, 1.5, size=n_blocks)
+    rows = []
+    for b in range(n_blocks):
+        for _ in range(copies):
+            for phase in range(d):
+                prob = expit(logit(p_phase[phase]) + block_effect[b])
+                rows.append((b, phase, rng.random() < prob))
+    df = pd.DataFrame(rows, columns=["pair_id", "phase", "correct"])
+    return df.assign(depth=0.5, seq_id=df["pair_id"])
+
+
+def test_paired_test_matches_statsmodels_and_finds_a_dip():
+    from statsmodels.stats.contingency_tables import cochrans_q
+
+    rng = np.random.default_rng(0)
+    dip = paired_frame([0.8, 0.8, 0.55, 0.8], 300, rng)
+    res = stats.paired_phase_test(dip, 4)
+    x = dip.pivot(index="pair_id", columns="phase", values="correct").to_numpy(float)
+    assert res["statistic"] == pytest.approx(cochrans_q(x).statistic)
+    assert res["p"] < 0.01 and res["blocks"] == 300 and res["dropped"] == 0
+    report = stats.phase_report(dip, 4, n_boot=50, n_perm=50)
+    assert report.paired["p"] == res["p"] and "Cochran" in report.summary()
+
+
+def test_paired_test_size_under_no_effect():
+    rng = np.random.default_rng(1)
+    pvals = [
+        stats.paired_phase_test(paired_frame(flat(0.8, 4), 200, rng), 4)["p"] for _ in range(20)
+    ]
+    assert np.mean(np.asarray(pvals) < 0.05) <= 0.2
+
+
+def test_paired_test_splits_repeated_blocks_and_drops_incomplete_ones():
+    rng = np.random.default_rng(2)
+    df = paired_frame(flat(0.7, 4), 50, rng, copies=2)  # 8 shifts seen on a stride-4 grid
+    res = stats.paired_phase_test(df, 4)
+    assert res["blocks"] == 100 and res["dropped"] == 0
+    res = stats.paired_phase_test(df.iloc[1:], 4)  # block 0 loses one copy at phase 0
+    assert res["blocks"] == 99 and res["dropped"] == 1
+
+
+def test_paired_test_without_pairs_or_discordance():
+    df = simulate(flat(0.8, 4), n_seq=20, per_seq=4, rng=3)
+    assert np.isnan(stats.paired_phase_test(df, 4)["p"])
+    assert stats.phase_report(df, 4, n_boot=20, n_perm=20).paired == {}
+    same = paired_frame(flat(0.8, 4), 10, np.random.default_rng(4)).assign(correct=True)
+    assert stats.paired_phase_test(same, 4)["p"] == 1.0

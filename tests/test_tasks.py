@@ -355,20 +355,28 @@ def test_needle_depth_extremes_fit_inside_context():
         assert s - 1 - row["prefix"] == want
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="library bug: NeedleTask accepts context_len == 2*(pairs) but random placement "
-    "can fragment the context (numpy 'a cannot be empty' from rng.choice)",
-)
-def test_needle_tight_context_is_rejected_or_generates():
-    # Either the task refuses a context its placement cannot always fill, or it fills it.
-    try:
-        task = NeedleTask(seq_len=6, stride=1, n_needles=1, n_distractors=1, depths=(0.5,))
-    except ValueError as err:
-        assert "seq_len" in str(err)
-        return
-    for seed in range(5):
-        generate(task, 4, seed=seed)
+def test_needle_tight_contexts_are_rejected_or_always_generate():
+    # seq_len=6: needle 0 at depth 0.5 leaves no room for a distractor pair on either side
+    with pytest.raises(ValueError, match="seq_len"):
+        NeedleTask(seq_len=6, stride=1, n_needles=1, n_distractors=1, depths=(0.5,))
+    # filled to capacity (25 pairs in a 51-token context): placement never fragments it
+    task = NeedleTask(seq_len=64, stride=8, n_needles=3, n_distractors=22)
+    for row in _rows(generate(task, 80, seed=0, balanced=True)):
+        check_needle(task, row)
+    with pytest.raises(ValueError, match="seq_len"):
+        NeedleTask(seq_len=64, stride=8, n_needles=3, n_distractors=23)
+
+
+def test_needle_pairs_are_placed_uniformly():
+    # 1 distractor in an 8-token context, needle 0 at depth 0 (slot 0): the distractor's key
+    # takes each of the 5 free slots 2..6 equally often
+    task = NeedleTask(seq_len=10, stride=1, n_needles=1, n_distractors=1, depths=(0.0,))
+    keys = []
+    for row in _rows(generate(task, 2000, seed=3)):
+        ids = np.asarray(row["input_ids"])
+        keys.append(int(np.flatnonzero(ids[2:8] < task.vocab_size // 2)[0]) + 2)
+    counts = np.bincount(keys, minlength=7)[2:7]
+    assert stats.chisquare(counts).pvalue > 1e-3, counts
 
 
 # --------------------------------------------------------------------------- determinism

@@ -104,6 +104,8 @@ def test_resume_of_finished_run_is_a_no_op(tmp_path):
     again = train(cfg, tmp_path / "r", resume=True, progress=False)
     assert again.step == first.step and again.accuracy == first.accuracy
     assert len(read_metrics(tmp_path / "r")) == 1
+    lines = (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()
+    assert json.loads(lines[-1])["event"] == "done"  # the final summary line survives
 
 
 def test_checkpoint_contents_and_metrics_log(tmp_path):
