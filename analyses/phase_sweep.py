@@ -211,7 +211,16 @@ def load_targets(sweep_dir: Path, specs: list[RunSpec]) -> pd.DataFrame:
     for spec in specs:
         for f in sorted((sweep_dir / spec.name).glob("targets_step_*.parquet")):
             df = pd.read_parquet(
-                f, columns=["group_id", "source_pos", "depth", "distance", "correct", "step"]
+                f,
+                columns=[
+                    "group_id",
+                    "target",
+                    "source_pos",
+                    "depth",
+                    "distance",
+                    "correct",
+                    "step",
+                ],
             )
             df["run"] = spec.name
             for k in ("design", "stride", "heads", "seq_len", "seed"):
@@ -232,6 +241,8 @@ def report_row(key: dict, df: pd.DataFrame, stride: int, n_boot: int, n_perm: in
     sdf = df.assign(phase=np.mod(df["source_pos"].to_numpy(), stride))
     # clusters: contents; with several seeds, seeds then contents (stats resamples both)
     sdf["seq_id"] = sdf["group_id"] + 1_000_000 * sdf["seed"]
+    # paired blocks: one target of one content (and seed) seen at every shift
+    sdf["pair_id"] = sdf["seq_id"] * 1024 + sdf["target"]
     if key.get("seed") != "pooled":
         sdf = sdf.drop(columns="seed")
     rep = phase_report(sdf, stride, n_boot=n_boot, n_perm=n_perm, seed=0)
@@ -254,6 +265,7 @@ def report_row(key: dict, df: pd.DataFrame, stride: int, n_boot: int, n_perm: in
         "weak_phase": rep.gap["argmin_phase"],
         "p_logistic": rep.logistic["p"],
         "p_chi2": rep.chi2["p"],
+        "p_paired": rep.paired.get("p", float("nan")),
         "p_harmonic_min_holm": float(h["p_holm"].min()),
         "guard_uniform_p": rep.guard["uniform_p"],
         "guard_independence_p": rep.guard["independence_p"],
@@ -261,7 +273,12 @@ def report_row(key: dict, df: pd.DataFrame, stride: int, n_boot: int, n_perm: in
 
 
 def _report_job(args):
-    return report_row(*args)
+    from threadpoolctl import threadpool_limits
+
+    # one BLAS thread: the workers already fill the cores, and BLAS threads spinning on a busy
+    # 2-core box made the logistic fits several times slower
+    with threadpool_limits(1):
+        return report_row(*args)
 
 
 def aggregate(sweep_dir: Path, specs: list[RunSpec], p: Profile, workers: int) -> pd.DataFrame:
@@ -350,17 +367,25 @@ def _fmt(x: float) -> str:
     return "nan" if x is None or not np.isfinite(x) else f"{x:.3f}"
 
 
-def write_summary(sweep_dir: Path, results: pd.DataFrame, seconds: float, p: Profile) -> str:
+def write_summary(
+    sweep_dir: Path, results: pd.DataFrame, seconds: float | None, p: Profile, n_models: int
+) -> str:
     fin = results[(results["step"] == "final") & (results["seed"] == "pooled")]
+    timing = (
+        f"Wall time {seconds / 60:.1f} min for {n_models} models."
+        if seconds is not None
+        else f"Aggregated from the {n_models} runs scored so far (no timing)."
+    )
     lines = [
         f"# Phase sweep ({sweep_dir.name})",
         "",
-        f"Wall time {seconds / 60:.1f} min. Test set: {p.test_sequences} phase-balanced "
-        "sequences per length; seeds pooled (clusters: seed, then content).",
+        f"{timing} Test set: {p.test_sequences} phase-balanced "
+        "sequences per length; seeds pooled (clusters: seed, then content); p (paired): "
+        "Cochran's Q over each target seen at every phase.",
         "",
         "| design | d | heads | T | acc | acc by phase | raw gap | null p95 | debiased gap "
-        "[95% CI] | p (logistic) | p (perm) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "[95% CI] | p (logistic) | p (perm) | p (paired) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     order = {d: i for i, d in enumerate(DESIGNS)}
     fin = fin.sort_values(["seq_len", "phase_stride", "heads"], kind="stable")
@@ -373,25 +398,89 @@ def write_summary(sweep_dir: Path, results: pd.DataFrame, seconds: float, p: Pro
             f"| {r.design} | {r.phase_stride} | {r.heads} | {r.seq_len} | {r.accuracy:.3f} | "
             f"{phases} | {_fmt(r.raw_gap)} | {_fmt(r.null_p95)} | {_fmt(r.debiased_gap)} "
             f"[{_fmt(r.debiased_lo)}, {_fmt(r.debiased_hi)}] | {r.p_logistic:.2g} | "
-            f"{r.p_perm:.2g} |"
+            f"{r.p_perm:.2g} | {r.p_paired:.2g} |"
         )
     lines += [
         "",
         "## Per seed, final",
         "",
-        "| design | d | heads | T | seed | step | acc | raw gap | debiased gap | p (perm) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| design | d | heads | T | seed | step | acc | raw gap | debiased gap | p (perm) "
+        "| p (paired) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     per = results[(results["seed"] != "pooled") & (results["step"] == "final")]
     for r in per.sort_values(["seq_len", "phase_stride", "heads", "design", "seed"]).itertuples():
         lines.append(
             f"| {r.design} | {r.phase_stride} | {r.heads} | {r.seq_len} | {r.seed} | "
             f"final | {r.accuracy:.3f} | {_fmt(r.raw_gap)} | {_fmt(r.debiased_gap)} | "
-            f"{r.p_perm:.2g} |"
+            f"{r.p_perm:.2g} | {r.p_paired:.2g} |"
         )
+    lines += _budget_table(results) + _matched_table(sweep_dir)
     text = "\n".join(lines) + "\n"
     (sweep_dir / "summary.md").write_text(text)
     return text
+
+
+def _budget_table(results: pd.DataFrame) -> list[str]:
+    """Mean over seeds of accuracy and debiased gap at each scored checkpoint."""
+    per = results[results["seed"] != "pooled"].copy()
+    steps = sorted({s for s in per["step"] if s != "final"}, key=int) + ["final"]
+    lines = [
+        "",
+        "## Training budget (mean over seeds: accuracy / debiased gap)",
+        "",
+        "| design | d | heads | T | " + " | ".join(f"step {s}" for s in steps) + " |",
+        "|---|---|---|---|" + "---|" * len(steps),
+    ]
+    keys = ["design", "phase_stride", "heads", "seq_len"]
+    for key, g in per.groupby(keys, sort=True):
+        cells = []
+        for s in steps:
+            gs = g[g["step"] == s]
+            cells.append(
+                f"{gs['accuracy'].mean():.3f} / {gs['debiased_gap'].mean():.3f} ({len(gs)})"
+                if len(gs)
+                else ""
+            )
+        lines.append("| " + " | ".join(str(k) for k in key) + " | " + " | ".join(cells) + " |")
+    lines.append("")
+    lines.append(
+        "(n) = seeds with a checkpoint at that step; runs that stopped early at the "
+        "target accuracy only have a final row."
+    )
+    return lines
+
+
+ACC_BINS = [0.0, 0.3, 0.6, 0.9, 0.99, 1.0001]
+
+
+def _matched_table(sweep_dir: Path) -> list[str]:
+    """Held-out raw gap along training, binned by held-out accuracy: designs vs dense."""
+    curve = pd.read_parquet(sweep_dir / "gap_vs_accuracy.parquet")
+    labels = ["<0.3", "0.3-0.6", "0.6-0.9", "0.9-0.99", ">=0.99"]
+    curve["bin"] = pd.cut(curve["accuracy"], ACC_BINS, labels=labels, right=False)
+    lines = [
+        "",
+        "## Matched accuracy: held-out raw gap by accuracy band (mean over evaluations, n)",
+        "",
+        "Every evaluation (each 100 steps, 512 held-out sequences) of every seed, binned by "
+        "its accuracy: compare each design with the dense row at the same accuracy.",
+        "",
+        "| design | d | heads | T | " + " | ".join(labels) + " |",
+        "|---|---|---|---|" + "---|" * len(labels),
+    ]
+    keys = ["seq_len", "stride", "heads", "design"]
+    order = {d: i for i, d in enumerate(DESIGNS)}
+    groups = sorted(
+        curve.groupby(keys, observed=True), key=lambda kv: (*kv[0][:3], order.get(kv[0][3], 9))
+    )
+    for (seq_len, stride, heads, design), g in groups:
+        cells = []
+        for lab in labels:
+            gb = g[g["bin"] == lab]
+            cells.append(f"{gb['raw_gap'].mean():.3f} ({len(gb)})" if len(gb) else "")
+        lines.append(f"| {design} | {stride} | {heads} | {seq_len} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def main() -> None:
@@ -400,6 +489,11 @@ def main() -> None:
     parser.add_argument("--runs", type=Path, default=Path("runs"))
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--steps", type=int, default=None, help="override the profile's steps")
+    parser.add_argument(
+        "--aggregate-only",
+        action="store_true",
+        help="skip training and scoring: report on the runs already scored",
+    )
     args = parser.parse_args()
     p = PROFILES[args.profile]
     if args.steps:
@@ -413,9 +507,13 @@ def main() -> None:
     )
     t0 = time.perf_counter()
     timings = []
+    if args.aggregate_only:
+        specs = [s for s in specs if list((sweep_dir / s.name).glob("targets_step_*.parquet"))]
+        console.print(f"aggregating the {len(specs)} runs already scored")
     with _progress() as bar, ProcessPoolExecutor(args.workers) as pool:
         task = bar.add_task("train + score", total=len(specs))
-        futures = {pool.submit(run_one, s, p, str(sweep_dir)): s for s in specs}
+        todo = [] if args.aggregate_only else specs
+        futures = {pool.submit(run_one, s, p, str(sweep_dir)): s for s in todo}
         for fut in as_completed(futures):
             info = fut.result()
             timings.append(info)
@@ -426,7 +524,12 @@ def main() -> None:
             bar.advance(task)
     results = aggregate(sweep_dir, specs, p, args.workers)
     seconds = time.perf_counter() - t0
-    text = write_summary(sweep_dir, results, seconds, p)
+    text = write_summary(
+        sweep_dir, results, None if args.aggregate_only else seconds, p, len(specs)
+    )
+    print(text)
+    if args.aggregate_only:
+        return
     (sweep_dir / "summary.json").write_text(
         json.dumps(
             {
@@ -439,7 +542,6 @@ def main() -> None:
             indent=2,
         )
     )
-    print(text)
 
 
 if __name__ == "__main__":
