@@ -37,8 +37,10 @@ import pandas as pd
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from phasemech.config import DESIGNS
+from phasemech.grid import phase_of
+
 console = Console()
-DESIGNS = ("none", "mean", "gated", "mlp", "route")
 
 
 @dataclass(frozen=True)
@@ -173,7 +175,7 @@ def run_one(spec: RunSpec, p: Profile, sweep_dir: str) -> dict:
     import torch
 
     torch.set_num_threads(1)
-    from phasemech.evaluate import predict, test_set
+    from phasemech.evaluate import balanced_test_set, predict
     from phasemech.model import PhaseTransformer
     from phasemech.train import checkpoint_dirs, train
 
@@ -183,7 +185,7 @@ def run_one(spec: RunSpec, p: Profile, sweep_dir: str) -> dict:
     result = train(cfg, run_dir, resume=True, progress=False)
     t_train = time.perf_counter() - t0
     ckpts = checkpoint_dirs(run_dir)
-    test = test_set(cfg.task, p.test_sequences, seed=777)
+    test = balanced_test_set(cfg.task, p.test_sequences, seed=777)
     for ckpt in ckpts:
         out = run_dir / f"targets_{ckpt.name}.parquet"
         if out.exists():
@@ -238,7 +240,7 @@ def _stage(df: pd.DataFrame, final_steps: dict[str, int]) -> pd.Series:
 def report_row(key: dict, df: pd.DataFrame, stride: int, n_boot: int, n_perm: int) -> dict:
     from phasemech.stats import phase_report
 
-    sdf = df.assign(phase=np.mod(df["source_pos"].to_numpy(), stride))
+    sdf = df.assign(phase=phase_of(df["source_pos"].to_numpy(), stride))
     # clusters: contents; with several seeds, seeds then contents (stats resamples both)
     sdf["seq_id"] = sdf["group_id"] + 1_000_000 * sdf["seed"]
     # paired blocks: one target of one content (and seed) seen at every shift
@@ -498,7 +500,9 @@ def main() -> None:
     p = PROFILES[args.profile]
     if args.steps:
         p = replace(p, steps=args.steps)
-    sweep_dir = args.runs / f"phase_sweep_{args.profile}"
+    # a different step budget is a different sweep: its own cache
+    suffix = f"_steps{args.steps}" if args.steps else ""
+    sweep_dir = args.runs / f"phase_sweep_{args.profile}{suffix}"
     sweep_dir.mkdir(parents=True, exist_ok=True)
     specs = run_specs(p)
     console.print(

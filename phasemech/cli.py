@@ -74,17 +74,13 @@ BalancedOpt = Annotated[
 
 
 def _write_dataset(task, sequences: int, seed: int, balanced: bool, out: Path) -> None:
-    from phasemech.tasks import generate, targets_frame
+    from phasemech.tasks import generate, save_dataset, targets_frame
 
     try:
         ds = generate(task, sequences, seed, balanced=balanced)
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err
-    if out.suffix == ".parquet":
-        out.parent.mkdir(parents=True, exist_ok=True)
-        ds.to_parquet(str(out))
-    else:
-        ds.save_to_disk(str(out))
+    save_dataset(ds, out)
     counts = targets_frame(ds).groupby("phase").size()
     console.print(
         f"wrote {len(ds)} {task.name} sequences ({int(counts.sum())} targets) to {out}; "
@@ -172,6 +168,7 @@ def train(
     """Train a model from scratch on MQAR (progress shows held-out accuracy per phase)."""
     import dataclasses
     import json
+    import math
 
     from phasemech.config import CompressionConfig
     from phasemech.train import TrainConfig
@@ -193,8 +190,13 @@ def train(
         comp.update(_given(design=design, stride=stride, window=window, offsets=offsets))
         if layers is not None:
             comp["layers"] = [int(x) for x in layers.split(",")] if layers else None
-        if stride is not None and window is None and config is None:
-            comp["window"] = None  # default 2*stride for the new stride
+        if stride is not None:  # derived fields follow the new stride unless given
+            comp["block_len"] = None
+            if window is None:
+                comp["window"] = None
+        if stride is not None and task.stride % stride:
+            # keep phases balanced on the new grid: the task stride must be a multiple of it
+            task = dataclasses.replace(task, stride=math.lcm(task.stride, stride))
         if comp["design"] != "route":
             comp["top_k"] = None
         cfg = dataclasses.replace(
@@ -217,7 +219,7 @@ def train(
         raise typer.BadParameter(str(err)) from err
     try:
         result = run_train(cfg, out, resume=resume)
-    except (FileExistsError, ValueError) as err:
+    except (FileExistsError, FileNotFoundError, ValueError) as err:
         console.print(f"[red]error:[/] {err}")
         raise typer.Exit(1) from err
     phases = " ".join(f"{p:.3f}" for p in result.accuracy_by_phase)
@@ -248,17 +250,17 @@ def eval_cmd(
     out: Annotated[Path | None, typer.Option(help="default: CHECKPOINT/eval")] = None,
 ) -> None:
     """Per-phase accuracy with the full statistics template (parquet + JSON)."""
-    from phasemech.evaluate import evaluate, load_dataset_path, resolve_checkpoint, test_set
-    from phasemech.tasks import task_of
+    from phasemech.evaluate import balanced_test_set, evaluate, resolve_checkpoint
+    from phasemech.tasks import load_dataset, task_of
 
     torch.set_num_threads(1)
     try:
         model_dir, cfg = resolve_checkpoint(checkpoint)
         model = PhaseTransformer.load(model_dir)
         if data is not None:
-            ds = load_dataset_path(data)
+            ds = load_dataset(data)
         elif cfg is not None:
-            ds = test_set(cfg.task, sequences, data_seed)
+            ds = balanced_test_set(cfg.task, sequences, data_seed)
         else:
             raise ValueError(f"{checkpoint} is not part of a training run: pass --data")
         evaluation = evaluate(

@@ -13,11 +13,13 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 import torch
-from datasets import Dataset, load_from_disk
+from datasets import Dataset
 
+from phasemech.config import is_int
+from phasemech.grid import phase_of
+from phasemech.io import atomic_write, write_json_atomic
 from phasemech.model import PhaseTransformer
 from phasemech.stats import PhaseReport, phase_report
 from phasemech.tasks import Task, generate, targets_frame, task_of, to_tensors
@@ -74,10 +76,10 @@ class Evaluation:
         """``targets.parquet`` plus the report's parquet and JSON files under ``out``."""
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
-        self.targets.to_parquet(out / "targets.parquet")
+        atomic_write(out / "targets.parquet", lambda tmp: self.targets.to_parquet(tmp))
         self.report.save(out)
         meta = {"stride": self.stride, "grid_offset": self.grid_offset, "grid": self.grid_note}
-        (out / "grid.json").write_text(json.dumps(meta, indent=2))
+        write_json_atomic(out / "grid.json", meta)
         return out
 
 
@@ -128,12 +130,22 @@ def evaluate(
     m_stride, m_offset, note = grid_note(model)
     if stride is not None or grid_offset is not None:
         m_stride = m_stride if stride is None else stride
-        m_offset = 0 if grid_offset is None else grid_offset
+        if not is_int(m_stride) or m_stride < 2:
+            raise ValueError(f"stride={m_stride!r} is invalid for a phase report: need >= 2")
+        # a stated stride alone keeps the model's offset (reduced onto the new grid)
+        m_offset = m_offset % m_stride if grid_offset is None else grid_offset
         note = f"stated grid stride {m_stride}, offset {m_offset}"
     if m_stride < 2:
         raise ValueError(f"stride={m_stride} is invalid for a phase report: need >= 2")
+    task = task_of(ds)
+    if task is not None and task.stride % m_stride:
+        raise ValueError(
+            f"stride={m_stride} does not divide the dataset's stride={task.stride}: its phases "
+            "would not be balanced nor independent of depth; generate the data with a stride "
+            f"that is a multiple of {m_stride}"
+        )
     df = predict(model, ds, batch_size)
-    df["phase"] = np.mod(df["source_pos"].to_numpy() - m_offset, m_stride)
+    df["phase"] = phase_of(df["source_pos"].to_numpy(), m_stride, m_offset)
     # cluster = content (see module docstring); a block = one target of one content, seen at
     # every shift in a phase-balanced set (the paired test uses complete blocks only)
     pair_id = df["group_id"] * (df["target"].max() + 1) + df["target"]
@@ -169,30 +181,16 @@ def resolve_checkpoint(path: str | Path) -> tuple[Path, TrainConfig | None]:
     return path, cfg
 
 
-def load_dataset_path(path: str | Path) -> Dataset:
-    """A dataset written by ``phasemech data``: a ``save_to_disk`` folder or a parquet file."""
-    path = Path(path)
-    if path.is_dir():
-        return load_from_disk(str(path))
-    if path.suffix == ".parquet":
-        return Dataset.from_parquet(str(path))
-    raise ValueError(f"{path} is neither a save_to_disk folder nor a .parquet file")
-
-
-def test_set(task: Task, sequences: int = 4096, seed: int = 777) -> Dataset:
+def balanced_test_set(task: Task, sequences: int = 4096, seed: int = 777) -> Dataset:
     """The phase-balanced test set of a task (seed distinct from training and held-out sets)."""
     return generate(task, sequences, seed, balanced=True)
 
-
-test_set.__test__ = False  # pytest: not a test
 
 __all__ = [
     "Evaluation",
     "evaluate",
     "grid_note",
-    "load_dataset_path",
+    "balanced_test_set",
     "predict",
     "resolve_checkpoint",
-    "task_of",
-    "test_set",
 ]

@@ -14,8 +14,6 @@ import contextlib
 import dataclasses
 import functools
 import json
-import os
-import tempfile
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +27,7 @@ from transformer_lens import HookedTransformer, HookedTransformerConfig
 
 from phasemech.attention import DESIGN_CLASSES, CompressedAttentionMixin, make_attention_class
 from phasemech.config import CompressionConfig, PhaseTransformerConfig
+from phasemech.io import atomic_write
 
 CONFIG_FILE = "config.json"
 #: compressed-layer hooks without a position axis (no ``pos_slice`` when caching)
@@ -101,18 +100,6 @@ def _tl_fields(cfg: HookedTransformerConfig) -> dict[str, Any]:
     return {
         f.name: getattr(cfg, f.name) for f in dataclasses.fields(HookedTransformerConfig) if f.init
     }
-
-
-def _atomic_write(path: Path, write) -> None:
-    """Write through a temp file in the same folder, then rename: readers never see a torn file."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 class PhaseTransformer(HookedTransformer):
@@ -314,9 +301,9 @@ class PhaseTransformer(HookedTransformer):
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         text = json.dumps(self.config_dict(), indent=2, sort_keys=True)
-        _atomic_write(path / CONFIG_FILE, lambda tmp: Path(tmp).write_text(text))
+        atomic_write(path / CONFIG_FILE, lambda tmp: Path(tmp).write_text(text))
         state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
-        _atomic_write(path / WEIGHTS_FILE, lambda tmp: save_file(state, tmp))
+        atomic_write(path / WEIGHTS_FILE, lambda tmp: save_file(state, tmp))
         return path
 
     @classmethod

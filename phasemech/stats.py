@@ -34,7 +34,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +46,9 @@ from scipy import stats as sps
 from statsmodels.genmod import families
 from statsmodels.genmod.generalized_linear_model import GLM
 from statsmodels.stats.proportion import confint_proportions_2indep, proportion_confint
+
+from phasemech.config import is_int
+from phasemech.io import atomic_write
 
 __all__ = [
     "PhaseReport",
@@ -69,12 +71,8 @@ REQUIRED = ("correct", "phase", "depth", "seq_id")
 # --------------------------------------------------------------------------- input checking
 
 
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int | np.integer) and not isinstance(x, bool)
-
-
 def _check_int(where: str, name: str, value: Any, low: int) -> int:
-    if not _is_int(value) or value < low:
+    if not is_int(value) or value < low:
         raise ValueError(f"{where}: {name}={value!r} is invalid: must be an int >= {low}")
     return int(value)
 
@@ -877,18 +875,6 @@ def _plain(x: Any) -> Any:
     return x
 
 
-def _atomic_write(path: Path, write) -> None:
-    """Write via a temp file in the same directory and ``os.replace``: readers never see half."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _fmt_p(p: Any) -> str:
     if p is None or not np.isfinite(p):
         return "n/a"
@@ -934,11 +920,11 @@ class PhaseReport:
         directory.mkdir(parents=True, exist_ok=True)
         for name in ("per_phase", "by_depth", "harmonics"):
             frame = getattr(self, name)
-            _atomic_write(
+            atomic_write(
                 directory / f"{name}.parquet", lambda p, f=frame: f.to_parquet(p, index=False)
             )
         text = json.dumps(self.to_dict(), indent=2, allow_nan=False)
-        _atomic_write(directory / "report.json", lambda p: Path(p).write_text(text + "\n"))
+        atomic_write(directory / "report.json", lambda p: Path(p).write_text(text + "\n"))
 
     def summary(self) -> str:
         """A few lines for a terminal: the per-phase curve, the tests and the gaps."""

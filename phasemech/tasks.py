@@ -35,16 +35,20 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 import pandas as pd
+import pyarrow.parquet as pq
 import torch
-from datasets import Dataset
+from datasets import Dataset, load_from_disk
 from jaxtyping import Int
 from torch import Tensor
 
 from phasemech.config import is_int
+from phasemech.grid import phase_of
+from phasemech.io import atomic_write
 
 TaskName = Literal["mqar", "needle"]
 TARGET_COLUMNS = ("query_pos", "source_pos", "answer", "depth", "distance", "phase")
@@ -281,7 +285,7 @@ def _sequence(task: Task, rng: np.random.Generator, content, prefix: int) -> dic
         "answer": seq[source].tolist(),
         "depth": ((source - prefix) / (query - prefix)).tolist(),
         "distance": (query - source).tolist(),
-        "phase": np.mod(source - task.grid_offset, task.stride).tolist(),
+        "phase": phase_of(source, task.stride, task.grid_offset).tolist(),
     }
 
 
@@ -369,6 +373,38 @@ def to_tensors(
     return torch.tensor(ids), torch.tensor(qp), torch.tensor(ans)
 
 
+PARQUET_KEY = b"phasemech"  # parquet schema metadata: the task, as in the dataset description
+
+
+def save_dataset(ds: Dataset, path: str | Path) -> Path:
+    """Write ``ds`` as a ``save_to_disk`` folder, or as one parquet file when ``path`` ends in
+    ``.parquet`` (the task description travels in the parquet schema metadata)."""
+    path = Path(path)
+    if path.suffix != ".parquet":
+        ds.save_to_disk(str(path))
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    table = ds.with_format("arrow")[:]
+    meta = dict(table.schema.metadata or {})
+    meta[PARQUET_KEY] = (ds.info.description or "").encode()
+    atomic_write(path, lambda tmp: pq.write_table(table.replace_schema_metadata(meta), tmp))
+    return path
+
+
+def load_dataset(path: str | Path) -> Dataset:
+    """Read a dataset written by :func:`save_dataset` (or ``phasemech data``)."""
+    path = Path(path)
+    if path.is_dir():
+        return load_from_disk(str(path))
+    if path.suffix != ".parquet" or not path.is_file():
+        raise ValueError(f"{path} is neither a save_to_disk folder nor a .parquet file")
+    ds = Dataset.from_parquet(str(path))
+    meta = pq.read_schema(path).metadata or {}
+    if PARQUET_KEY in meta:
+        ds.info.description = meta[PARQUET_KEY].decode()
+    return ds
+
+
 def targets_frame(ds: Dataset, stride: int | None = None, grid_offset: int = 0) -> pd.DataFrame:
     """One row per target: ``seq_id, group_id, target, prefix, query_pos, source_pos, answer,
     depth, distance, phase``. ``stride`` recomputes ``phase`` on another grid (e.g. a model's)."""
@@ -380,7 +416,7 @@ def targets_frame(ds: Dataset, stride: int | None = None, grid_offset: int = 0) 
         df[col] = df[col].astype(np.int64)
     df["depth"] = df["depth"].astype(np.float64)
     if stride is not None:
-        df["phase"] = np.mod(df["source_pos"].to_numpy() - grid_offset, stride)
+        df["phase"] = phase_of(df["source_pos"].to_numpy(), stride, grid_offset)
     first = ["seq_id", "group_id", "target", "prefix"]
     return df[first + list(TARGET_COLUMNS)]
 
@@ -391,6 +427,8 @@ __all__ = [
     "Task",
     "generate",
     "generate_rows",
+    "load_dataset",
+    "save_dataset",
     "targets_frame",
     "task_from_dict",
     "task_of",

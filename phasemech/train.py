@@ -16,6 +16,9 @@ one that never stopped.
 Loss and accuracy are taken only at answer positions (Zoology's MQAR convention). The held-out
 set is phase-balanced and seeded independently of the model (``eval_seed``), so every model of a
 sweep is scored on the same sequences.
+
+Axis names: ``batch`` (sequences), ``pos`` (token positions), ``target`` (answers per sequence,
+see :mod:`phasemech.tasks`), ``vocab``, ``phase``.
 """
 
 from __future__ import annotations
@@ -34,15 +37,25 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from jaxtyping import Int
+from jaxtyping import Float, Int
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from torch import Tensor
 from transformer_lens.utilities import apply_softcap
 
 from phasemech.config import CompressionConfig, PhaseTransformerConfig, is_int
+from phasemech.grid import phase_of
+from phasemech.io import write_json_atomic, write_text_atomic
 from phasemech.model import PhaseTransformer
-from phasemech.tasks import MQARTask, Task, generate, task_from_dict, task_to_dict, to_tensors
+from phasemech.tasks import (
+    MQARTask,
+    NeedleTask,
+    Task,
+    generate,
+    task_from_dict,
+    task_to_dict,
+    to_tensors,
+)
 from phasemech.tasks import training_batch as task_batch
 
 CONFIG_NAME = "train_config.json"
@@ -64,6 +77,32 @@ class ModelSpec:
     d_mlp: int | None = None  # None: 4 * d_model when attn_only is False
     normalization_type: str | None = "LN"
     positional_embedding_type: str = "standard"
+
+    def __post_init__(self) -> None:
+        for name in ("n_layers", "d_model", "n_heads"):
+            value = getattr(self, name)
+            if not is_int(value) or value < 1:
+                raise ValueError(f"model {name}={value!r} is invalid: need an int >= 1")
+        if self.d_head is None and self.d_model % self.n_heads:
+            raise ValueError(
+                f"model d_model={self.d_model} is not divisible by n_heads={self.n_heads}: "
+                "give d_head explicitly or pick a divisor"
+            )
+        for name in ("d_head", "d_mlp"):
+            value = getattr(self, name)
+            if value is not None and (not is_int(value) or value < 1):
+                raise ValueError(f"model {name}={value!r} is invalid: need None or an int >= 1")
+        norms = (None, "LN", "LNPre", "RMS", "RMSPre")
+        if self.normalization_type not in norms:
+            raise ValueError(
+                f"model normalization_type={self.normalization_type!r} is invalid: allowed {norms}"
+            )
+        pos = ("standard", "rotary", "shortformer")
+        if self.positional_embedding_type not in pos:
+            raise ValueError(
+                f"model positional_embedding_type={self.positional_embedding_type!r} is "
+                f"invalid: allowed {pos}"
+            )
 
     def hooked_config(self, task: Task, compression: CompressionConfig, seed: int):
         d_head = self.d_head or self.d_model // self.n_heads
@@ -117,13 +156,36 @@ class TrainConfig:
             need(name, is_int(getattr(self, name)) and getattr(self, name) >= 1, "need int >= 1")
         need("warmup_steps", is_int(self.warmup_steps) and self.warmup_steps >= 0, "need >= 0")
         ce = self.checkpoint_every
-        need("checkpoint_every", ce is None or (is_int(ce) and ce >= 1), "need None or >= 1")
-        need("lr", isinstance(self.lr, int | float) and self.lr > 0, "need > 0")
-        need("weight_decay", self.weight_decay >= 0, "need >= 0")
-        need("min_lr_ratio", 0 <= self.min_lr_ratio <= 1, "need in [0, 1]")
-        need("grad_clip", self.grad_clip > 0, "need > 0")
+        # checkpoints at evaluation steps: a resumed run then restarts with a fresh loss window
+        # and the accuracy of its checkpoint, exactly as the uninterrupted run had them
+        need(
+            "checkpoint_every",
+            ce is None or (is_int(ce) and ce >= 1 and ce % self.eval_every == 0),
+            f"need None or a multiple of eval_every={self.eval_every}",
+        )
+        for name, low in (("lr", 0.0), ("weight_decay", None), ("grad_clip", 0.0)):
+            value = getattr(self, name)
+            ok = isinstance(value, int | float) and not isinstance(value, bool)
+            ok = ok and (value > low if low is not None else value >= 0)
+            need(name, ok, "need a number > 0" if low is not None else "need a number >= 0")
+        r = self.min_lr_ratio
+        need("min_lr_ratio", isinstance(r, int | float) and 0 <= r <= 1, "need in [0, 1]")
         ta = self.target_accuracy
-        need("target_accuracy", ta is None or 0 < ta <= 1, "need None or in (0, 1]")
+        ok = ta is None or (isinstance(ta, int | float) and 0 < ta <= 1)
+        need("target_accuracy", ok, "need None or in (0, 1]")
+        for name, cls in (
+            ("task", (MQARTask, NeedleTask)),
+            ("model", ModelSpec),
+            ("compression", CompressionConfig),
+        ):
+            need(name, isinstance(getattr(self, name), cls), f"need a {cls}")
+        if self.task.stride % self.compression.stride:
+            # phases are balanced and independent of depth only on grids dividing the task's
+            raise ValueError(
+                f"compression stride={self.compression.stride} does not divide the task's "
+                f"stride={self.task.stride}: target phases would be tied to depth; use a task "
+                "stride that is a multiple of the compression stride"
+            )
         need(
             "eval_sequences",
             self.eval_sequences % self.task.stride == 0,
@@ -179,8 +241,8 @@ def answer_logits(
     model: PhaseTransformer,
     tokens: Int[Tensor, "batch pos"],
     query_pos: Int[Tensor, "batch target"],
-) -> Tensor:
-    """Logits ``[batch, target, vocab]`` at the answer positions only."""
+) -> Float[Tensor, "batch target vocab"]:
+    """Logits at the answer positions only (the unembedding runs on those rows alone)."""
     resid = model(tokens, return_type=None, stop_at_layer=model.cfg.n_layers)
     picked = resid.gather(1, query_pos[..., None].expand(-1, -1, resid.shape[-1]))
     if model.cfg.normalization_type is not None:  # per-position norms: same as on all positions
@@ -191,23 +253,23 @@ def answer_logits(
 # ------------------------------------------------------------------------------- held-out eval
 
 
-@dataclass
+@dataclass(frozen=True)
 class HeldOut:
-    tokens: Tensor
-    query_pos: Tensor
-    answer: Tensor
-    phase: np.ndarray  # [batch, target] on the model's phase grid
+    tokens: Int[Tensor, "batch pos"]
+    query_pos: Int[Tensor, "batch target"]
+    answer: Int[Tensor, "batch target"]
+    phase: np.ndarray  # [batch, target] on the model's reference grid
 
 
 def held_out_set(cfg: TrainConfig) -> HeldOut:
     ds = generate(cfg.task, cfg.eval_sequences, cfg.eval_seed, balanced=True)
     tokens, qp, ans = to_tensors(ds)
     source = np.asarray(ds["source_pos"])
-    stride, offset = reference_grid(cfg.compression, cfg.model.n_layers)
-    return HeldOut(tokens, qp, ans, np.mod(source - offset, stride))
+    stride, offset = reference_grid(cfg.compression)
+    return HeldOut(tokens, qp, ans, phase_of(source, stride, offset))
 
 
-def reference_grid(compression: CompressionConfig, n_layers: int = 1) -> tuple[int, int]:
+def reference_grid(compression: CompressionConfig) -> tuple[int, int]:
     """``(stride, offset)`` of the grid phases are reported on.
 
     Aligned or one explicit offset: the model's own grid. Staggered, random or per-head offsets
@@ -325,12 +387,6 @@ class TrainResult:
         return self.run_dir / CKPT_DIR / f"step_{self.step:06d}"
 
 
-def _write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2))
-    os.replace(tmp, path)
-
-
 def train(
     cfg: TrainConfig,
     run_dir: str | Path,
@@ -356,8 +412,14 @@ def train(
         diffs = _diff(saved, json.loads(json.dumps(cfg.to_dict())))  # tuples -> lists
         if diffs:
             raise ValueError(f"{run_dir} was trained with another config: " + "; ".join(diffs))
+    if not resume and checkpoint_dirs(run_dir):
+        raise FileExistsError(
+            f"{run_dir} holds checkpoints but no {CONFIG_NAME}: not a run this trainer can "
+            "resume; use an empty folder"
+        )
+    cfg.build_model()  # a config that cannot build fails here, before the folder is written
     run_dir.mkdir(parents=True, exist_ok=True)
-    _write_json_atomic(cfg_file, cfg.to_dict())
+    write_json_atomic(cfg_file, cfg.to_dict())
 
     prev_threads = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
@@ -372,7 +434,7 @@ def _train(cfg, run_dir: Path, resume: bool, progress: bool, on_step) -> TrainRe
     model = cfg.build_model()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
-    step = 0
+    step, info = 0, {}
     ckpts = checkpoint_dirs(run_dir)
     metrics_file = run_dir / METRICS_NAME
     if resume and ckpts:
@@ -395,13 +457,15 @@ def _train(cfg, run_dir: Path, resume: bool, progress: bool, on_step) -> TrainRe
         if metrics_file.exists():
             rows = [json.loads(ln) for ln in metrics_file.read_text().splitlines() if ln.strip()]
             kept = [r for r in rows if r.get("event") != "done" and r.get("step", 0) <= step]
-            metrics_file.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            write_text_atomic(metrics_file, "".join(json.dumps(r) + "\n" for r in kept))
     elif metrics_file.exists():
         metrics_file.unlink()
 
     data = held_out_set(cfg)
-    stride, _ = reference_grid(cfg.compression, cfg.model.n_layers)
-    acc, by_phase = math.nan, [math.nan] * stride
+    stride, _ = reference_grid(cfg.compression)
+    # a resumed run carries its checkpoint's accuracy (checkpoints sit on evaluation steps)
+    acc = info.get("accuracy", math.nan)
+    by_phase = info.get("accuracy_by_phase", [math.nan] * stride)
     stopped_early = False
     model.train()
     recent: list[float] = []

@@ -17,11 +17,18 @@ from typer.testing import CliRunner
 from phasemech.cli import app
 from phasemech.evaluate import (
     evaluate,
-    load_dataset_path,
     predict,
     resolve_checkpoint,
 )
-from phasemech.tasks import MQARTask, NeedleTask, generate, targets_frame, task_of, to_tensors
+from phasemech.tasks import (
+    MQARTask,
+    NeedleTask,
+    generate,
+    load_dataset,
+    targets_frame,
+    task_of,
+    to_tensors,
+)
 from phasemech.train import ModelSpec, TrainConfig, answer_logits, read_metrics, reference_grid
 
 VOCAB, CTX = 64, 32
@@ -181,6 +188,9 @@ def test_evaluate_dense_model_and_stated_grid(ds):
     for bad in (0, 1):  # 0 must not fall back to the model's stride
         with pytest.raises(ValueError, match=f"stride={bad}"):
             evaluate(dense, ds, stride=bad, n_boot=10, n_perm=10)
+    # a grid that does not divide the data's stride: phases unbalanced and tied to depth
+    with pytest.raises(ValueError, match="stride=3 does not divide the dataset's stride=8"):
+        evaluate(dense, ds, stride=3, n_boot=10, n_perm=10)
 
 
 def test_evaluate_explicit_offset_model_reports_on_its_offset(ds):
@@ -275,6 +285,18 @@ def test_cli_train_refuses_an_existing_run(run_dir):
     assert (run_dir / "metrics.jsonl").read_text() == before
 
 
+def test_cli_train_new_stride_keeps_the_task_balanced(tmp_path):
+    # the default task is balanced for stride 8: stride 16 raises the task stride to 16
+    args = [a if a != "4" or i != 3 else "16" for i, a in enumerate(TRAIN_ARGS)]
+    args[args.index("--steps") + 1] = "1"
+    args[args.index("--seq-len") + 1] = "48"
+    result = runner.invoke(app, ["train", "-o", str(tmp_path / "r"), *args, "--eval-every", "1"])
+    assert result.exit_code == 0, result.output
+    cfg = TrainConfig.from_dict(json.loads((tmp_path / "r" / "train_config.json").read_text()))
+    assert cfg.compression.stride == 16 and cfg.task.stride == 16
+    assert cfg.compression.window == 32  # default 2 * stride for the new stride
+
+
 def test_cli_train_bad_flag_is_a_usage_error(tmp_path):
     result = runner.invoke(app, ["train", "-o", str(tmp_path / "r"), "--design", "bogus"])
     assert result.exit_code != 0 and "design" in result.output
@@ -345,7 +367,7 @@ def test_cli_data_mqar_folder_and_parquet(tmp_path):
     args = ["data", "mqar", "-o", str(pq), "--sequences", "24", "--seq-len", "32"]
     result = runner.invoke(app, [*args, "--pairs", "4", "--stride", "4", "--jitter", "1"])
     assert result.exit_code == 0, result.output
-    back = load_dataset_path(pq)
+    back = load_dataset(pq)
     want = generate(MQARTask(seq_len=32, n_pairs=4, stride=4, jitter=1), 24, seed=0)
     assert back.with_format(None).to_list() == want.with_format(None).to_list()
     plain = _model("gated", stride=4, layers=(1,)).save(tmp_path / "plain")

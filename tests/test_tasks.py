@@ -16,6 +16,8 @@ from phasemech.tasks import (
     MQARTask,
     NeedleTask,
     generate,
+    load_dataset,
+    save_dataset,
     targets_frame,
     task_from_dict,
     task_of,
@@ -445,6 +447,13 @@ def test_save_to_disk_and_parquet_round_trip(tmp_path, task):
     from_parquet = Dataset.from_parquet(str(tmp_path / "ds.parquet"))
     assert _rows(from_parquet) == _rows(ds)
     pd.testing.assert_frame_equal(targets_frame(from_parquet), targets_frame(ds))
+    # save_dataset / load_dataset keep the task in the parquet file (HF parquet alone does not)
+    for name in ("saved", "saved.parquet"):
+        back = load_dataset(save_dataset(ds, tmp_path / name))
+        assert _rows(back) == _rows(ds)
+        assert task_of(back) == task
+    with pytest.raises(ValueError, match="neither"):
+        load_dataset(tmp_path / "missing.csv")
 
 
 def test_task_of_and_dict_round_trip():

@@ -222,3 +222,33 @@ def test_train_config_dict_round_trip_and_unknown_fields():
         TrainConfig.from_dict({**cfg.to_dict(), "learning_rate": 1})
     with pytest.raises(ValueError, match="unknown"):
         TrainConfig.from_dict({**cfg.to_dict(), "model": {"heads": 3}})
+
+
+def test_task_stride_must_be_a_multiple_of_the_compression_stride():
+    with pytest.raises(ValueError, match="does not divide the task's stride=4"):
+        tiny_config(compression=CompressionConfig("mean", stride=8, layers=(1,)))
+    with pytest.raises(ValueError, match="multiple of eval_every=4"):
+        tiny_config(checkpoint_every=6)
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(n_heads=0), "n_heads=0"),
+        (dict(n_heads=3), "not divisible by n_heads=3"),
+        (dict(normalization_type="BN"), "normalization_type='BN'"),
+        (dict(d_head=0), "d_head=0"),
+    ],
+)
+def test_bad_model_spec_is_refused_before_a_folder_is_written(tmp_path, kw, match):
+    with pytest.raises(ValueError, match=match):
+        ModelSpec(**kw)
+    assert not (tmp_path / "r").exists()
+
+
+def test_fresh_run_into_a_folder_with_foreign_checkpoints_is_refused(tmp_path):
+    cfg = tiny_config(steps=4)
+    train(cfg, tmp_path / "r", progress=False)
+    (tmp_path / "r" / "train_config.json").unlink()
+    with pytest.raises(FileExistsError, match="holds checkpoints"):
+        train(cfg, tmp_path / "r", progress=False)
