@@ -18,7 +18,9 @@ Stages (each cached under ``RUNS/phase_sweep_<profile>/``; rerunning skips finis
 Writes ``results.parquet`` (one row per design x stride x heads x T x seed|pooled x step),
 ``gap_vs_accuracy.parquet``, ``summary.md`` and ``summary.json`` in the sweep folder.
 
-Usage: ``python analyses/phase_sweep.py [--profile tiny|default|full] [--runs runs]
+``--profile long`` trains gated and dense 4-head models for 5000 steps (the budget axis).
+
+Usage: ``python analyses/phase_sweep.py [--profile tiny|default|long|full] [--runs runs]
 [--workers N]``.
 """
 
@@ -97,6 +99,23 @@ PROFILES = {
         400,
         long_designs=("none", "gated"),
         long_strides=(8,),
+    ),
+    # the budget axis: does a longer run escape the plateau, and does the gap close?
+    "long": Profile(
+        ("none", "gated"),
+        (4, 8),
+        (4,),
+        (64,),
+        (0, 1, 2),
+        5000,
+        100,
+        500,
+        0.995,
+        4096,
+        400,
+        400,
+        long_designs=(),
+        long_heads=(),
     ),
     "full": Profile(
         DESIGNS,
