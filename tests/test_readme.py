@@ -14,3 +14,17 @@ def test_readme_quick_start_runs(capsys):
     printed = capsys.readouterr().out
     assert "L1H3" in printed  # the head-by-phase table
     assert tuple(namespace["pa"].tensor.shape) == (2, 4, 4)
+
+
+def test_readme_training_example_runs(tmp_path, monkeypatch, capsys):
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    code = blocks[1]
+    assert "steps=2000" in code and "balanced_test_set(cfg.task)" in code
+    # the same code at toy size: few steps, a small test set
+    code = code.replace("steps=2000", "steps=2, eval_every=1, eval_sequences=16")
+    code = code.replace("balanced_test_set(cfg.task)", "balanced_test_set(cfg.task, 16)")
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(compile(code, str(README), "exec"), namespace)  # noqa: S102
+    assert "stride 4:" in capsys.readouterr().out
+    assert (tmp_path / "runs/gated_d4/eval/report.json").is_file()
