@@ -17,6 +17,10 @@ def test_phase_sweep_tiny_profile(tmp_path):
     sweep = tmp_path / "phase_sweep_tiny"
     results = pd.read_parquet(sweep / "results.parquet")
     pooled = results[(results["seed"] == "pooled") & (results["step"] == "final")]
+    far = pooled[pooled["targets"] == "far"]  # sources read through blocks only
+    pooled = pooled[pooled["targets"] == "all"]
+    assert len(far) == len(pooled) == 2
+    assert (far["n"].to_numpy() < pooled["n"].to_numpy()).all()
     assert set(pooled["design"]) == {"none", "gated"}
     for r in pooled.itertuples():
         assert len(r.acc_by_phase) == r.phase_stride == 4
