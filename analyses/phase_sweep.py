@@ -550,9 +550,12 @@ def main() -> None:
             bar.advance(task)
     results = aggregate(sweep_dir, specs, p, args.workers)
     seconds = time.perf_counter() - t0
-    text = write_summary(
-        sweep_dir, results, None if args.aggregate_only else seconds, p, len(specs)
-    )
+    n_models = len(specs)
+    if args.aggregate_only:  # the wall time of the run that trained and scored, if recorded
+        done = sweep_dir / "summary.json"
+        recorded = json.loads(done.read_text()) if done.is_file() else {}
+        seconds, n_models = recorded.get("wall_seconds"), recorded.get("models", n_models)
+    text = write_summary(sweep_dir, results, seconds, p, n_models)
     print(text)
     if args.aggregate_only:
         return
