@@ -239,10 +239,9 @@ def load_targets(sweep_dir: Path, specs: list[RunSpec]) -> pd.DataFrame:
     return pd.concat(frames, ignore_index=True)
 
 
-def _stage(df: pd.DataFrame, final_steps: dict[str, int]) -> pd.Series:
-    return np.where(
-        df["step"].to_numpy() == df["run"].map(final_steps).to_numpy(), "final", "intermediate"
-    )
+def _grids(design: str, stride: int, p: Profile) -> list[int]:
+    """Phase grids a run is reported on: a dense run on every stride that divides its own."""
+    return [s for s in p.strides if s <= stride] if design == "none" else [stride]
 
 
 def report_row(key: dict, df: pd.DataFrame, stride: int, n_boot: int, n_perm: int) -> dict:
@@ -299,19 +298,12 @@ def aggregate(sweep_dir: Path, specs: list[RunSpec], p: Profile, workers: int) -
 
     targets = load_targets(sweep_dir, specs)
     final_steps = targets.groupby("run")["step"].max().to_dict()
-    targets["stage"] = _stage(targets, final_steps)
     jobs = []
     group_cols = ["design", "stride", "heads", "seq_len"]
     for keys, g in targets.groupby(group_cols):
         key = dict(zip(group_cols, keys, strict=True))
-        # dense runs are scored on every stride's grid
-        grids = (
-            [s for s in p.strides if s <= key["stride"]]
-            if key["design"] == "none"
-            else [key["stride"]]
-        )
-        for stride in grids:
-            fin = g[g["stage"] == "final"]
+        fin = g[g["step"] == g["run"].map(final_steps)]
+        for stride in _grids(key["design"], key["stride"], p):
             for targets in ("all", "far"):
                 pooled = {**key, "seed": "pooled", "step": "final", "targets": targets}
                 jobs.append((pooled, fin, stride, p.n_boot, p.n_perm))
@@ -342,12 +334,7 @@ def aggregate(sweep_dir: Path, specs: list[RunSpec], p: Profile, workers: int) -
     for spec in specs:
         for m in read_metrics(sweep_dir / spec.name):
             by = np.asarray(m["accuracy_by_phase"], dtype=float)
-            grids = (
-                [s for s in p.strides if s <= spec.stride]
-                if spec.design == "none"
-                else [spec.stride]
-            )
-            for stride in grids:
+            for stride in _grids(spec.design, spec.stride, p):
                 # accuracy by phase on a coarser grid: phases fold (mod), counts are equal
                 folded = by.reshape(-1, stride).mean(0) if len(by) != stride else by
                 curve.append(

@@ -45,6 +45,7 @@ import patsy
 from scipy import stats as sps
 from statsmodels.genmod import families
 from statsmodels.genmod.generalized_linear_model import GLM
+from statsmodels.stats.contingency_tables import cochrans_q
 from statsmodels.stats.proportion import confint_proportions_2indep, proportion_confint
 
 from phasemech.config import is_int
@@ -813,9 +814,11 @@ def paired_phase_test(df: pd.DataFrame, stride: int) -> dict:
     only the phase (and the absolute position) differs. Returns ``statistic, dof, p, blocks,
     dropped, discordant, note``; p is NaN without ``pair_id`` and 1 when no block is discordant.
     """
-    from statsmodels.stats.contingency_tables import cochrans_q
-
     t = _load(df, stride, "paired_phase_test", ("correct", "phase"))
+    return _paired(t, df["pair_id"].to_numpy() if "pair_id" in df.columns else None)
+
+
+def _paired(t: _Targets, pair_id: np.ndarray | None) -> dict:
     d = t.stride
     out = {
         "statistic": math.nan,
@@ -826,12 +829,12 @@ def paired_phase_test(df: pd.DataFrame, stride: int) -> dict:
         "discordant": 0,
         "note": None,
     }
-    if "pair_id" not in df.columns:
+    if pair_id is None:
         out["note"] = "no pair_id column: no paired design"
         return out
     # A block seen twice per phase (8 shifts on a stride-4 grid) is split into sub-blocks:
     # the j-th copy at each phase goes to sub-block j.
-    frame = pd.DataFrame({"pair": df["pair_id"].to_numpy(), "phase": t.phase})
+    frame = pd.DataFrame({"pair": pair_id, "phase": t.phase})
     sub = frame.groupby(["pair", "phase"]).cumcount().to_numpy()
     block = pd.factorize(pd.MultiIndex.from_arrays([frame["pair"], sub]), sort=True)[0]
     n_blocks = int(block.max()) + 1
@@ -1017,5 +1020,6 @@ def phase_report(
         harmonics=_harmonics(t, alpha),
         gap=_phase_gap(t, n_perm, n_boot, 20, seed, alpha, n_depth_bins),
         guard=_design_guard(t, n_depth_bins),
-        paired=paired_phase_test(df, stride) if "pair_id" in df.columns else {},
+        # the frame is already checked: reuse its flattened form
+        paired=_paired(t, df["pair_id"].to_numpy()) if "pair_id" in df.columns else {},
     )

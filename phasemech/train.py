@@ -417,21 +417,22 @@ def train(
             f"{run_dir} holds checkpoints but no {CONFIG_NAME}: not a run this trainer can "
             "resume; use an empty folder"
         )
-    cfg.build_model()  # a config that cannot build fails here, before the folder is written
+    model = cfg.build_model()  # a config that cannot build fails here, before any write
     run_dir.mkdir(parents=True, exist_ok=True)
     write_json_atomic(cfg_file, cfg.to_dict())
 
     prev_threads = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
     try:
-        return _train(cfg, run_dir, resume, progress, on_step)
+        return _train(cfg, model, run_dir, resume, progress, on_step)
     finally:
         torch.set_num_threads(prev_threads)
 
 
-def _train(cfg, run_dir: Path, resume: bool, progress: bool, on_step) -> TrainResult:
+def _train(
+    cfg: TrainConfig, model: PhaseTransformer, run_dir: Path, resume: bool, progress: bool, on_step
+) -> TrainResult:
     t0 = time.perf_counter()
-    model = cfg.build_model()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
     step, info = 0, {}
