@@ -181,6 +181,15 @@ def resolve_checkpoint(path: str | Path) -> tuple[Path, TrainConfig | None]:
     return path, cfg
 
 
+def load_trained(path: str | Path) -> tuple[PhaseTransformer, TrainConfig | None, Path]:
+    """``(model in eval mode, its TrainConfig or None, the model folder)`` from a run folder,
+    a checkpoint or a saved model (see :func:`resolve_checkpoint`)."""
+    model_dir, cfg = resolve_checkpoint(path)
+    model = PhaseTransformer.load(model_dir)
+    model.eval()
+    return model, cfg, model_dir
+
+
 def balanced_test_set(task: Task, sequences: int = 4096, seed: int = 777) -> Dataset:
     """The phase-balanced test set of a task (seed distinct from training and held-out sets)."""
     return generate(task, sequences, seed, balanced=True)
@@ -191,6 +200,7 @@ __all__ = [
     "evaluate",
     "grid_note",
     "balanced_test_set",
+    "load_trained",
     "predict",
     "resolve_checkpoint",
 ]

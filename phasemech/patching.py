@@ -42,6 +42,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -51,8 +52,10 @@ from jaxtyping import Float, Int
 from torch import Tensor
 from tqdm.auto import tqdm
 from transformer_lens import HookedTransformer
+from transformer_lens.hook_points import HookPoint
 from transformer_lens.utilities.activation_functions import apply_softcap
 
+from phasemech.attention import CompressedAttentionMixin
 from phasemech.grid import phase_of
 from phasemech.model import PhaseTransformer
 from phasemech.tasks import targets_frame, task_of, to_tensors
@@ -149,7 +152,7 @@ def make_contrast(
         full = targets_frame(rows, stride, grid_offset)
         starts = np.r_[0, np.cumsum([len(q) for q in rows["query_pos"]])[:-1]]
         df = full.iloc[starts + pick.numpy()].reset_index(drop=True)
-    source = torch.as_tensor(df.source_pos.to_numpy())
+    source = torch.tensor(df.source_pos.to_numpy())
     corrupted = tokens.clone()
     foil = torch.full((n,), -1, dtype=torch.long)
     clean_grid = torch.zeros(n, dtype=torch.long)
@@ -456,6 +459,67 @@ def _finish_block(model: HookedTransformer, layer: int, mid: Tensor) -> Tensor:
     return mid + block.apply_mlp(block.ln2(mid))
 
 
+def _rows_ok(model: HookedTransformer) -> bool:
+    """Whether the last layer can be computed at the answer rows alone (:func:`_last_rows`):
+    standard blocks, no hooks on it, and attention features this file reimplements."""
+    cfg = model.cfg
+    block = model.blocks[-1]
+    if (
+        cfg.use_split_qkv_input
+        or cfg.use_attn_in
+        or cfg.positional_embedding_type
+        not in (
+            "standard",
+            "rotary",
+        )
+    ):
+        return False
+    if any(isinstance(m, HookPoint) and m.has_hooks() for m in block.modules()):
+        return False
+    if isinstance(block.attn, CompressedAttentionMixin):
+        return True
+    return (
+        block.attn.attn_type == "global"
+        and cfg.attention_dir == "causal"
+        and cfg.clip_qkv is None
+        and not cfg.use_attention_sinks
+        and not cfg.use_logn_attn
+        and not cfg.original_architecture.startswith("Olmo")
+    )
+
+
+def _dense_rows(attn: Any, x: Tensor, rows: Tensor) -> Float[Tensor, "batch d_model"]:
+    """TransformerLens attention's output at one query row per sequence (causal, no mask)."""
+    ar = torch.arange(x.shape[0])
+    q, k, v = attn.calculate_qkv_matrices(x, x, x)
+    if attn.cfg.positional_embedding_type == "rotary":
+        q, k = attn.apply_rotary(q, 0, None), attn.apply_rotary(k, 0, None)
+    rep = q.shape[2] // k.shape[2]  # grouped-query attention shares K/V across heads
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+    scores = torch.einsum("bhd,bkhd->bhk", q[ar, rows], k) / attn.attn_scale
+    scores = apply_softcap(scores, attn.cfg.attn_scores_soft_cap)
+    causal = torch.arange(x.shape[1])[None, None, :] <= rows[:, None, None]
+    pattern = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+    z = torch.einsum("bhk,bkhd->bhd", pattern.nan_to_num(0.0), v)
+    return torch.einsum("bhd,hdm->bm", z, attn.W_O) + attn.b_O
+
+
+def _last_rows(model: HookedTransformer, x: Tensor, rows: Tensor) -> Float[Tensor, "batch d_model"]:
+    """The final residual at one position per sequence: the last block run for that query
+    row only (its keys and values still come from every position)."""
+    last = model.cfg.n_layers - 1
+    block = model.blocks[last]
+    normed = block.ln1(x)
+    if isinstance(block.attn, CompressedAttentionMixin):
+        model.grid_state.begin_forward(False)
+        attn_out = block.attn.forward_rows(normed, rows)
+    else:
+        attn_out = _dense_rows(block.attn, normed, rows)
+    mid = x[torch.arange(x.shape[0]), rows] + attn_out
+    return _finish_block(model, last, mid[:, None])[:, 0]
+
+
 @torch.inference_mode()
 def patch_heads(
     model: HookedTransformer,
@@ -499,6 +563,7 @@ def patch_heads(
     values[list(layers)] = corr_np  # every patch starts as "no change", then is overwritten
     ar = torch.arange(batch)
     n_run = 0
+    rows_ok = _rows_ok(model) and isinstance(model, PhaseTransformer)
     bar = tqdm(total=len(layers) * n_heads, desc="patching heads", disable=not progress)
     for lay in layers:
         z_src, z_corr = (
@@ -553,8 +618,16 @@ def patch_heads(
                 delta = torch.einsum("cpd,cdm->cpm", dz[b, :upto_len, h], w_o[h])
                 x = _finish_block(model, lay, resid_mid[b, :upto_len] + delta)
             with _grid(model, contrast.corrupted_grid[b]):
-                out = model(x, start_at_layer=lay + 1, stop_at_layer=n_layers, return_type=None)
-            logits = _logits(model, out[torch.arange(len(b)), runs.qpos[b]])
+                if rows_ok:  # the last layer at the answer rows only
+                    if lay + 1 < n_layers - 1:
+                        x = model(
+                            x, start_at_layer=lay + 1, stop_at_layer=n_layers - 1, return_type=None
+                        )
+                    final = _last_rows(model, x, runs.qpos[b])
+                else:
+                    out = model(x, start_at_layer=lay + 1, stop_at_layer=n_layers, return_type=None)
+                    final = out[torch.arange(len(b)), runs.qpos[b]]
+            logits = _logits(model, final)
             got = metric_values(logits, contrast.answer[b], runs.foil[b], metric)
             pos_idx = p.numpy() if by_pos else np.zeros(len(b), dtype=int)
             values[lay, pos_idx, h.numpy(), b.numpy()] = got.double().numpy()

@@ -306,6 +306,64 @@ class CompressedAttentionMixin:
             token_pattern = p_blk @ self._repeat_kv(a, 1) + self._unband(p_raw)
         return z.transpose(1, 2), token_pattern
 
+    # ------------------------------------------------------------------ one query row
+    def forward_rows(
+        self, x: Float[Tensor, "batch pos d_model"], rows: Int[Tensor, "batch"]
+    ) -> Float[Tensor, "batch d_model"]:
+        """This layer's output at ONE query position per sequence (``rows``), as ``forward``
+        computes it there, without the other queries' scores (what patching needs after the
+        last layer). ``x`` is the normalised layer input; no padding mask; hooks on scores and
+        patterns do not run (callers use it only where none are attached)."""
+        q, k, v = self.calculate_qkv_matrices(x, x, x)
+        if self.cfg.positional_embedding_type == "rotary":
+            q, k = self.apply_rotary(q, 0, None), self.apply_rotary(k, 0, None)
+        batch, seq = q.shape[0], q.shape[1]
+        offsets = self.grid_offsets(batch, q.device)
+        geo = build_geometry(
+            offsets,
+            seq,
+            self.stride,
+            self.block_len,
+            self.window,
+            self.visibility,
+            None,
+            self.cfg.compression.block_scope,
+        )
+        z = self.attend_rows(x, q, k, v, geo, rows)  # [batch, head, d_head]
+        return self._output(z[:, None])[:, 0]
+
+    def _row_pattern(
+        self, scores: Float[Tensor, "batch head key"], visible: Bool[Tensor, "batch head key"]
+    ) -> Float[Tensor, "batch head key"]:
+        """``_pattern``'s arithmetic on one query row (no hooks)."""
+        scores = apply_softcap(scores / self.attn_scale, self.cfg.attn_scores_soft_cap)
+        return _masked_softmax(scores.masked_fill(~visible, float("-inf")), visible)
+
+    def attend_rows(
+        self,
+        x: Tensor | None,
+        q: Float[Tensor, "batch pos head d_head"],
+        k: Float[Tensor, "batch pos kv_head d_head"],
+        v: Float[Tensor, "batch pos kv_head d_head"],
+        geo: Geometry,
+        rows: Int[Tensor, "batch"],
+    ) -> Float[Tensor, "batch head d_head"]:
+        """``attend`` at one query row per sequence (pooled designs)."""
+        ar = torch.arange(q.shape[0], device=q.device)
+        k_blk, v_blk, _ = self.pool(x, k, v, geo)  # [batch, kv_head, block, d_head]
+        q_t = q[ar, rows]  # [batch, head, d_head]
+        s_blk = torch.einsum("bhd,bhnd->bhn", q_t, self._repeat_kv(k_blk, 1))
+        band_pos = rows[:, None] - geo.band + 1 + torch.arange(geo.band, device=q.device)
+        k_band = k[ar[:, None], band_pos.clamp(min=0)]  # [batch, w, kv_head, d_head]
+        v_band = v[ar[:, None], band_pos.clamp(min=0)]
+        s_raw = torch.einsum("bhd,bwhd->bhw", q_t, self._repeat_kv(k_band, 2))
+        visible = torch.cat([geo.block_used[ar, :, rows], geo.band_valid[ar, :, rows]], dim=-1)
+        pattern = self._row_pattern(torch.cat([s_blk, s_raw], dim=-1), self._repeat_kv(visible, 1))
+        nb = s_blk.shape[-1]
+        return torch.einsum(
+            "bhn,bhnd->bhd", pattern[..., :nb], self._repeat_kv(v_blk, 1)
+        ) + torch.einsum("bhw,bwhd->bhd", pattern[..., nb:], self._repeat_kv(v_band, 2))
+
     def _pattern(
         self,
         scores: Float[Tensor, "batch head pos key"],

@@ -69,3 +69,35 @@ class BlockRouteAttention(CompressedAttentionMixin):
         z = pattern @ vh
         token_pattern = pattern if self._token_pattern_wanted() else None
         return z.transpose(1, 2), token_pattern
+
+    def attend_rows(self, x, q, k, v, geo, rows):
+        """``attend`` at one query row per sequence: same candidates, gate, top-k and raw
+        window as the full forward, scores against every key for that row only."""
+        ar = torch.arange(q.shape[0], device=q.device)
+        seq = q.shape[1]
+        weights = self.pooling_weights(x, geo).to(k.dtype)
+        k_blk = torch.einsum("bgns,bgnsd->bgnd", weights, self._gather_slots(k, geo))
+        q_t = q[ar, rows]  # [batch, head, d]
+        candidate = self._repeat_kv(geo.block_used[ar, :, rows], 1)  # [batch, head, block]
+        own = self._repeat_kv(geo.block_last == rows[:, None, None], 1)
+        forced = candidate & own
+        gate = torch.einsum("bhd,bhnd->bhn", q_t, self._repeat_kv(k_blk, 1))
+        gate = gate.masked_fill(~(candidate & ~forced), float("-inf"))
+        top = gate.topk(min(self.top_k, gate.shape[-1]), dim=-1).indices
+        ranked = torch.zeros_like(candidate).scatter(-1, top, True) & candidate & ~forced
+        selected = ranked | forced
+        member = self._blocks_to_tokens(geo.slot_valid.float(), geo, seq) > 0  # [b, g, n, key]
+        via_block = (
+            torch.einsum("bhn,bhnk->bhk", selected.float(), self._repeat_kv(member.float(), 1)) > 0
+        )
+        band_pos = rows[:, None] - geo.band + 1 + torch.arange(geo.band, device=q.device)
+        raw = torch.zeros(
+            q.shape[0], geo.band_valid.shape[1], seq + 1, dtype=torch.bool, device=q.device
+        )
+        # scatter the row's valid band slots onto key positions (invalid ones to a spare column)
+        cols = torch.where(geo.band_valid[ar, :, rows], band_pos[:, None, :].clamp(min=0), seq)
+        raw = raw.scatter(-1, cols, True)[..., :seq]
+        visible = self._repeat_kv(raw, 1) | via_block
+        scores = torch.einsum("bhd,bkhd->bhk", q_t, self._repeat_kv(k, 2))
+        pattern = self._row_pattern(scores, visible)
+        return torch.einsum("bhk,bkhd->bhd", pattern, self._repeat_kv(v, 2))
