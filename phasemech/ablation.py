@@ -78,7 +78,7 @@ VALID_MODES: dict[str, tuple[str, ...]] = {
     "raw": ("mask",),
     "phase_bias": ("zero",),
 }
-DEFAULT_MODES = ("zero", "mean", "resample")
+DEFAULT_MODES = MODES  # each component runs every mode it allows
 METRICS = ("accuracy", "logprob", "logit_diff")
 UNIT_KINDS = ("head", "kv_head")
 UNIT_KEYS = ["component", "mode", "layer", "unit"]

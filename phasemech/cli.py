@@ -1,6 +1,7 @@
-"""``phasemech`` command line: ``info``, ``phase-attention``, ``data``, ``train``, ``eval``.
+"""``phasemech`` command line: ``info``, ``phase-attention``, ``data``, ``train``, ``eval``,
+``ablate``, ``patch``.
 
-Later capabilities (ablate, patch, dashboard) add their commands here."""
+Later capabilities (dashboard) add their commands here."""
 
 from __future__ import annotations
 
@@ -283,6 +284,186 @@ def eval_cmd(
     console.print(evaluation.report.summary())
     dest = evaluation.save(out or model_dir / "eval")
     console.print(f"wrote {dest}/targets.parquet, per_phase.parquet, report.json")
+
+
+# ------------------------------------------------------------------------- interventions
+
+
+def _load_for_intervention(checkpoint: Path, data: Path | None, sequences: int, data_seed: int):
+    """``(model, dataset, model folder)``; the dataset is the run's phase-balanced test set
+    unless ``--data`` is given."""
+    from phasemech.evaluate import balanced_test_set, load_trained
+    from phasemech.tasks import load_dataset
+
+    model, cfg, model_dir = load_trained(checkpoint)
+    if data is not None:
+        return model, load_dataset(data), model_dir
+    if cfg is None:
+        raise ValueError(f"{checkpoint} is not part of a training run: pass --data")
+    return model, balanced_test_set(cfg.task, sequences, data_seed), model_dir
+
+
+def _split(value: str | None) -> tuple[str, ...] | None:
+    return None if value is None else tuple(v.strip() for v in value.split(",") if v.strip())
+
+
+def _layers(value: str | None) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    try:
+        return tuple(int(v) for v in value.split(","))
+    except ValueError as err:
+        raise ValueError(f"--layers {value!r} is invalid: expected comma-separated ints") from err
+
+
+def _print_frame(df, title: str, floats: str = ".3f") -> None:
+    table = Table(title=title)
+    for col in df.columns:
+        table.add_column(str(col), justify="right")
+    for row in df.itertuples(index=False):
+        table.add_row(*(f"{v:{floats}}" if isinstance(v, float) else str(v) for v in row))
+    console.print(table)
+
+
+@app.command()
+def ablate(
+    checkpoint: Annotated[Path, typer.Argument(help="run folder, checkpoint or model folder")],
+    data: Annotated[Path | None, typer.Option(help="dataset (default: the run's test set)")] = None,
+    sequences: Annotated[int, typer.Option(min=1, help="test-set size without --data")] = 1024,
+    data_seed: Annotated[int, typer.Option(help="test-set seed without --data")] = 777,
+    components: Annotated[
+        str | None,
+        typer.Option(help="comma-separated: head,blocks,raw,phase_bias (default: all that apply)"),
+    ] = None,
+    modes: Annotated[
+        str | None, typer.Option(help="comma-separated: zero,mean,resample,mask (default: all)")
+    ] = None,
+    layers: Annotated[
+        str | None, typer.Option(help="comma-separated layers (default: all)")
+    ] = None,
+    metric: Annotated[str, typer.Option(help="accuracy, logprob or logit_diff")] = "accuracy",
+    n_boot: int = 1000,
+    n_perm: int = 1000,
+    seed: int = 0,
+    out: Annotated[Path | None, typer.Option(help="default: CHECKPOINT/ablate")] = None,
+) -> None:
+    """Zero/mean/resample ablation of heads and compressor parts, effect per target phase."""
+    from phasemech.ablation import ablate as run_ablation
+
+    torch.set_num_threads(1)
+    try:
+        model, ds, model_dir = _load_for_intervention(checkpoint, data, sequences, data_seed)
+        design = model.cfg.compression.design
+        default = ["head"]
+        if design != "none":
+            default += ["blocks"] + (["raw"] if design != "route" else [])
+            default += ["phase_bias"] if design == "gated" else []
+        chosen = {"modes": _split(modes)} if modes else {}
+        result = run_ablation(
+            model,
+            ds,
+            components=_split(components) or tuple(default),
+            **chosen,
+            layers=_layers(layers),
+            n_boot=n_boot,
+            seed=seed,
+            progress=True,
+        )
+        spec = result.specialization(metric=metric, n_perm=n_perm, seed=seed)
+    except (FileNotFoundError, ValueError) as err:
+        console.print(f"[red]error:[/] {err}")
+        raise typer.Exit(1) from err
+    dest = result.save(out or model_dir / "ablate")
+    cols = ["component", "mode", "layer", "unit", "overall", "phase_range", "served_phase", "si"]
+    top = spec.sort_values("rank").head(12)[cols + ["p_perm", "rank"]]
+    _print_frame(top, f"most phase-specialised units ({metric}, stride {result.stride})")
+    console.print(f"wrote {dest}/targets.parquet, effects.parquet, specialization.parquet")
+
+
+@app.command()
+def patch(
+    checkpoint: Annotated[Path, typer.Argument(help="run folder, checkpoint or model folder")],
+    contrast: Annotated[str, typer.Option(help="grid, content or answer")] = "grid",
+    shift: Annotated[
+        int | None, typer.Option(help="grid/content shift (default: stride // 2)")
+    ] = None,
+    site: Annotated[str, typer.Option(help="z (head outputs), kv_block or pattern")] = "z",
+    by_pos: Annotated[bool, typer.Option(help="one position at a time")] = False,
+    metric: Annotated[str, typer.Option(help="logit_diff, logprob or prob")] = "logit_diff",
+    pairs: Annotated[int, typer.Option(min=1, help="clean/corrupted pairs")] = 256,
+    attribution: Annotated[
+        bool, typer.Option(help="also attribution patching vs exact _by_pos (site z)")
+    ] = False,
+    layers: Annotated[
+        str | None, typer.Option(help="comma-separated layers (default: all)")
+    ] = None,
+    data: Annotated[Path | None, typer.Option(help="dataset (default: the run's test set)")] = None,
+    data_seed: Annotated[int, typer.Option(help="test-set seed without --data")] = 777,
+    seed: int = 0,
+    out: Annotated[
+        Path | None, typer.Option(help="default: CHECKPOINT/patch_<contrast>_<site>")
+    ] = None,
+) -> None:
+    """Activation patching by phase contrast: per (layer, head) effect per target phase."""
+    from phasemech import patching as P
+    from phasemech.train import reference_grid
+
+    torch.set_num_threads(1)
+    try:
+        model, ds, model_dir = _load_for_intervention(checkpoint, data, max(pairs, 8), data_seed)
+        stride, offset = reference_grid(model.cfg.compression)
+        ds = ds.shuffle(seed=seed) if data is None else ds  # balanced sets come in blocks
+        pairs_ = P.make_contrast(
+            ds,
+            contrast,
+            stride=stride,
+            grid_offset=offset,
+            shift=shift,
+            n_pairs=min(pairs, len(ds)),
+            seed=seed,
+        )
+        exact_pos = attribution or by_pos
+        if site == "z":
+            result = P.patch_heads(
+                model,
+                pairs_,
+                metric=metric,
+                by_pos=exact_pos,
+                layers=_layers(layers),
+                progress=True,
+            )
+        else:
+            result = P.patch_sites(
+                model,
+                pairs_,
+                site=site,
+                metric=metric,
+                by_pos=by_pos,
+                layers=_layers(layers),
+                progress=True,
+            )
+        comparison = None
+        if attribution:
+            if site != "z":
+                raise ValueError("--attribution needs --site z")
+            atp = P.attribution_patch(model, pairs_, metric=metric, progress=True)
+            comparison = P.compare_attribution(atp, result)
+    except (FileNotFoundError, ValueError) as err:
+        console.print(f"[red]error:[/] {err}")
+        raise typer.Exit(1) from err
+    dest = result.save(out or model_dir / f"patch_{contrast}_{site}")
+    console.print(
+        f"{len(pairs_)} {contrast} pairs, metric {metric}: clean {result.clean.mean():.3f}, "
+        f"corrupted {result.corrupted.mean():.3f}; {result.n_run} patched copies run"
+    )
+    effects = result.frame()
+    if result.by_pos:  # summarise per unit: the strongest position
+        effects = effects.loc[effects.groupby(["layer", "unit"]).normalized.idxmax()]
+    _print_frame(effects.reset_index(drop=True), f"{site} patches (normalised: 1 = restored)")
+    if comparison is not None:
+        comparison.to_parquet(dest / "attribution.parquet")
+        _print_frame(comparison, "attribution patching vs exact")
+    console.print(f"wrote {dest}/effects.parquet, by_phase.parquet, pairs.parquet, values.parquet")
 
 
 if __name__ == "__main__":

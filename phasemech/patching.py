@@ -42,6 +42,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -57,6 +58,7 @@ from transformer_lens.utilities.activation_functions import apply_softcap
 
 from phasemech.attention import CompressedAttentionMixin
 from phasemech.grid import phase_of
+from phasemech.io import atomic_write, write_json_atomic
 from phasemech.model import PhaseTransformer
 from phasemech.tasks import targets_frame, task_of, to_tensors
 
@@ -145,13 +147,11 @@ def make_contrast(
     pick = torch.as_tensor(rng.integers(0, query_pos.shape[1], size=n))
     ar = torch.arange(n)
     qp, ans = query_pos[ar, pick], answer[ar, pick]
-    df = targets_frame(rows, stride, grid_offset)
-    df = df[df.target.to_numpy() == pick.numpy()[df.seq_id.to_numpy() - df.seq_id.min()]]
+    # targets_frame lists each row's targets in order: row i's pick sits at start_i + pick_i
+    counts = np.array([len(q) for q in rows["query_pos"]])
+    starts = np.r_[0, np.cumsum(counts)[:-1]]
+    df = targets_frame(rows, stride, grid_offset).iloc[starts + pick.numpy()]
     df = df.reset_index(drop=True)
-    if len(df) != n:  # seq_id is not 0..n-1 in this dataset: select by row order instead
-        full = targets_frame(rows, stride, grid_offset)
-        starts = np.r_[0, np.cumsum([len(q) for q in rows["query_pos"]])[:-1]]
-        df = full.iloc[starts + pick.numpy()].reset_index(drop=True)
     source = torch.tensor(df.source_pos.to_numpy())
     corrupted = tokens.clone()
     foil = torch.full((n,), -1, dtype=torch.long)
@@ -328,8 +328,14 @@ class PatchResult:
     layers: tuple[int, ...]
     n_run: int  # patched copies actually run (the rest are exact by causality or identity)
 
+    def _mean(self) -> np.ndarray:
+        """``[layer, pos, unit]`` mean patched metric over pairs (``NaN`` on unpatched layers)."""
+        out = np.full(self.values.shape[:-1], np.nan)
+        out[list(self.layers)] = self.values[list(self.layers)].mean(-1)
+        return out
+
     def tensor(self) -> Float[Tensor, "..."]:
-        out = torch.as_tensor(np.nanmean(self.values, axis=-1) if self.values.size else self.values)
+        out = torch.as_tensor(self._mean())
         return out if self.by_pos else out[:, 0]
 
     def frame(self) -> pd.DataFrame:
@@ -338,7 +344,7 @@ class PatchResult:
         layer, pos, unit = np.meshgrid(
             np.arange(n_layers), np.arange(n_pos), np.arange(n_unit), indexing="ij"
         )
-        mean = np.nanmean(self.values, axis=-1) if self.values.shape[-1] else self.values[..., 0]
+        mean = self._mean()
         denom = self.clean.mean() - self.corrupted.mean()
         df = pd.DataFrame(
             {
@@ -406,6 +412,48 @@ class PatchResult:
         ]
         df = pd.DataFrame(out, columns=cols)
         return df if self.by_pos else df.drop(columns="pos")
+
+    def long(self) -> pd.DataFrame:
+        """Every patched run: ``layer, pos, unit, pair, value`` (patched layers only)."""
+        lay = np.asarray(self.layers)
+        vals = self.values[lay]
+        idx = np.indices(vals.shape).reshape(4, -1)
+        return pd.DataFrame(
+            {
+                "layer": lay[idx[0]].astype(np.int16),
+                "pos": idx[1].astype(np.int16),
+                "unit": idx[2].astype(np.int16),
+                "pair": idx[3].astype(np.int32),
+                "value": vals.ravel(),
+            }
+        )
+
+    def save(self, folder: str | Path, n_boot: int = 1000, seed: int = 0) -> Path:
+        """``effects.parquet`` (:meth:`frame`), ``by_phase.parquet``, ``pairs.parquet``,
+        ``values.parquet`` (:meth:`long`) and ``patch.json`` under ``folder``."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        tables = {
+            "effects": self.frame(),
+            "by_phase": self.by_phase(n_boot=n_boot, seed=seed),
+            "pairs": self.pairs,
+            "values": self.long(),
+        }
+        for name, df in tables.items():
+            atomic_write(folder / f"{name}.parquet", lambda tmp, df=df: df.to_parquet(tmp))
+        meta = {
+            "site": self.site,
+            "by_pos": self.by_pos,
+            "metric": self.metric,
+            "contrast": self.contrast,
+            "stride": self.stride,
+            "layers": list(self.layers),
+            "n_run": self.n_run,
+            "clean_mean": float(self.clean.mean()),
+            "corrupted_mean": float(self.corrupted.mean()),
+        }
+        write_json_atomic(folder / "patch.json", meta)
+        return folder
 
 
 # ------------------------------------------------------------------------------------ the engine
@@ -915,7 +963,7 @@ def compare_attribution(
             rows.append(
                 {
                     "pairs": label,
-                    "layer": lay,
+                    "layer": str(lay),
                     "n_pairs": int(sel.sum()),
                     "pearson_mean": pm_r,
                     "spearman_mean": pm_rho,

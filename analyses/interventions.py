@@ -1,0 +1,383 @@
+"""Which heads serve which phases? Ablation, patching, attribution and probes on trained models.
+
+For each trained model of the phase sweep (``analyses/phase_sweep.py``; default: a dense
+control and the compressed models that learned MQAR or show a phase gap), on its
+phase-balanced test set:
+
+1. **ablation** (``phasemech.ablation``): zero / mean / resample of every head, and of the
+   compressed layer's parts (block entries: mask / mean / resample; raw window: mask; gated
+   phase bias: zero); accuracy effect per target phase with cluster-bootstrap CIs; the
+   specialization index and the within-content permutation test per unit;
+2. **do ablations open the weak spots?**: for every unit whose effect depends on phase
+   (Holm-corrected p < 0.05), the phase it serves (largest drop), the weakest phase of the
+   ablated model, and whether the intact model is already weak there;
+3. **activation patching** (``phasemech.patching``): the grid contrast (same tokens, grid
+   shifted by d/2: the cleanest phase contrast) for head outputs at every position and by
+   position, compressed entries and patterns; the corrupted-answer contrast by position;
+4. **attribution patching** vs exact patching on the answer contrast (overall, by layer, and
+   split by saturated last-layer attention);
+5. **linear probes** for the token's phase on a randomly shifted grid (phase decoupled from
+   absolute position), with ``pos mod d`` as the control;
+6. **clusters** of heads by their ablation profile across phases, pooled over models.
+
+Per model, everything is written under ``OUT/<model>/``; the summary goes to
+``OUT/summary.md`` (and, with ``--record``, to ``analyses/results/interventions.md``).
+
+Usage: ``python analyses/interventions.py [--sweep runs/phase_sweep_default] [--models a,b]
+[--out runs/interventions] [--workers 2] [--sequences 1024] [--pairs 256]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
+
+import pandas as pd
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_MODELS = (
+    "none_d8_h4_T64_s0",  # dense control
+    "route_d8_h4_T64_s0",
+    "route_d4_h4_T64_s0",
+    "gated_d4_h2_T64_s1",  # converged gated
+    "gated_d4_h2_T64_s0",
+    "mean_d8_h2_T64_s0",  # partly learned, large phase gap
+    "mean_d4_h2_T64_s0",
+    "mlp_d4_h2_T64_s0",
+)
+
+
+def components_for(design: str) -> tuple[str, ...]:
+    comps = ["head"]
+    if design != "none":
+        comps += ["blocks"] + (["raw"] if design != "route" else [])
+        comps += ["phase_bias"] if design == "gated" else []
+    return tuple(comps)
+
+
+def analyse(run_dir: str, out_dir: str, sequences: int, pairs: int, seed: int) -> dict:
+    """Every analysis for one trained model (one process, one torch thread)."""
+    import torch
+
+    torch.set_num_threads(1)
+    from threadpoolctl import threadpool_limits
+
+    from phasemech.ablation import ablate
+    from phasemech.evaluate import balanced_test_set, load_trained
+    from phasemech.patching import (
+        attribution_patch,
+        compare_attribution,
+        make_contrast,
+        patch_heads,
+        patch_sites,
+    )
+    from phasemech.probes import phase_probe
+    from phasemech.tasks import to_tensors
+    from phasemech.train import reference_grid
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    timings: dict[str, float] = {}
+    with threadpool_limits(1):
+        model, cfg, model_dir = load_trained(run_dir)
+        design = cfg.compression.design
+        stride, offset = reference_grid(cfg.compression)
+        ds = balanced_test_set(cfg.task, sequences, 777)
+
+        t0 = time.perf_counter()
+        result = ablate(model, ds, components=components_for(design), seed=seed)
+        result.save(out / "ablate")
+        spec = result.specialization(metric="accuracy", n_perm=1000, seed=seed)
+        spec.to_parquet(out / "ablate" / "specialization.parquet")
+        timings["ablation_s"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        shuffled = ds.shuffle(seed=seed)  # balanced sets come in blocks of one content
+        kinds = (["grid"] if design != "none" else []) + ["answer"]
+        runs = {}
+        for kind in kinds:
+            contrast = make_contrast(
+                shuffled, kind, stride=stride, grid_offset=offset, n_pairs=pairs, seed=seed
+            )
+            for by_pos in (False, True):
+                res = patch_heads(model, contrast, by_pos=by_pos)
+                res.save(out / f"patch_{kind}_z{'_pos' if by_pos else ''}", seed=seed)
+                runs[(kind, by_pos)] = (contrast, res)
+            if kind == "grid":
+                for site in ("kv_block", "pattern"):
+                    patch_sites(model, contrast, site=site).save(
+                        out / f"patch_{kind}_{site}", seed=seed
+                    )
+        timings["patching_s"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        contrast, exact = runs[("answer", True)]
+        atp = attribution_patch(model, contrast)
+        comparison = compare_attribution(atp, exact)
+        comparison.to_parquet(out / "attribution.parquet")
+        timings["attribution_s"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        tokens = to_tensors(ds.select(range(min(256, len(ds)))))[0]
+        probe = phase_probe(model, tokens, stride=stride, grid_offset=offset, seed=seed)
+        probe.save(out / "probe.parquet")
+        timings["probe_s"] = time.perf_counter() - t0
+    info = {
+        "model": Path(run_dir).name,
+        "checkpoint": str(model_dir),
+        "design": design,
+        "stride": stride,
+        "heads": cfg.model.n_heads,
+        "compressed_layers": list(model.compressed_layers()),
+        **timings,
+    }
+    (out / "info.json").write_text(json.dumps(info, indent=2))
+    return info
+
+
+# ------------------------------------------------------------------------------------ summary
+
+
+def _pct(x: float) -> str:
+    return "" if pd.isna(x) else f"{100 * x:+.1f}"
+
+
+def _md(df: pd.DataFrame, floats: str = ".3f") -> str:
+    cols = [str(c) for c in df.columns]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for row in df.itertuples(index=False):
+        cells = [f"{v:{floats}}" if isinstance(v, float) else str(v) for v in row]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def weak_spots(effects: pd.DataFrame, spec: pd.DataFrame, alpha: float = 0.05) -> pd.DataFrame:
+    """For each unit whose accuracy effect depends on phase (Holm p < alpha): the phase it
+    serves, the ablated model's weakest phase, and the intact model's accuracy there."""
+    acc = effects[effects.metric == "accuracy"]
+    base = acc.groupby("phase", observed=True).baseline.first()
+    rows = []
+    for r in spec[spec.p_holm < alpha].sort_values("rank").itertuples():
+        sel = acc[
+            (acc.component == r.component)
+            & (acc["mode"] == r.mode)
+            & (acc.layer == r.layer)
+            & (acc.unit == r.unit)
+        ].set_index("phase")
+        weakest = int(sel.ablated.idxmin())
+        rows.append(
+            {
+                "unit": f"{r.component}/{r.mode} L{r.layer}.{r.unit}",
+                "served": int(r.served_phase),
+                "drop at served (pts)": 100 * float(sel.effect.min()),
+                "mean drop (pts)": 100 * float(r.overall),
+                "si": float(r.si),
+                "weakest after": weakest,
+                "intact acc there": float(base[weakest]),
+                "intact weakest": int(base.idxmin()),
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+def summarise(out: Path, infos: list[dict]) -> str:
+    from phasemech.probes import cluster_heads
+
+    lines = [
+        "# Interventions on trained models",
+        "",
+        "Generated by `python analyses/interventions.py` from the phase sweep's checkpoints. "
+        "Effects are in accuracy points (ablated minus intact) unless noted; phases are on each "
+        "model's reference grid; every test set is phase-balanced (each content at every "
+        "prefix).",
+        "",
+    ]
+    profiles = []
+    for info in infos:
+        name = info["model"]
+        d = out / name
+        effects = pd.read_parquet(d / "ablate" / "effects.parquet")
+        spec = pd.read_parquet(d / "ablate" / "specialization.parquet")
+        acc = effects[effects.metric == "accuracy"]
+        base = acc.groupby("phase", observed=True).baseline.first()
+        lines += [
+            f"## {name}",
+            "",
+            f"{info['design']}, stride {info['stride']}, {info['heads']} heads, compressed "
+            f"layers {info['compressed_layers']}. Intact accuracy {base.mean():.3f}; per phase: "
+            + ", ".join(f"{p}: {v:.3f}" for p, v in base.items()),
+            "",
+            "### Ablation: accuracy effect per target phase (points)",
+            "",
+        ]
+        wide = acc.pivot_table(
+            index=["component", "mode", "layer", "unit"],
+            columns="phase",
+            values="effect",
+            observed=True,
+        )
+        wide = wide.map(_pct).reset_index()
+        wide.columns = [str(c) for c in wide.columns]
+        sp = spec.set_index(["component", "mode", "layer", "unit"])
+        key = list(zip(wide.component, wide["mode"], wide.layer, wide.unit, strict=True))
+        wide["si"] = [float(sp.loc[k, "si"]) for k in key]
+        wide["p_holm"] = [f"{float(sp.loc[k, 'p_holm']):.2g}" for k in key]
+        lines += [_md(wide, ".2f"), ""]
+        ws = weak_spots(effects, spec)
+        lines += ["### Phase-dependent units: served phase vs weak spots", ""]
+        lines += [_md(ws, ".2f") if len(ws) else "No unit's effect depends on phase.", ""]
+
+        lines += ["### Activation patching (normalised effect, 1 = clean restored)", ""]
+        for kind in ("grid", "answer"):
+            folder = d / f"patch_{kind}_z"
+            if not folder.exists():
+                continue
+            meta = json.loads((folder / "patch.json").read_text())
+            bp = pd.read_parquet(folder / "by_phase.parquet")
+            bp = bp[bp.layer.isin(meta["layers"])]
+            table = bp.pivot_table(index=["layer", "unit"], columns="phase", values="normalized")
+            table.columns = [f"phase {c}" for c in table.columns]
+            table = table.reset_index()
+            lines += [
+                f"**{kind} contrast**, head outputs at all positions: clean "
+                f"{meta['clean_mean']:.2f} vs corrupted {meta['corrupted_mean']:.2f} "
+                f"(logit difference); rows are heads, columns the clean needle's phase.",
+                "",
+                _md(table, ".2f"),
+                "",
+            ]
+            pos = pd.read_parquet(d / f"patch_{kind}_z_pos" / "effects.parquet")
+            meta_pos = json.loads((d / f"patch_{kind}_z_pos" / "patch.json").read_text())
+            top = pos.reindex(pos.normalized.abs().sort_values(ascending=False).index).head(5)
+            lines += [
+                f"By position, the 5 largest patches ({meta_pos['n_run']} copies run): "
+                + "; ".join(
+                    f"L{r.layer}H{r.unit}@{r.pos}: {r.normalized:+.2f}" for r in top.itertuples()
+                ),
+                "",
+            ]
+        for site in ("kv_block", "pattern"):
+            folder = d / f"patch_grid_{site}"
+            if folder.exists():
+                eff = pd.read_parquet(folder / "effects.parquet")
+                lines += [
+                    f"Grid contrast, {site} patches (normalised): "
+                    + ", ".join(
+                        f"L{r.layer}.{r.unit}: {r.normalized:+.2f}" for r in eff.itertuples()
+                    ),
+                    "",
+                ]
+        comp = pd.read_parquet(d / "attribution.parquet")
+        lines += ["### Attribution patching vs exact (answer contrast, by position)", ""]
+        lines += [_md(comp, ".3f"), ""]
+        probe = pd.read_parquet(d / "probe.parquet")
+        pt = probe.pivot(index=["layer", "site"], columns="label", values="accuracy")
+        pt = pt.droplevel("layer").reset_index()
+        chance = float(probe.chance.max())
+        lines += [
+            f"### Linear phase probes (random grid shift per sequence; chance about {chance:.3f})",
+            "",
+            _md(pt, ".3f"),
+            "",
+        ]
+        heads = acc[(acc.component == "head") & (acc["mode"] == "zero")]
+        for r in heads.itertuples():
+            profiles.append(
+                {
+                    "model": name,
+                    "layer": r.layer,
+                    "head": r.unit,
+                    "phase": r.phase,
+                    "effect": r.effect,
+                    "stride": info["stride"],
+                }
+            )
+    prof = pd.DataFrame(profiles)
+    lines += ["## Head clusters (zero-ablation accuracy profiles, pooled per stride)", ""]
+    for stride, group in prof.groupby("stride"):
+        models = sorted(group.model.unique())
+        # one synthetic layer id per (model, layer): cluster_heads wants (layer, head) units
+        group = group.assign(layer=group.model.map(models.index) * 100 + group.layer)
+        clusters = cluster_heads(group[["layer", "head", "phase", "effect"]])
+        labels = clusters.labels
+        lines += [
+            f"Stride {stride}: k = {clusters.k} (silhouette "
+            f"{clusters.silhouette.score.max():.2f}). {clusters.note}",
+            "",
+        ]
+        for c, cname in clusters.names.items():
+            members = labels[labels.cluster == c]
+            text = ", ".join(
+                f"{models[lay // 100]} L{lay % 100}H{h}"
+                for lay, h in zip(members["layer"], members["head"], strict=True)
+            )
+            lines.append(f"- cluster {c} ({cname}): {text}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sweep", type=Path, default=ROOT / "runs/phase_sweep_default")
+    ap.add_argument("--models", help="comma-separated run names (default: a chosen set)")
+    ap.add_argument("--out", type=Path, default=ROOT / "runs/interventions")
+    ap.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
+    ap.add_argument("--sequences", type=int, default=1024, help="balanced test-set size")
+    ap.add_argument("--pairs", type=int, default=256, help="patching pairs per contrast")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--record", action="store_true", help="copy the summary to analyses/results")
+    ap.add_argument("--summary-only", action="store_true", help="rebuild the summary")
+    args = ap.parse_args()
+    names = args.models.split(",") if args.models else list(DEFAULT_MODELS)
+    missing = [n for n in names if not (args.sweep / n / "train_config.json").is_file()]
+    if missing:
+        raise SystemExit(
+            f"no trained run for {missing} under {args.sweep}: run `make sweep` first "
+            "(or pass --sweep/--models)"
+        )
+    t0 = time.perf_counter()
+    infos = []
+    if args.summary_only:
+        infos = [json.loads((args.out / n / "info.json").read_text()) for n in names]
+    else:
+        from rich.progress import Progress
+
+        with ProcessPoolExecutor(args.workers) as pool, Progress() as bar:
+            task = bar.add_task("models analysed", total=len(names))
+            futures = {
+                pool.submit(
+                    analyse,
+                    str(args.sweep / n),
+                    str(args.out / n),
+                    args.sequences,
+                    args.pairs,
+                    args.seed,
+                ): n
+                for n in names
+            }
+            for fut in as_completed(futures):
+                info = fut.result()
+                infos.append(info)
+                bar.console.print(
+                    f"{info['model']}: ablation {info['ablation_s']:.0f}s, patching "
+                    f"{info['patching_s']:.0f}s, attribution {info['attribution_s']:.0f}s, "
+                    f"probes {info['probe_s']:.0f}s"
+                )
+                bar.advance(task)
+        infos.sort(key=lambda i: names.index(i["model"]))
+    text = summarise(args.out, infos)
+    wall = time.perf_counter() - t0
+    if not args.summary_only:
+        text += f"\nWall time: {wall / 60:.1f} min with {args.workers} workers.\n"
+    (args.out / "summary.md").write_text(text)
+    if args.record:
+        (ROOT / "analyses/results/interventions.md").write_text(text)
+    print(f"wrote {args.out / 'summary.md'} ({wall:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
