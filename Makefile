@@ -29,6 +29,7 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/attention_scaling.py
+	$(PY) bench/patching.py
 
 sweep: $(STAMP)
 	$(PY) analyses/phase_sweep.py --runs runs $(if $(filter 1,$(FULL)),--profile full,)

@@ -28,3 +28,24 @@ def test_readme_training_example_runs(tmp_path, monkeypatch, capsys):
     exec(compile(code, str(README), "exec"), namespace)  # noqa: S102
     assert "stride 4:" in capsys.readouterr().out
     assert (tmp_path / "runs/gated_d4/eval/report.json").is_file()
+
+
+def test_readme_interventions_example_runs(tmp_path, monkeypatch, capsys):
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    train_code = blocks[1].replace("steps=2000", "steps=2, eval_every=1, eval_sequences=16")
+    train_code = train_code.replace(
+        "balanced_test_set(cfg.task)", "balanced_test_set(cfg.task, 16)"
+    )
+    code = blocks[2]
+    assert "balanced_test_set(cfg.task, 1024)" in code and "n_pairs=256" in code
+    # the same code at toy size
+    code = code.replace("balanced_test_set(cfg.task, 1024)", "balanced_test_set(cfg.task, 16)")
+    code = code.replace("n_pairs=256", "n_pairs=8").replace("range(256)", "range(16)")
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(compile(train_code, str(README), "exec"), namespace)  # noqa: S102
+    exec(compile(code, str(README), "exec"), namespace)  # noqa: S102
+    assert "resid_pre.1" in capsys.readouterr().out  # the probe table was printed
+    assert "served_phase" in namespace["ab"].specialization().columns
+    assert namespace["exact"].tensor().shape == (2, 64, 2)  # layer, pos, head
+    assert set(namespace["probe"].frame.label) == {"phase", "pos_mod_d"}
