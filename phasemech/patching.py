@@ -532,7 +532,7 @@ def _rows_ok(model: HookedTransformer) -> bool:
         and cfg.clip_qkv is None
         and not cfg.use_attention_sinks
         and not cfg.use_logn_attn
-        and not cfg.original_architecture.startswith("Olmo")
+        and not (cfg.original_architecture or "").startswith("Olmo")
     )
 
 

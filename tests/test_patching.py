@@ -78,11 +78,16 @@ def test_equals_transformer_lens_patching(ds, design, kind, by_pos):
 
 
 @pytest.mark.parametrize("metric", ["prob", "logprob"])
-def test_equals_transformer_lens_with_mlps_rotary_and_gqa(ds, metric):
-    model = make_model(
-        "gated", stride=STRIDE, layers=(0, 1), attn_only=False, rotary=True, gqa=True
-    )
-    contrast = make_contrast(ds, "grid", stride=STRIDE, n_pairs=12, shift=1)
+@pytest.mark.parametrize("design,kind", [("gated", "grid"), ("none", "answer")])
+def test_equals_transformer_lens_with_mlps_rotary_and_gqa(ds, metric, design, kind):
+    # compressed and dense last layers take the answer-row-only path: both must stay exact
+    kw = dict(attn_only=False, rotary=True, gqa=True)
+    if design == "none":
+        model = make_model("none", **kw)
+    else:
+        model = make_model(design, stride=STRIDE, layers=(0, 1), **kw)
+    shift = 1 if kind == "grid" else None
+    contrast = make_contrast(ds, kind, stride=STRIDE, n_pairs=12, shift=shift)
     for by_pos in (False, True):
         ours = patch_heads(model, contrast, metric=metric, by_pos=by_pos)
         foil = torch.tensor(ours.pairs["foil"].to_numpy())
