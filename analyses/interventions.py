@@ -12,8 +12,9 @@ phase-balanced test set:
    (Holm-corrected p < 0.05), the phase it serves (largest drop), the weakest phase of the
    ablated model, and whether the intact model is already weak there;
 3. **activation patching** (``phasemech.patching``): the grid contrast (same tokens, grid
-   shifted by d/2: the cleanest phase contrast) for head outputs at every position and by
-   position, compressed entries and patterns; the corrupted-answer contrast by position;
+   shifted by d/2: the cleanest phase contrast) and the corrupted-answer contrast for head
+   outputs at every position and by position; compressed entries and patterns under the answer
+   contrast (the only one where entry i covers the same tokens in both runs);
 4. **attribution patching** vs exact patching on the answer contrast (overall, by layer, and
    split by saturated last-layer attention);
 5. **linear probes** for the token's phase on a randomly shifted grid (phase decoupled from
@@ -90,9 +91,8 @@ def analyse(run_dir: str, out_dir: str, sequences: int, pairs: int, seed: int) -
 
         t0 = time.perf_counter()
         result = ablate(model, ds, components=components_for(design), seed=seed)
-        result.save(out / "ablate")
         spec = result.specialization(metric="accuracy", n_perm=1000, seed=seed)
-        spec.to_parquet(out / "ablate" / "specialization.parquet")
+        result.save(out / "ablate", specialization=spec)
         timings["ablation_s"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
@@ -107,7 +107,7 @@ def analyse(run_dir: str, out_dir: str, sequences: int, pairs: int, seed: int) -
                 res = patch_heads(model, contrast, by_pos=by_pos)
                 res.save(out / f"patch_{kind}_z{'_pos' if by_pos else ''}", seed=seed)
                 runs[(kind, by_pos)] = (contrast, res)
-            if kind == "grid":
+            if kind == "answer" and design != "none":  # entries align only on one grid
                 for site in ("kv_block", "pattern"):
                     patch_sites(model, contrast, site=site).save(
                         out / f"patch_{kind}_{site}", seed=seed
@@ -155,13 +155,18 @@ def _md(df: pd.DataFrame, floats: str = ".3f") -> str:
     return "\n".join(lines)
 
 
-def weak_spots(effects: pd.DataFrame, spec: pd.DataFrame, alpha: float = 0.05) -> pd.DataFrame:
-    """For each unit whose accuracy effect depends on phase (Holm p < alpha): the phase it
-    serves, the ablated model's weakest phase, and the intact model's accuracy there."""
+def weak_spots(
+    effects: pd.DataFrame, spec: pd.DataFrame, alpha: float = 0.05, min_range: float = 0.10
+) -> pd.DataFrame:
+    """Units whose accuracy effect depends on phase (Holm p < alpha, per-phase range of the
+    effect >= min_range): the phase each serves (largest drop), the ablated model's weakest
+    phase, and whether the ablation *opens* a weak spot there (the ablated model's accuracy
+    varies with phase by at least ``min_range`` more than the intact model's, lowest at the
+    served phase) rather than flooring every phase (which only mirrors the intact profile)."""
     acc = effects[effects.metric == "accuracy"]
-    base = acc.groupby("phase", observed=True).baseline.first()
+    sig = spec[(spec.p_holm < alpha) & (spec.phase_range >= min_range)]
     rows = []
-    for r in spec[spec.p_holm < alpha].sort_values("rank").itertuples():
+    for r in sig.sort_values("rank").itertuples():
         sel = acc[
             (acc.component == r.component)
             & (acc["mode"] == r.mode)
@@ -169,22 +174,77 @@ def weak_spots(effects: pd.DataFrame, spec: pd.DataFrame, alpha: float = 0.05) -
             & (acc.unit == r.unit)
         ].set_index("phase")
         weakest = int(sel.ablated.idxmin())
+        opens = (
+            not pd.isna(r.served_phase)
+            and weakest == int(r.served_phase)
+            and r.ablated_range >= r.base_range + min_range
+        )
         rows.append(
             {
                 "unit": f"{r.component}/{r.mode} L{r.layer}.{r.unit}",
-                "served": int(r.served_phase),
-                "drop at served (pts)": 100 * float(sel.effect.min()),
+                "served": "" if pd.isna(r.served_phase) else int(r.served_phase),
+                "drop there (pts)": 100 * float(sel.effect.min()),
                 "mean drop (pts)": 100 * float(r.overall),
                 "si": float(r.si),
+                "intact range (pts)": 100 * float(r.base_range),
+                "ablated range (pts)": 100 * float(r.ablated_range),
                 "weakest after": weakest,
-                "intact acc there": float(base[weakest]),
-                "intact weakest": int(base.idxmin()),
+                "opens weak spot": "yes" if opens else "no",
             }
         )
     return pd.DataFrame(rows)
 
 
-def summarise(out: Path, infos: list[dict]) -> str:
+def overview_row(name: str, info: dict, d: Path) -> dict:
+    """One line per model for the overview table."""
+    effects = pd.read_parquet(d / "ablate" / "effects.parquet")
+    spec = pd.read_parquet(d / "ablate" / "specialization.parquet")
+    acc = effects[effects.metric == "accuracy"]
+    base = acc.groupby("phase", observed=True).baseline.first()
+    heads = spec[(spec.component == "head") & (spec["mode"] == "zero")]
+    ws = weak_spots(effects, heads)
+    opened = ws[ws["opens weak spot"] == "yes"]
+    comp = pd.read_parquet(d / "attribution.parquet").set_index(["pairs", "layer"])
+    probe = pd.read_parquet(d / "probe.parquet")
+    final = probe[(probe.label == "phase") & (probe.layer == probe.layer.max())].iloc[0]
+
+    def corr(pairs: str) -> str:
+        key = (pairs, "all")
+        return f"{comp.loc[key, 'pearson_single']:.2f}" if key in comp.index else ""
+
+    return {
+        "model": name,
+        "acc": float(base.mean()),
+        "phase range (pts)": 100 * float(base.max() - base.min()),
+        "phase-dependent heads": len(ws),
+        "heads opening a weak spot (served phase)": ", ".join(
+            f"{u.split()[-1]}->{s}" for u, s in zip(opened.unit, opened.served, strict=True)
+        ),
+        "AtP r (sat / unsat)": f"{corr('saturated')} / {corr('unsaturated')}",
+        "phase probe, last layer": f"{final.accuracy:.3f} ({final.chance:.3f})",
+    }
+
+
+def _collect_profiles(profiles: list[dict], name: str, info: dict, d: Path) -> None:
+    """Zero-ablation accuracy effect per phase of every head, for the pooled clustering."""
+    effects = pd.read_parquet(d / "ablate" / "effects.parquet")
+    heads = effects[
+        (effects.metric == "accuracy") & (effects.component == "head") & (effects["mode"] == "zero")
+    ]
+    for r in heads.itertuples():
+        profiles.append(
+            {
+                "model": name,
+                "layer": r.layer,
+                "head": r.unit,
+                "phase": r.phase,
+                "effect": r.effect,
+                "stride": info["stride"],
+            }
+        )
+
+
+def summarise(out: Path, infos: list[dict], detail: set[str]) -> str:
     from phasemech.probes import cluster_heads
 
     lines = [
@@ -195,11 +255,25 @@ def summarise(out: Path, infos: list[dict]) -> str:
         "model's reference grid; every test set is phase-balanced (each content at every "
         "prefix).",
         "",
+        "## Overview",
+        "",
+        "Per model: intact accuracy and its per-phase range; heads whose zero-ablation effect "
+        "depends on phase (Holm p < 0.05, range >= 10 points); those whose ablation opens a "
+        "weak spot at the phase they serve (layer.head -> phase); attribution patching's "
+        "Pearson r with exact by-position patching (answer contrast, single patches) on pairs "
+        "whose last-layer attention is saturated (max >= 0.95) vs not; the linear phase probe "
+        "at the last residual stream (chance in brackets).",
+        "",
+        _md(pd.DataFrame([overview_row(i["model"], i, out / i["model"]) for i in infos]), ".3f"),
+        "",
     ]
     profiles = []
     for info in infos:
         name = info["model"]
         d = out / name
+        if name not in detail:
+            _collect_profiles(profiles, name, info, d)
+            continue
         effects = pd.read_parquet(d / "ablate" / "effects.parquet")
         spec = pd.read_parquet(d / "ablate" / "specialization.parquet")
         acc = effects[effects.metric == "accuracy"]
@@ -228,8 +302,13 @@ def summarise(out: Path, infos: list[dict]) -> str:
         wide["p_holm"] = [f"{float(sp.loc[k, 'p_holm']):.2g}" for k in key]
         lines += [_md(wide, ".2f"), ""]
         ws = weak_spots(effects, spec)
-        lines += ["### Phase-dependent units: served phase vs weak spots", ""]
-        lines += [_md(ws, ".2f") if len(ws) else "No unit's effect depends on phase.", ""]
+        lines += [
+            "### Phase-dependent units: served phase vs weak spots",
+            "",
+            "Units with Holm p < 0.05 and a per-phase effect range >= 10 points.",
+            "",
+        ]
+        lines += [_md(ws, ".1f") if len(ws) else "None.", ""]
 
         lines += ["### Activation patching (normalised effect, 1 = clean restored)", ""]
         for kind in ("grid", "answer"):
@@ -261,11 +340,11 @@ def summarise(out: Path, infos: list[dict]) -> str:
                 "",
             ]
         for site in ("kv_block", "pattern"):
-            folder = d / f"patch_grid_{site}"
+            folder = d / f"patch_answer_{site}"
             if folder.exists():
                 eff = pd.read_parquet(folder / "effects.parquet")
                 lines += [
-                    f"Grid contrast, {site} patches (normalised): "
+                    f"Answer contrast, {site} patches (normalised): "
                     + ", ".join(
                         f"L{r.layer}.{r.unit}: {r.normalized:+.2f}" for r in eff.itertuples()
                     ),
@@ -284,20 +363,15 @@ def summarise(out: Path, infos: list[dict]) -> str:
             _md(pt, ".3f"),
             "",
         ]
-        heads = acc[(acc.component == "head") & (acc["mode"] == "zero")]
-        for r in heads.itertuples():
-            profiles.append(
-                {
-                    "model": name,
-                    "layer": r.layer,
-                    "head": r.unit,
-                    "phase": r.phase,
-                    "effect": r.effect,
-                    "stride": info["stride"],
-                }
-            )
+        _collect_profiles(profiles, name, info, d)
     prof = pd.DataFrame(profiles)
-    lines += ["## Head clusters (zero-ablation accuracy profiles, pooled per stride)", ""]
+    lines += [
+        "## Head clusters (zero-ablation accuracy profiles, pooled per stride)",
+        "",
+        "KMeans on each head's effect across phases minus its mean (how the effect varies with "
+        "phase), L2-normalised, k by silhouette; 'flat' = no phase-specific part.",
+        "",
+    ]
     for stride, group in prof.groupby("stride"):
         models = sorted(group.model.unique())
         # one synthetic layer id per (model, layer): cluster_heads wants (layer, head) units
@@ -323,7 +397,7 @@ def summarise(out: Path, infos: list[dict]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sweep", type=Path, default=ROOT / "runs/phase_sweep_default")
-    ap.add_argument("--models", help="comma-separated run names (default: a chosen set)")
+    ap.add_argument("--models", help="comma-separated run names, or 'all' (default: a chosen set)")
     ap.add_argument("--out", type=Path, default=ROOT / "runs/interventions")
     ap.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
     ap.add_argument("--sequences", type=int, default=1024, help="balanced test-set size")
@@ -331,8 +405,14 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--record", action="store_true", help="copy the summary to analyses/results")
     ap.add_argument("--summary-only", action="store_true", help="rebuild the summary")
+    ap.add_argument("--force", action="store_true", help="re-analyse models already done")
     args = ap.parse_args()
-    names = args.models.split(",") if args.models else list(DEFAULT_MODELS)
+    if args.models == "all":
+        names = sorted(p.parent.name for p in args.sweep.glob("*/train_config.json"))
+    else:
+        names = args.models.split(",") if args.models else list(DEFAULT_MODELS)
+    # detailed sections for the chosen set (or for every model when fewer than 10)
+    detail = set(names) if len(names) < 10 else set(DEFAULT_MODELS) & set(names)
     missing = [n for n in names if not (args.sweep / n / "train_config.json").is_file()]
     if missing:
         raise SystemExit(
@@ -341,13 +421,17 @@ def main() -> None:
         )
     t0 = time.perf_counter()
     infos = []
+    done = [n for n in names if (args.out / n / "info.json").is_file()]
     if args.summary_only:
-        infos = [json.loads((args.out / n / "info.json").read_text()) for n in names]
+        infos = [json.loads((args.out / n / "info.json").read_text()) for n in done]
     else:
         from rich.progress import Progress
 
+        if not args.force:  # cached: analysed models are read back
+            infos = [json.loads((args.out / n / "info.json").read_text()) for n in done]
+        todo = names if args.force else [n for n in names if n not in done]
         with ProcessPoolExecutor(args.workers) as pool, Progress() as bar:
-            task = bar.add_task("models analysed", total=len(names))
+            task = bar.add_task("models analysed", total=len(todo))
             futures = {
                 pool.submit(
                     analyse,
@@ -357,7 +441,7 @@ def main() -> None:
                     args.pairs,
                     args.seed,
                 ): n
-                for n in names
+                for n in todo
             }
             for fut in as_completed(futures):
                 info = fut.result()
@@ -369,7 +453,7 @@ def main() -> None:
                 )
                 bar.advance(task)
         infos.sort(key=lambda i: names.index(i["model"]))
-    text = summarise(args.out, infos)
+    text = summarise(args.out, infos, detail)
     wall = time.perf_counter() - t0
     if not args.summary_only:
         text += f"\nWall time: {wall / 60:.1f} min with {args.workers} workers.\n"

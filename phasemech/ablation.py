@@ -175,7 +175,6 @@ def _plan(
 ) -> list[_Run]:
     """Every ablation to run, layer-major; raises on any invalid request before work starts."""
     comps = _names(where, "component", components, COMPONENTS)
-    default_modes = not isinstance(modes, str) and tuple(modes) == DEFAULT_MODES
     mode_list = _names(where, "mode", modes, MODES)
     n_layers = model.cfg.n_layers
     if isinstance(layers, np.ndarray | Tensor):
@@ -199,18 +198,13 @@ def _plan(
     for comp in comps:
         _check_design(where, comp, design)
         allowed = _modes_for(comp, design)
-        bad = [m for m in mode_list if m not in allowed]
-        if bad and not default_modes:
-            raise ValueError(
-                f"{where}: combination ({comp!r}, {bad[0]!r}) is invalid"
-                + (f" on design {design!r}" if comp == "blocks" else "")
-                + f": {comp!r} allows modes {list(allowed)}"
-            )
+        # each component runs the requested modes it allows; one left with none is an error
         chosen = [m for m in mode_list if m in allowed]
         if not chosen:
             raise ValueError(
-                f"{where}: component {comp!r} has no mode among the default modes "
-                f"{list(DEFAULT_MODES)}: pass modes={allowed!r}"
+                f"{where}: no requested mode applies to component {comp!r}"
+                + (f" on design {design!r}" if comp == "blocks" else "")
+                + f": modes {list(mode_list)} given, {comp!r} allows {list(allowed)}"
             )
         if comp == "head":
             comp_layers = list(range(n_layers)) if layers is None else [int(i) for i in layers]
@@ -510,11 +504,13 @@ class AblationResult:
         """:func:`specialization` of this result."""
         return specialization(self, metric=metric, n_perm=n_perm, seed=seed)
 
-    def save(self, folder: str | Path) -> Path:
-        """Write ``targets.parquet``, ``effects.parquet``, ``specialization.parquet`` (accuracy,
-        default permutations) and ``ablation.json`` (grid and model shape) under ``folder``."""
+    def save(self, folder: str | Path, specialization: pd.DataFrame | None = None) -> Path:
+        """Write ``targets.parquet``, ``effects.parquet``, ``specialization.parquet`` (the given
+        frame, else :meth:`specialization` with its defaults: accuracy, 1000 permutations, seed
+        0) and ``ablation.json`` (grid and model shape) under ``folder``."""
         folder = Path(folder)
-        spec = self.specialization()  # before any write: a failure leaves no partial folder
+        # computed before any write: a failure leaves no partial folder
+        spec = self.specialization() if specialization is None else specialization
         folder.mkdir(parents=True, exist_ok=True)
         for name, df in (
             ("targets", self.targets),
@@ -918,7 +914,12 @@ def specialization(
 
     One row per (component, mode, layer, unit): ``n`` targets; ``overall`` (mean effect);
     ``phase_range`` (max - min of the per-phase mean effects ``e_phi``); ``served_phase`` (the
-    phase with the most negative ``e_phi``: the phase the unit serves most); ``si`` (specialization
+    phase with the most negative ``e_phi``: the phase the unit serves most; ``<NA>`` when no
+    ``e_phi`` is negative); ``base_range`` and ``ablated_range`` (max - min over phases of the
+    intact and the ablated per-phase means: a unit that wipes out every phase has
+    ``e_phi = -baseline_phi``, so its ``phase_range`` only mirrors the intact model's own phase
+    profile, while its ``ablated_range`` is small; a unit that *opens* a weak spot has
+    ``ablated_range > base_range``); ``si`` (specialization
     index ``1 - H(p) / log(stride)``, ``p_phi = |e_phi| / sum |e|``; 1: one phase carries the whole
     effect, 0: spread evenly or no effect); ``stat`` (between-phase variance
     ``sum_phi n_phi (e_phi - overall)^2 / N``); ``p_perm`` from a permutation test of "the effect
@@ -984,6 +985,7 @@ def specialization(
         for k in ("overall", "phase_range", "served_phase", "si", "stat", "p_perm")
     }
     n_rows = np.zeros(n_units, dtype=np.int64)
+    min_effect = np.full(n_units, np.nan)
     null = np.empty(n_units, dtype=object)
     rng = np.random.default_rng(seed)
     for units in signatures.values():
@@ -1013,6 +1015,7 @@ def specialization(
         out["overall"][idx] = grand
         out["phase_range"][idx] = np.nanmax(e_phi, 1) - np.nanmin(e_phi, 1)
         out["served_phase"][idx] = np.nanargmin(e_phi, 1)
+        min_effect[idx] = np.nanmin(e_phi, 1)
         out["si"][idx] = np.where(total[:, 0] > 0, 1 - entropy / math.log(d), 0.0)
         out["stat"][idx] = stat
         out["p_perm"][idx] = (1 + exceed) / (1 + n_perm)
@@ -1025,7 +1028,16 @@ def specialization(
     res["n"] = n_rows
     for k in ("overall", "phase_range"):
         res[k] = out[k]
-    res["served_phase"] = out["served_phase"].astype(np.int64)
+    # a unit whose effect is never negative serves no phase
+    served = pd.array(out["served_phase"], dtype="Int64")
+    served[~(min_effect < 0)] = pd.NA
+    res["served_phase"] = served
+    # floor effects: a unit that wipes out every phase has an effect profile equal to minus the
+    # intact profile; base_range vs ablated_range tells that apart from opening a weak spot
+    per_phase = df.groupby([*UNIT_KEYS, "phase"], observed=True, sort=True)
+    for col, name in ((f"{metric}_base", "base_range"), (metric, "ablated_range")):
+        means = per_phase[col].mean().groupby(level=list(UNIT_KEYS), observed=True, sort=True)
+        res[name] = (means.max() - means.min()).to_numpy()
     for k in ("si", "stat", "p_perm"):
         res[k] = out[k]
     res["p_holm"] = _holm(out["p_perm"])

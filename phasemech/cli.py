@@ -300,6 +300,11 @@ def _load_for_intervention(checkpoint: Path, data: Path | None, sequences: int, 
         return model, load_dataset(data), model_dir
     if cfg is None:
         raise ValueError(f"{checkpoint} is not part of a training run: pass --data")
+    if sequences % cfg.task.stride:
+        raise ValueError(
+            f"--sequences {sequences} is invalid: the phase-balanced test set needs a multiple "
+            f"of the task's stride {cfg.task.stride}"
+        )
     return model, balanced_test_set(cfg.task, sequences, data_seed), model_dir
 
 
@@ -373,7 +378,7 @@ def ablate(
     except (FileNotFoundError, ValueError) as err:
         console.print(f"[red]error:[/] {err}")
         raise typer.Exit(1) from err
-    dest = result.save(out or model_dir / "ablate")
+    dest = result.save(out or model_dir / "ablate", specialization=spec)
     cols = ["component", "mode", "layer", "unit", "overall", "phase_range", "served_phase", "si"]
     top = spec.sort_values("rank").head(12)[cols + ["p_perm", "rank"]]
     _print_frame(top, f"most phase-specialised units ({metric}, stride {result.stride})")
@@ -406,13 +411,18 @@ def patch(
 ) -> None:
     """Activation patching by phase contrast: per (layer, head) effect per target phase."""
     from phasemech import patching as P
+    from phasemech.evaluate import resolve_checkpoint
     from phasemech.train import reference_grid
 
     torch.set_num_threads(1)
     try:
-        model, ds, model_dir = _load_for_intervention(checkpoint, data, max(pairs, 8), data_seed)
+        _, cfg = resolve_checkpoint(checkpoint)
+        # enough balanced sequences for the pairs (a multiple of the task's stride)
+        step = cfg.task.stride if cfg is not None else 1
+        n_seq = -(-pairs // step) * step
+        model, ds, model_dir = _load_for_intervention(checkpoint, data, n_seq, data_seed)
         stride, offset = reference_grid(model.cfg.compression)
-        ds = ds.shuffle(seed=seed) if data is None else ds  # balanced sets come in blocks
+        ds = ds.shuffle(seed=seed)  # balanced sets come in blocks of one content
         pairs_ = P.make_contrast(
             ds,
             contrast,
@@ -457,8 +467,10 @@ def patch(
         f"corrupted {result.corrupted.mean():.3f}; {result.n_run} patched copies run"
     )
     effects = result.frame()
-    if result.by_pos:  # summarise per unit: the strongest position
-        effects = effects.loc[effects.groupby(["layer", "unit"]).normalized.idxmax()]
+    if result.by_pos:  # summarise per unit: the position with the largest effect
+        strongest = effects.assign(size=effects.effect.abs()).dropna(subset=["size"])
+        strongest = strongest.loc[strongest.groupby(["layer", "unit"])["size"].idxmax()]
+        effects = strongest.drop(columns="size")
     _print_frame(effects.reset_index(drop=True), f"{site} patches (normalised: 1 = restored)")
     if comparison is not None:
         comparison.to_parquet(dest / "attribution.parquet")

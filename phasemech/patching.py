@@ -33,7 +33,8 @@ same pairs (tested to 1e-5), much faster:
   closed form on the answer rows (and only the answer position matters for ``_by_pos``).
 
 :func:`patch_sites` patches other sites the same batched way (``kv_block``: a KV head's
-compressed entries, ``pattern``: a head's attention pattern, ``z``: the hook-based reference
+compressed entries, ``pattern``: a head's attention pattern, both under the ``answer`` contrast
+only, where entry ``i`` covers the same tokens in both runs; ``z``: the hook-based reference
 path). :func:`attribution_patch` is the first-order estimate (AtP) of every head x position
 patch from one forward and one backward.
 """
@@ -124,6 +125,8 @@ def make_contrast(
     _check_choice("kind", kind, CONTRASTS)
     if isinstance(stride, bool) or not isinstance(stride, int) or stride < 2:
         raise ValueError(f"stride={stride!r} is invalid: expected an int >= 2")
+    if isinstance(grid_offset, bool) or not isinstance(grid_offset, int):
+        raise ValueError(f"grid_offset={grid_offset!r} is invalid: expected an int")
     if shift is None:
         shift = stride // 2 if kind != "answer" else 0
     if kind == "answer" and shift != 0:
@@ -363,6 +366,8 @@ class PatchResult:
         """Per (layer, [pos,] unit, phase of the clean needle): raw effect with a 95% cluster
         bootstrap CI (clusters: ``group_id``, i.e. one content), normalised effect
         ``(patched - corrupted) / (clean - corrupted)`` on the phase's means, and ``n``."""
+        if isinstance(n_boot, bool) or not isinstance(n_boot, int) or n_boot < 0:
+            raise ValueError(f"n_boot={n_boot!r} is invalid: expected an int >= 0 (0: no CIs)")
         phase = self.pairs[phase_col].to_numpy()
         groups = pd.factorize(self.pairs["group_id"])[0]
         rng = np.random.default_rng(seed)
@@ -376,11 +381,15 @@ class PatchResult:
             ug, inv = np.unique(g, return_inverse=True)
             # cluster bootstrap weights: how often each group is drawn
             draws = rng.integers(0, len(ug), size=(n_boot, len(ug)))
-            w = np.stack([np.bincount(d, minlength=len(ug)) for d in draws])[:, inv]
+            w = np.zeros((n_boot, len(ug)))
+            np.add.at(w, (np.arange(n_boot)[:, None], draws), 1.0)
+            w = w[:, inv]
             w = w / w.sum(1, keepdims=True)  # [boot, n]
             eff = vals[..., sel] - self.corrupted[sel]  # [L', pos, unit, n]
-            boot = eff @ w.T  # [L', pos, unit, boot]
-            lo, hi = np.nanpercentile(boot, [2.5, 97.5], axis=-1)
+            if n_boot:
+                lo, hi = np.nanpercentile(eff @ w.T, [2.5, 97.5], axis=-1)  # w: [boot, n]
+            else:
+                lo = hi = np.full(eff.shape[:-1], np.nan)
             denom = self.clean[sel].mean() - self.corrupted[sel].mean()
             mean = eff.mean(-1)
             for idx in np.ndindex(mean.shape):
@@ -471,6 +480,19 @@ def _check_model(model: HookedTransformer, c: Contrast, metric: str) -> None:
     top = int(max(c.clean_tokens.max(), c.corrupted_tokens.max()))
     if top >= model.cfg.d_vocab:
         raise ValueError(f"token id {top} is out of the model's vocabulary ({model.cfg.d_vocab})")
+    if c.kind == "grid":
+        # a grid contrast must move the needle's phase on the grid the model compresses with
+        comp = model.cfg.compression if isinstance(model, PhaseTransformer) else None
+        if comp is None or not comp.enabled:
+            raise ValueError(
+                "the grid contrast needs a model with compressed layers: on a dense model the "
+                "clean and corrupted runs are identical (use the answer or content contrast)"
+            )
+        if c.shift % comp.stride == 0:
+            raise ValueError(
+                f"grid shift {c.shift} is a multiple of the model's stride {comp.stride}: the "
+                "corrupted grid equals the clean one (build the contrast with the model's stride)"
+            )
 
 
 def _check_layers(model: HookedTransformer, layers: Iterable[int] | None) -> tuple[int, ...]:
@@ -584,7 +606,7 @@ def patch_heads(
     ``get_act_patch_attn_head_out_all_pos`` / ``_by_pos`` on the same pairs."""
     _check_model(model, contrast, metric)
     layers = _check_layers(model, layers)
-    if not isinstance(max_copies, int) or max_copies < 1:
+    if isinstance(max_copies, bool) or not isinstance(max_copies, int) or max_copies < 1:
         raise ValueError(f"max_copies={max_copies!r} is invalid: expected an int >= 1")
     if not _fast_block(model):
         return patch_sites(
@@ -775,12 +797,17 @@ def patch_sites(
     (position-resolved) sit after the answer, are not run: they cannot change the metric."""
     _check_model(model, contrast, metric)
     _check_choice("site", site, SITES)
+    if isinstance(max_copies, bool) or not isinstance(max_copies, int) or max_copies < 1:
+        raise ValueError(f"max_copies={max_copies!r} is invalid: expected an int >= 1")
     if site == "kv_block" and by_pos:
         raise ValueError("by_pos=True is invalid for site='kv_block': entries have no position")
-    if site != "z" and contrast.kind == "content":
+    if site != "z" and contrast.kind != "answer":
+        # block i (and pattern column i) covers other tokens on a shifted grid or content:
+        # the clean entry could hold tokens the corrupted query may not see yet (the answer)
         raise ValueError(
-            f"site={site!r} cannot be content-aligned (blocks and key axes move with the "
-            "content): use the grid or answer contrast"
+            f"site={site!r} needs the answer contrast (the same grid and positions in both "
+            f"runs); under the {contrast.kind} contrast its entries cover different tokens and "
+            "patching them would leak later tokens into earlier queries"
         )
     compressed = set(model.compressed_layers()) if isinstance(model, PhaseTransformer) else set()
     if site == "kv_block":

@@ -199,6 +199,7 @@ def cluster_heads(
     seed: int = 0,
     normalize: bool = True,
     min_norm: float = 0.1,
+    center: bool = True,
 ) -> HeadClusters:
     """Cluster units (``(layer, head)``) by their profile of ``value`` across phases.
 
@@ -216,6 +217,9 @@ def cluster_heads(
         min_norm: with ``normalize``, rows whose norm is below ``min_norm`` times the largest
             row norm are set to zero before normalising: a head with (almost) no effect has no
             shape, and scaling its noise to unit length would scatter it at random.
+        center: subtract each unit's mean over phases first, so units cluster by how their
+            effect *varies* with phase: a head that matters equally at every phase is "flat",
+            not grouped with the phase-specialised ones.
 
     A single cluster (with a ``note``) is returned when there are fewer than 3 units, no ``k``
     in ``k_range`` lies below the number of units, or all profiles are identical.
@@ -225,8 +229,9 @@ def cluster_heads(
     k_min, k_max = _check_k_range(k_range)
     if not is_int(seed):
         raise ValueError(f"{where}: seed={seed!r} is invalid: must be an int")
-    if not isinstance(normalize, bool):
-        raise ValueError(f"{where}: normalize={normalize!r} is invalid: must be True or False")
+    for name, flag in (("normalize", normalize), ("center", center)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{where}: {name}={flag!r} is invalid: must be True or False")
     if not isinstance(min_norm, int | float) or isinstance(min_norm, bool) or not 0 <= min_norm < 1:
         raise ValueError(f"{where}: min_norm={min_norm!r} is invalid: must be a float in [0, 1)")
 
@@ -241,7 +246,7 @@ def cluster_heads(
         )
     phases = wide.columns.to_numpy()
     raw = wide.to_numpy(dtype=float)  # [unit, phase]
-    x = raw.copy()
+    x = raw - raw.mean(1, keepdims=True) if center else raw.copy()
     notes = []
     if normalize:
         norm = np.linalg.norm(x, axis=1)

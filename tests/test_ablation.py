@@ -192,8 +192,11 @@ def test_route_blocks_mask(ds):
     assert np.abs(t.logprob - t.logprob_base).max() > 1e-4
     with pytest.raises(ValueError, match="'raw'.*'route'"):
         ablate(model, ds, components="raw", modes="mask")
-    with pytest.raises(ValueError, match=r"\('blocks', 'mean'\)"):
-        ablate(model, ds, components="blocks", modes=("mask", "mean"))
+    with pytest.raises(ValueError, match="no requested mode applies to component 'blocks'"):
+        ablate(model, ds, components="blocks", modes=("mean",))
+    # requested modes a component lacks are dropped for it: route's blocks run "mask" only
+    both = ablate(model, ds, components="blocks", modes=("mask", "mean"), n_boot=2)
+    assert set(both.targets["mode"].astype(str)) == {"mask"}
 
 
 # ---------------------------------------------------------------------------------- phase_bias
@@ -338,9 +341,25 @@ def test_specialization_planted_phase():
     assert flat.si < 0.05 and flat.overall == pytest.approx(-0.5, abs=0.1)
     assert none.si == 0 and none.p_perm == 1 and none.stat == 0
     assert (sp.p_holm >= sp.p_perm).all()
+    assert pd.isna(none.served_phase)  # no negative effect: serves no phase
     # the same from rank_heads, sorted by rank
     ranked = rank_heads(df, metric="logprob", n_perm=200, stride=STRIDE)
     assert ranked.unit.iloc[0] == 0 and list(ranked["rank"]) == [1, 2, 3]
+
+
+def test_floor_effect_is_told_apart_from_opening_a_weak_spot():
+    # intact accuracy 1, 1, 1, 0.4 by phase; unit 0 wipes out every phase (a floor effect),
+    # unit 1 removes phase 1 only (it opens a weak spot there)
+    df = _synthetic(0).query("unit < 2").copy()
+    base = np.where(df.phase == 3, (df.group_id % 5 < 2).astype(float), 1.0)
+    df["accuracy_base"] = base
+    df["accuracy"] = np.where(df.unit == 0, 0.0, np.where(df.phase == 1, 0.0, base))
+    sp = specialization(df, metric="accuracy", n_perm=100, seed=0, stride=STRIDE)
+    floor, opener = sp.iloc[0], sp.iloc[1]
+    assert floor.base_range == pytest.approx(0.6) and floor.ablated_range == 0
+    assert floor.phase_range == pytest.approx(0.6)  # mirrors the intact profile
+    assert opener.served_phase == 1 and opener.ablated_range == pytest.approx(1.0)
+    assert opener.ablated_range > opener.base_range
 
 
 def test_within_block_null_removes_content_variance():
@@ -393,8 +412,11 @@ def test_block_permutations_keep_each_blocks_phases():
     [
         (dict(components=("heads",)), "'heads'"),
         (dict(modes=("ablate",)), "'ablate'"),
-        (dict(components=("raw",), modes=("zero",)), r"\('raw', 'zero'\)"),
-        (dict(components=("head",), modes=("zero", "mask")), r"\('head', 'mask'\)"),
+        (
+            dict(components=("raw",), modes=("zero",)),
+            "no requested mode applies to component 'raw'",
+        ),
+        (dict(components=("head",), modes=("mask",)), "component 'head'.*allows"),
         (dict(layers=[0, 5]), "layer 5"),
         (dict(layers=[1.0]), "layer 1.0"),
         (dict(stride="4"), "stride='4'"),

@@ -82,6 +82,7 @@ def test_cli_patch_by_position_with_attribution(sweep, tmp_path):
 def test_cli_patch_compressed_entries(sweep, tmp_path):
     out = tmp_path / "kv"
     args = ["patch", str(sweep / "gated_tiny"), "--site", "kv_block", "--pairs", "8"]
+    args += ["--contrast", "answer"]
     result = runner.invoke(app, [*args, "--out", str(out)])
     assert result.exit_code == 0, result.output
     effects = pd.read_parquet(out / "effects.parquet")
@@ -92,7 +93,8 @@ def test_cli_patch_compressed_entries(sweep, tmp_path):
     "extra,message",
     [
         (["--contrast", "nope"], "kind='nope'"),
-        (["--site", "kv_block", "--by-pos"], "by_pos=True is invalid"),
+        (["--site", "kv_block", "--contrast", "answer", "--by-pos"], "by_pos=True is invalid"),
+        (["--site", "kv_block"], "needs the answer contrast"),
         (["--layers", "x"], "--layers 'x' is invalid"),
         (["--metric", "acc"], "metric='acc'"),
     ],
@@ -119,4 +121,4 @@ def test_interventions_analysis_smoke(sweep, tmp_path):
     assert "## gated_tiny" in text
     for section in ("### Ablation", "### Activation patching", "### Attribution", "probes"):
         assert section in text
-    assert (out / "gated_tiny" / "patch_grid_kv_block" / "effects.parquet").is_file()
+    assert (out / "gated_tiny" / "patch_answer_kv_block" / "effects.parquet").is_file()

@@ -155,12 +155,12 @@ def test_contrasts_change_only_what_they_say(ds):
     assert {tuple(x) for x in diff} == expected
     assert (answer.foil != answer.answer).all()
     assert (answer.foil >= TASK.vocab_size // 2).all() and (answer.foil < TASK.vocab_size).all()
-    assert (answer.answer == answer.clean_tokens[torch.arange(12), torch.as_tensor(src)]).all()
+    assert (answer.answer == answer.clean_tokens[torch.arange(12), torch.tensor(src)]).all()
 
 
 def test_compressed_entry_and_pattern_patches_equal_manual_hooks(ds):
     model = model_for("gated")
-    contrast = make_contrast(ds, "grid", stride=STRIDE, n_pairs=12)
+    contrast = make_contrast(ds, "answer", stride=STRIDE, n_pairs=12)
     kv = patch_sites(model, contrast, site="kv_block")
     pattern = patch_sites(model, contrast, site="pattern")
     foil = torch.tensor(kv.pairs["foil"].to_numpy())
@@ -258,6 +258,7 @@ def test_bad_patch_requests_are_refused(ds):
     model = model_for("gated")
     grid = make_contrast(ds, "grid", stride=STRIDE, n_pairs=4)
     content = make_contrast(ds, "content", stride=STRIDE, n_pairs=4, shift=1)
+    answer = make_contrast(ds, "answer", stride=STRIDE, n_pairs=4)
     with pytest.raises(ValueError, match="metric='acc'"):
         patch_heads(model, grid, metric="acc")
     with pytest.raises(ValueError, match=r"layers=\[2\]"):
@@ -265,11 +266,24 @@ def test_bad_patch_requests_are_refused(ds):
     with pytest.raises(ValueError, match="site='mlp'"):
         patch_sites(model, grid, site="mlp")
     with pytest.raises(ValueError, match=r"layers \[0\] have no compressed entries"):
-        patch_sites(model, grid, site="kv_block", layers=[0])
+        patch_sites(model, answer, site="kv_block", layers=[0])
     with pytest.raises(ValueError, match="by_pos=True is invalid"):
-        patch_sites(model, grid, site="kv_block", by_pos=True)
-    with pytest.raises(ValueError, match="content-aligned"):
+        patch_sites(model, answer, site="kv_block", by_pos=True)
+    with pytest.raises(ValueError, match="needs the answer contrast"):
         patch_sites(model, content, site="pattern")
-    dense = model_for("none")
+    with pytest.raises(ValueError, match="needs the answer contrast"):
+        patch_sites(model, grid, site="kv_block")
     with pytest.raises(ValueError, match="max_copies=0"):
-        patch_heads(dense, grid, max_copies=0)
+        patch_heads(model, grid, max_copies=0)
+    with pytest.raises(ValueError, match="max_copies=True"):
+        patch_sites(model, grid, max_copies=True)
+    with pytest.raises(ValueError, match="needs a model with compressed layers"):
+        patch_heads(model_for("none"), grid)
+    coarse = make_contrast(ds, "grid", stride=8, n_pairs=4)  # shift 4: no change at stride 4
+    with pytest.raises(ValueError, match="multiple of the model's stride 4"):
+        patch_heads(model, coarse)
+    with pytest.raises(ValueError, match="grid_offset=True"):
+        make_contrast(ds, "grid", stride=STRIDE, grid_offset=True)
+    with pytest.raises(ValueError, match="n_boot=-1"):
+        patch_heads(model, grid).by_phase(n_boot=-1)
+    assert patch_heads(model, grid).by_phase(n_boot=0).ci_low.isna().all()

@@ -97,8 +97,8 @@ def test_cluster_heads_deterministic_by_seed():
         (layer, head, p, rng.normal()) for layer in range(5) for head in range(6) for p in range(6)
     ]
     df = pd.DataFrame(rows, columns=["layer", "head", "phase", "effect"])
-    a = cluster_heads(df, k_range=(5, 5), seed=3)
-    b = cluster_heads(df, k_range=(5, 5), seed=3)
+    a = cluster_heads(df, k_range=(5, 5), seed=3, center=False)
+    b = cluster_heads(df, k_range=(5, 5), seed=3, center=False)
     pd.testing.assert_frame_equal(a.labels, b.labels)
     pd.testing.assert_frame_equal(a.centroids, b.centroids)
     assert a.names == b.names
@@ -295,3 +295,26 @@ def test_probe_rejects_bad_input(dense_model, toks):
         phase_probe(dense_model, toks[:4], stride=STRIDE)
     with pytest.raises(ValueError, match=r"need \[batch, pos\]"):
         phase_probe(dense_model, toks[0], stride=STRIDE)
+
+
+def test_cluster_heads_centering_separates_uniform_from_phase_specific_heads():
+    # 4 heads hurt every phase equally (large), 3 serve phase 1, 3 serve phase 3 (smaller)
+    rng = np.random.default_rng(0)
+    rows = []
+    for head in range(10):
+        for p in range(4):
+            if head < 4:
+                e = -0.8
+            elif head < 7:
+                e = -0.3 if p == 1 else 0.0
+            else:
+                e = -0.3 if p == 3 else 0.0
+            rows.append((0, head, p, e + rng.normal(0, 0.005)))
+    df = pd.DataFrame(rows, columns=["layer", "head", "phase", "effect"])
+    centered = cluster_heads(df, seed=0)
+    names = centered.labels.set_index("head")["name"]
+    assert set(names[:4]) == {"flat"}
+    assert set(names[4:7]) == {"phase 1"} and set(names[7:]) == {"phase 3"}
+    # centred profiles: a uniform head's row is ~0 (its mean removed)
+    uniform = centered.labels.set_index("head").loc[0, [f"phase_{p}" for p in range(4)]]
+    assert np.abs(uniform.to_numpy(float)).max() < 0.05
