@@ -203,7 +203,7 @@ def overview_row(name: str, info: dict, d: Path) -> dict:
     base = acc.groupby("phase", observed=True).baseline.first()
     heads = spec[(spec.component == "head") & (spec["mode"] == "zero")]
     ws = weak_spots(effects, heads)
-    opened = ws[ws["opens weak spot"] == "yes"]
+    opened = ws[ws["opens weak spot"] == "yes"] if len(ws) else ws
     comp = pd.read_parquet(d / "attribution.parquet").set_index(["pairs", "layer"])
     probe = pd.read_parquet(d / "probe.parquet")
     final = probe[(probe.label == "phase") & (probe.layer == probe.layer.max())].iloc[0]
@@ -218,7 +218,8 @@ def overview_row(name: str, info: dict, d: Path) -> dict:
         "phase range (pts)": 100 * float(base.max() - base.min()),
         "phase-dependent heads": len(ws),
         "heads opening a weak spot (served phase)": ", ".join(
-            f"{u.split()[-1]}->{s}" for u, s in zip(opened.unit, opened.served, strict=True)
+            f"{u.split()[-1]}->{s}"
+            for u, s in zip(opened.get("unit", []), opened.get("served", []), strict=True)
         ),
         "AtP r (sat / unsat)": f"{corr('saturated')} / {corr('unsaturated')}",
         "phase probe, last layer": f"{final.accuracy:.3f} ({final.chance:.3f})",
