@@ -256,10 +256,20 @@ class CompressedAttentionMixin:
             # Pool post-RoPE keys (fla-org NSA, MoBA): each entry keeps its tokens' rotations.
             q = self.hook_rot_q(self.apply_rotary(q, 0, attention_mask))
             k = self.hook_rot_k(self.apply_rotary(k, 0, attention_mask))
-        batch, seq = q.shape[0], q.shape[1]
-        offsets = self.hook_grid_offset(self.grid_offsets(batch, q.device, attention_mask))
+        offsets = self.hook_grid_offset(self.grid_offsets(q.shape[0], q.device, attention_mask))
         key_valid = None if attention_mask is None else attention_mask.to(q.device).bool()
-        geo = build_geometry(
+        geo = self._geometry(offsets, q.shape[1], key_valid)
+        z, token_pattern = self.attend(key_input, q, k, v, geo)
+        if token_pattern is not None:
+            self.hook_token_pattern(token_pattern)
+        z = self.hook_z(z)
+        return self._output(z)
+
+    def _geometry(
+        self, offsets: Int[Tensor, "batch kv_head"], seq: int, key_valid: Tensor | None
+    ) -> Geometry:
+        c = self.cfg.compression
+        return build_geometry(
             offsets,
             seq,
             self.stride,
@@ -267,13 +277,8 @@ class CompressedAttentionMixin:
             self.window,
             self.visibility,
             key_valid,
-            self.cfg.compression.block_scope,
+            c.block_scope,
         )
-        z, token_pattern = self.attend(key_input, q, k, v, geo)
-        if token_pattern is not None:
-            self.hook_token_pattern(token_pattern)
-        z = self.hook_z(z)
-        return self._output(z)
 
     def attend(
         self,
@@ -317,18 +322,7 @@ class CompressedAttentionMixin:
         q, k, v = self.calculate_qkv_matrices(x, x, x)
         if self.cfg.positional_embedding_type == "rotary":
             q, k = self.apply_rotary(q, 0, None), self.apply_rotary(k, 0, None)
-        batch, seq = q.shape[0], q.shape[1]
-        offsets = self.grid_offsets(batch, q.device)
-        geo = build_geometry(
-            offsets,
-            seq,
-            self.stride,
-            self.block_len,
-            self.window,
-            self.visibility,
-            None,
-            self.cfg.compression.block_scope,
-        )
+        geo = self._geometry(self.grid_offsets(q.shape[0], q.device), q.shape[1], None)
         z = self.attend_rows(x, q, k, v, geo, rows)  # [batch, head, d_head]
         return self._output(z[:, None])[:, 0]
 
