@@ -70,6 +70,7 @@ def analyse(run_dir: str, out_dir: str, sequences: int, pairs: int, seed: int) -
     from phasemech.ablation import ablate
     from phasemech.evaluate import balanced_test_set, load_trained
     from phasemech.patching import (
+        attribution_by_position,
         attribution_patch,
         compare_attribution,
         make_contrast,
@@ -119,6 +120,7 @@ def analyse(run_dir: str, out_dir: str, sequences: int, pairs: int, seed: int) -
         atp = attribution_patch(model, contrast)
         comparison = compare_attribution(atp, exact)
         comparison.to_parquet(out / "attribution.parquet")
+        attribution_by_position(atp, exact, contrast).to_parquet(out / "attribution_where.parquet")
         timings["attribution_s"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
@@ -208,6 +210,13 @@ def overview_row(name: str, info: dict, d: Path) -> dict:
     probe = pd.read_parquet(d / "probe.parquet")
     final = probe[(probe.label == "phase") & (probe.layer == probe.layer.max())].iloc[0]
 
+    where = pd.read_parquet(d / "attribution_where.parquet").set_index(["layer", "where"])
+    big = [(0, "source"), (int(where.index.get_level_values(0).max()), "query")]
+    big = [k for k in big if k in where.index]
+    ratio = (where.loc[big, "mean_atp"] * where.loc[big, "n"]).sum() / (
+        where.loc[big, "mean_exact"] * where.loc[big, "n"]
+    ).sum()
+
     def corr(pairs: str) -> str:
         key = (pairs, "all")
         return f"{comp.loc[key, 'pearson_single']:.2f}" if key in comp.index else ""
@@ -222,6 +231,8 @@ def overview_row(name: str, info: dict, d: Path) -> dict:
             for u, s in zip(opened.get("unit", []), opened.get("served", []), strict=True)
         ),
         "AtP r (sat / unsat)": f"{corr('saturated')} / {corr('unsaturated')}",
+        "AtP/exact, needle+answer patches": f"{ratio:.2f}",
+        "their share of AtP error": f"{where.loc[big, 'share_of_error'].sum():.2f}",
         "phase probe, last layer": f"{final.accuracy:.3f} ({final.chance:.3f})",
     }
 
@@ -262,8 +273,10 @@ def summarise(out: Path, infos: list[dict], detail: set[str]) -> str:
         "depends on phase (Holm p < 0.05, range >= 10 points); those whose ablation opens a "
         "weak spot at the phase they serve (layer.head -> phase); attribution patching's "
         "Pearson r with exact by-position patching (answer contrast, single patches) on pairs "
-        "whose last-layer attention is saturated (max >= 0.95) vs not; the linear phase probe "
-        "at the last residual stream (chance in brackets).",
+        "whose last-layer attention is saturated (max >= 0.95) vs not; AtP's estimate over the "
+        "exact effect summed over the largest patches (layer 0 at the needle token, the last "
+        "layer at the answer position) and their share of AtP's total absolute error; the "
+        "linear phase probe at the last residual stream (chance in brackets).",
         "",
         _md(pd.DataFrame([overview_row(i["model"], i, out / i["model"]) for i in infos]), ".3f"),
         "",
@@ -354,6 +367,13 @@ def summarise(out: Path, infos: list[dict], detail: set[str]) -> str:
         comp = pd.read_parquet(d / "attribution.parquet")
         lines += ["### Attribution patching vs exact (answer contrast, by position)", ""]
         lines += [_md(comp, ".3f"), ""]
+        where = pd.read_parquet(d / "attribution_where.parquet")
+        lines += [
+            "Where the error sits (position classes relative to each pair's needle):",
+            "",
+            _md(where, ".3f"),
+            "",
+        ]
         probe = pd.read_parquet(d / "probe.parquet")
         pt = probe.pivot(index=["layer", "site"], columns="label", values="accuracy")
         pt = pt.droplevel("layer").reset_index()
@@ -386,6 +406,9 @@ def summarise(out: Path, infos: list[dict], detail: set[str]) -> str:
         ]
         for c, cname in clusters.names.items():
             members = labels[labels.cluster == c]
+            if cname == "flat":  # the many heads without a phase-specific part: a count
+                lines.append(f"- cluster {c} (flat): {len(members)} heads")
+                continue
             text = ", ".join(
                 f"{models[lay // 100]} L{lay % 100}H{h}"
                 for lay, h in zip(members["layer"], members["head"], strict=True)
@@ -456,8 +479,15 @@ def main() -> None:
         infos.sort(key=lambda i: names.index(i["model"]))
     text = summarise(args.out, infos, detail)
     wall = time.perf_counter() - t0
+    timing = args.out / "timing.json"
     if not args.summary_only:
-        text += f"\nWall time: {wall / 60:.1f} min with {args.workers} workers.\n"
+        timing.write_text(json.dumps({"wall_s": wall, "workers": args.workers, "models": todo}))
+    if timing.is_file():  # the analysing run's time (a summary-only rebuild reports it too)
+        t = json.loads(timing.read_text())
+        text += (
+            f"\nWall time of the last analysing run: {t['wall_s'] / 60:.1f} min for "
+            f"{len(t['models'])} models with {t['workers']} workers.\n"
+        )
     (args.out / "summary.md").write_text(text)
     if args.record:
         (ROOT / "analyses/results/interventions.md").write_text(text)

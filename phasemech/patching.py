@@ -1002,6 +1002,54 @@ def compare_attribution(
     return pd.DataFrame(rows)
 
 
+def attribution_by_position(
+    attribution: Attribution, exact: PatchResult, contrast: Contrast
+) -> pd.DataFrame:
+    """Where AtP's error sits: per (layer, position class) the number of patches, mean exact
+    and estimated effects, mean absolute error, the share of all absolute error and Pearson r.
+    Position classes relative to each pair: ``source`` (the needle token), ``query`` (the
+    answer position), ``before`` the needle, ``between`` the two. Patches exactly zero in both
+    are left out (nothing to estimate)."""
+    if exact.values.shape != attribution.values.shape:
+        raise ValueError("attribution and exact patching have different shapes: same pairs?")
+    true = exact.values - exact.corrupted
+    est = attribution.values
+    n_layers, n_pos = true.shape[:2]
+    src = contrast.pairs["source_pos"].to_numpy() + (
+        contrast.shift if contrast.kind == "content" else 0
+    )
+    pos = np.arange(n_pos)[None, :, None, None]
+    where = np.where(
+        pos == src,
+        "source",
+        np.where(
+            pos == contrast.corrupted_query_pos.numpy(),
+            "query",
+            np.where(pos < src, "before", "between"),
+        ),
+    )
+    where = np.broadcast_to(where, true.shape)
+    layer = np.broadcast_to(np.arange(n_layers)[:, None, None, None], true.shape)
+    keep = ((true != 0) | (est != 0)) & np.isin(layer, exact.layers)
+    df = pd.DataFrame(
+        {"layer": layer[keep], "where": where[keep], "exact": true[keep], "atp": est[keep]}
+    )
+    df["abs_error"] = (df.exact - df.atp).abs()
+    total = df.abs_error.sum()
+    grouped = df.groupby(["layer", "where"])
+    out = grouped.agg(
+        n=("exact", "size"),
+        mean_exact=("exact", "mean"),
+        mean_atp=("atp", "mean"),
+        mean_abs_error=("abs_error", "mean"),
+    )
+    out["share_of_error"] = grouped.abs_error.sum() / total if total > 0 else np.nan
+    out["pearson"] = grouped.apply(
+        lambda g: g.exact.corr(g.atp) if len(g) > 2 else np.nan, include_groups=False
+    )
+    return out.reset_index()
+
+
 __all__ = [
     "CONTRASTS",
     "METRICS",
@@ -1009,6 +1057,7 @@ __all__ = [
     "Attribution",
     "Contrast",
     "PatchResult",
+    "attribution_by_position",
     "attribution_patch",
     "compare_attribution",
     "make_contrast",

@@ -10,6 +10,7 @@ from transformer_lens import patching as tl_patching
 
 from phasemech.grid import phase_of
 from phasemech.patching import (
+    attribution_by_position,
     attribution_patch,
     compare_attribution,
     make_contrast,
@@ -235,6 +236,16 @@ def test_attribution_differs_from_exact_through_layer_norm(ds):
     atp = attribution_patch(model, contrast)
     err = np.abs(atp.values[0] - (exact.values[0] - exact.corrupted)).max()
     assert err > 1e-6  # first order through LN and softmax: not exact, as documented
+    where = attribution_by_position(atp, exact, contrast)
+    assert where.share_of_error.sum() == pytest.approx(1.0)
+    true = exact.values - exact.corrupted
+    assert where.n.sum() == int(((true != 0) | (atp.values != 0)).sum())
+    # the answer contrast changes nothing before the needle: no patch there to estimate
+    assert "before" not in set(where["where"])
+    src = contrast.pairs["source_pos"].to_numpy()
+    at_source = true[0, src, :, np.arange(12)]  # [pair, head]
+    row = where[(where.layer == 0) & (where["where"] == "source")].iloc[0]
+    assert row.mean_exact == pytest.approx(at_source[at_source != 0].mean())
 
 
 @pytest.mark.parametrize(
