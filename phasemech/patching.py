@@ -41,6 +41,7 @@ patch from one forward and one backward.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -232,15 +233,7 @@ def _grid(model: HookedTransformer, shift: Tensor):
         return model.shift_grid(shift)
     if bool((shift != 0).any()):
         raise ValueError("a grid contrast needs a PhaseTransformer (a plain model has no grid)")
-    return _Null()
-
-
-class _Null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
+    return contextlib.nullcontext()
 
 
 # --------------------------------------------------------------------------------- the baseline
