@@ -251,13 +251,12 @@ def eval_cmd(
     out: Annotated[Path | None, typer.Option(help="default: CHECKPOINT/eval")] = None,
 ) -> None:
     """Per-phase accuracy with the full statistics template (parquet + JSON)."""
-    from phasemech.evaluate import balanced_test_set, evaluate, resolve_checkpoint
+    from phasemech.evaluate import balanced_test_set, evaluate, load_trained
     from phasemech.tasks import load_dataset, task_of
 
     torch.set_num_threads(1)
     try:
-        model_dir, cfg = resolve_checkpoint(checkpoint)
-        model = PhaseTransformer.load(model_dir)
+        model, cfg, model_dir = load_trained(checkpoint)
         if data is not None:
             ds = load_dataset(data)
         elif cfg is not None:

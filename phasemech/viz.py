@@ -113,6 +113,20 @@ def _rgba(color: str, alpha: float) -> str:
     return f"rgba({int(r)},{int(g)},{int(b)},{alpha})"
 
 
+def _band_style(label: str, color: str) -> dict[str, Any]:
+    """Trace settings of a shaded 95% band (no line, no hover, grouped with its curve)."""
+    return dict(
+        fill="toself",
+        fillcolor=_rgba(color, 0.18),
+        mode="lines",
+        line=dict(width=0),
+        hoverinfo="skip",
+        showlegend=False,
+        legendgroup=label,
+        name=f"{label} 95% CI",
+    )
+
+
 def _check_stride(where: str, stride: Any, low: int = 2) -> int:
     if isinstance(stride, bool) or not isinstance(stride, int | np.integer) or stride < low:
         raise ValueError(f"{where}: stride={stride!r} is invalid: expected an int >= {low}")
@@ -281,14 +295,7 @@ def per_phase_accuracy(
                 go.Scatter(
                     x=np.r_[x, x[::-1]],
                     y=np.r_[c["hi"][keep], c["lo"][keep][::-1]],
-                    fill="toself",
-                    fillcolor=_rgba(color, 0.18),
-                    mode="lines",
-                    line=dict(width=0),
-                    hoverinfo="skip",
-                    showlegend=False,
-                    legendgroup=label,
-                    name=f"{label} 95% CI",
+                    **_band_style(label, color),
                 )
             )
         custom = (
@@ -359,14 +366,7 @@ def per_phase_polar(
                 go.Scatterpolar(
                     theta=np.r_[t, t[:1], t[:1], t[::-1]],
                     r=np.r_[hi, hi[:1], lo[:1], lo[::-1]],
-                    fill="toself",
-                    fillcolor=_rgba(color, 0.18),
-                    mode="lines",
-                    line=dict(width=0),
-                    hoverinfo="skip",
-                    showlegend=False,
-                    legendgroup=label,
-                    name=f"{label} 95% CI",
+                    **_band_style(label, color),
                 )
             )
             rmax = max(rmax, float(np.nanmax(hi, initial=0.0)))
