@@ -1,7 +1,5 @@
 """``phasemech`` command line: ``info``, ``phase-attention``, ``data``, ``train``, ``eval``,
-``ablate``, ``patch``.
-
-Later capabilities (dashboard) add their commands here."""
+``ablate``, ``patch``, ``dashboard``."""
 
 from __future__ import annotations
 
@@ -475,6 +473,39 @@ def patch(
         comparison.to_parquet(dest / "attribution.parquet")
         _print_frame(comparison, "attribution patching vs exact")
     console.print(f"wrote {dest}/effects.parquet, by_phase.parquet, pairs.parquet, values.parquet")
+
+
+@app.command()
+def dashboard(
+    run_dir: Annotated[Path, typer.Argument(help="a trained run, or a folder of runs (a sweep)")],
+    out: Annotated[Path, typer.Option("-o", "--out", help="the HTML file to write")] = Path(
+        "dashboard.html"
+    ),
+    models: Annotated[
+        str | None, typer.Option(help="comma-separated run names (default: every run)")
+    ] = None,
+    sequences: Annotated[int, typer.Option(min=1, help="phase-balanced test sequences")] = 1024,
+    data_seed: Annotated[int, typer.Option(help="test-set seed")] = 777,
+    n_boot: Annotated[int, typer.Option(min=0, help="bootstrap draws for CIs")] = 400,
+    n_perm: Annotated[int, typer.Option(min=0, help="permutations for the tests")] = 400,
+    seed: int = 0,
+    force: Annotated[bool, typer.Option(help="recompute cached panels")] = False,
+) -> None:
+    """One self-contained HTML dashboard (plotly.js inlined) for head-attribution exploration."""
+    from phasemech.dashboard import PanelConfig, build_dashboard
+
+    try:
+        config = PanelConfig(
+            sequences=sequences, data_seed=data_seed, n_boot=n_boot, n_perm=n_perm, seed=seed
+        )
+        dest = build_dashboard(
+            run_dir, out, config, models=_split(models), force=force, progress=True
+        )
+    except (FileNotFoundError, ValueError) as err:
+        console.print(f"[red]error:[/] {err}")
+        raise typer.Exit(1) from err
+    size = dest.stat().st_size / 1e6
+    console.print(f"wrote {dest} ({size:.1f} MB, self-contained: open it in any browser)")
 
 
 if __name__ == "__main__":

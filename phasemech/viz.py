@@ -159,17 +159,19 @@ def _pick(where: str, name: str, frame: pd.DataFrame, options: Sequence[str]) ->
 
 
 def head_phase_heatmap(
-    pa: PhaseAttention,
+    pa: PhaseAttention | pd.DataFrame,
     title: str | None = None,
     layer_names: dict[int, str] | None = None,
 ) -> go.Figure:
     """Heatmap per layer: rows heads, columns source phase, colour = attention mass.
 
+    ``pa``: a :class:`PhaseAttention` or its ``frame`` (e.g. read back from parquet).
     For ``kind="query_mean"`` each row sums to 1 and ``1/stride`` is "no phase preference"; for
     ``kind="pair"`` a cell is the mean mass from the answer position onto needles of that phase.
     Hover shows the value and ``n``; approximate (gradient-attributed) layers are marked.
     """
-    frame = pa.frame
+    frame = pa.frame if isinstance(pa, PhaseAttention) else pa
+    _need("head_phase_heatmap", "pa", frame, ["layer", "head", "phase", "mass", "n", "exact"])
     layers = sorted(frame.layer.unique())
     names = layer_names or {}
     subtitles = []
@@ -205,9 +207,11 @@ def head_phase_heatmap(
         )
         fig.update_xaxes(title_text="source phase", row=1, col=col)
     fig.update_yaxes(title_text="head", autorange="reversed", row=1, col=1)
-    what = "mean over queries" if pa.kind == "query_mean" else "answer -> needle"
+    kind = pa.kind if isinstance(pa, PhaseAttention) else str(frame["kind"].iloc[0])
+    stride = pa.stride if isinstance(pa, PhaseAttention) else int(frame["phase"].max()) + 1
+    what = "mean over queries" if kind == "query_mean" else "answer -> needle"
     fig.update_layout(
-        title=title or f"Attention mass by source phase ({what}, stride {pa.stride})",
+        title=title or f"Attention mass by source phase ({what}, stride {stride})",
         font=FONT,
         template="simple_white",
         width=max(360, 260 * len(layers) + 120),
@@ -523,7 +527,8 @@ def specialization_scatter(
     also shows ``served_phase`` and ``p_holm`` when present; filled markers for ``p_holm <
     alpha``, open ones otherwise). ``clusters``: ``HeadClusters.labels`` or any frame with
     ``layer``, ``head`` or ``unit``, ``name``: one trace (colour) per cluster name, units
-    without a label in ``"unclustered"``; without it a single trace.
+    without a label in ``"unclustered"``; without it a single trace. Units of several models:
+    give both frames a ``model`` column (matched on it, and shown in the hover).
     """
     where = "specialization_scatter"
     _need(where, "spec", spec, ["layer", "unit", "overall", "si"])
@@ -533,9 +538,11 @@ def specialization_scatter(
     if clusters is not None:
         _need(where, "clusters", clusters, ["layer", "name"])
         cu = _pick(where, "clusters", clusters, ("unit", "head"))
-        lab = clusters[["layer", cu, "name"]].rename(columns={cu: "unit"})
-        lab = lab.astype({"layer": int, "unit": int}).drop_duplicates(["layer", "unit"])
-        df = df.merge(lab, on=["layer", "unit"], how="left")
+        # units of several models: (model, layer, unit) when both frames name the model
+        keys = ["model"] if "model" in df.columns and "model" in clusters.columns else []
+        lab = clusters[[*keys, "layer", cu, "name"]].rename(columns={cu: "unit"})
+        lab = lab.astype({"layer": int, "unit": int}).drop_duplicates([*keys, "layer", "unit"])
+        df = df.merge(lab, on=[*keys, "layer", "unit"], how="left")
         df["name"] = df["name"].astype(object).where(df["name"].notna(), "unclustered")
     else:
         df["name"] = "unit"
@@ -566,9 +573,16 @@ def specialization_scatter(
                     symbol=["circle" if q < alpha else "circle-open" for q in p],
                     line=dict(width=1.5, color=color),
                 ),
-                customdata=np.c_[sub["layer"], sub["unit"], served.to_numpy(), p],
+                customdata=np.c_[
+                    sub["layer"],
+                    sub["unit"],
+                    served.to_numpy(),
+                    p,
+                    sub["model"] if "model" in sub.columns else np.full(len(sub), ""),
+                ],
                 hovertemplate=(
-                    "L%{customdata[0]}H%{customdata[1]}<br>overall %{x:.4f}<br>si %{y:.3f}"
+                    "%{customdata[4]} L%{customdata[0]}H%{customdata[1]}<br>overall %{x:.4f}"
+                    "<br>si %{y:.3f}"
                     "<br>served phase %{customdata[2]}<br>p_holm %{customdata[3]:.3g}"
                     f"<br>cluster {name}<extra></extra>"
                 ),

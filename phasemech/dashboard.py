@@ -1,0 +1,402 @@
+"""The interactive head-attribution dashboard: ONE self-contained HTML file.
+
+Axes: ``layer, head, phase`` (phase = the needle's offset in its compression chunk on the model's
+reference grid), ``pos`` / ``key_pos`` for the example pattern.
+
+Two steps, kept apart so that rendering never runs a model:
+
+1. :func:`model_panel` gathers, for one trained run, everything the dashboard (and the static
+   figures of ``analyses/figures.py``) show, and caches it under ``RUN/dashboard/``:
+   the per-phase accuracy with cluster-bootstrap CIs and the debiased phase gap
+   (:func:`phasemech.evaluate.evaluate`), per-head attention mass from the answer position onto
+   its needle by needle phase (:func:`phasemech.phase.phase_attention`, pair mode), every head's
+   zero-ablation effect on accuracy by phase with CIs and its specialisation statistics
+   (:func:`phasemech.ablation.ablate`, saved as an ablation folder), and the effective token
+   pattern of every head on one example sequence (needle and query marked).
+2. :func:`render_dashboard` writes the panels as JSON into one HTML page with plotly.js inlined
+   (works offline, can be sent by email): pick design / stride / model, a head x phase heatmap
+   (ablation effect or attention mass); clicking a head cell fills the side panels with that
+   head's per-phase attention mass, its ablation effect by phase with CIs and its example
+   pattern; a phase slider highlights one phase in every view; a summary strip gives accuracy,
+   per-phase accuracy and the debiased gap with its CI.
+
+``phasemech dashboard RUN_DIR -o dashboard.html`` does both (RUN_DIR: one run, or a folder of
+runs such as a phase sweep).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from phasemech.io import write_json_atomic, write_text_atomic
+from phasemech.viz import EFFECT_SCALE, PHASE_SCALE
+
+#: bump when the panel's content changes: cached panels of another version are recomputed
+PANEL_VERSION = 1
+PANEL_DIR = "dashboard"
+
+
+@dataclass(frozen=True)
+class PanelConfig:
+    """What one model's panel is computed on (part of the cache key)."""
+
+    sequences: int = 1024  # phase-balanced test sequences (a multiple of the task stride)
+    data_seed: int = 777  # the test set of phasemech.evaluate.balanced_test_set
+    n_boot: int = 400  # cluster-bootstrap draws (per-phase CIs, gap CI, ablation CIs)
+    n_perm: int = 400  # permutations (gap null, specialisation test)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            low = 0 if f.name in ("n_boot", "n_perm", "seed", "data_seed") else 1
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ValueError(
+                    f"PanelConfig: {f.name}={v!r} is invalid: expected an int >= {low}"
+                )
+
+
+def find_runs(run_dir: str | Path) -> list[Path]:
+    """Trained runs under ``run_dir``: itself if it is one (has ``train_config.json``), else its
+    sub-folders that are, sorted by name. Raises ``FileNotFoundError`` naming the folder if none."""
+    root = Path(run_dir)
+    if not root.is_dir():
+        raise FileNotFoundError(f"{root} is not a folder: expected a run or a folder of runs")
+    if (root / "train_config.json").is_file():
+        return [root]
+    runs = sorted(p for p in root.iterdir() if (p / "train_config.json").is_file())
+    if not runs:
+        raise FileNotFoundError(
+            f"{root} holds no trained run (a folder with train_config.json, as written by "
+            "`phasemech train` or analyses/phase_sweep.py)"
+        )
+    return runs
+
+
+def _r(x: Any, nd: int = 4) -> float | None:
+    """A float rounded for JSON; ``None`` for NaN / missing (JSON has no NaN)."""
+    if x is None or (isinstance(x, float | np.floating) and not math.isfinite(float(x))):
+        return None
+    if x is pd.NA:
+        return None
+    return round(float(x), nd)
+
+
+def _example(model, ds, stride: int, offset: int) -> dict[str, Any]:
+    """Every head's token pattern on one sequence, with its farthest needle and query marked."""
+    import torch
+
+    from phasemech.phase import _pattern_hook_name
+    from phasemech.tasks import to_tensors
+
+    row = ds.select([0])
+    tokens, query_pos, _ = to_tensors(row)
+    source = np.asarray(row["source_pos"][0])
+    t = int(np.argmax(query_pos[0].numpy() - source))  # the farthest needle: read via blocks
+    names = [_pattern_hook_name(model, i) for i in range(model.cfg.n_layers)]
+    was = getattr(model.cfg, "use_token_pattern", False)
+    model.set_use_token_pattern(True)
+    try:
+        with torch.inference_mode():
+            _, cache = model.run_with_cache(tokens, names_filter=lambda n: n in names)
+    finally:
+        model.set_use_token_pattern(was)
+    patterns = [
+        np.round(cache[n][0].float().numpy(), 3).tolist()  # [head, query, key] per layer
+        for n in names
+    ]
+    return {
+        "tokens": tokens[0].tolist(),
+        "needle": int(source[t]),
+        "query": int(query_pos[0, t]),
+        "grid_offset": int(offset),
+        "stride": int(stride),
+        "patterns": patterns,  # [layer][head][query][key]
+    }
+
+
+def _run_info(run: Path, cfg) -> dict[str, Any]:
+    from phasemech.train import read_metrics
+
+    comp = cfg.compression
+    rows = [r for r in read_metrics(run) if "accuracy_by_phase" in r]
+    return {
+        "name": run.name,
+        "design": comp.design,
+        "stride": int(comp.stride),
+        "window": int(comp.window) if comp.enabled else None,
+        "compressed_layers": comp.compressed_layers(cfg.model.n_layers),
+        "n_layers": int(cfg.model.n_layers),
+        "n_heads": int(cfg.model.n_heads),
+        "seq_len": int(cfg.task.seq_len),
+        "seed": int(cfg.seed),
+        "trained_steps": int(rows[-1]["step"]) if rows else None,
+    }
+
+
+def model_panel(
+    run: str | Path, config: PanelConfig = PanelConfig(), *, force: bool = False
+) -> dict[str, Any]:
+    """The dashboard data of one trained run (JSON-ready), cached in ``RUN/dashboard/``.
+
+    Reuses ``panel.json`` when it was computed with the same ``config``, panel version and
+    checkpoint, unless ``force``. Also writes the ablation folder ``RUN/dashboard/ablate``
+    (:meth:`phasemech.ablation.AblationResult.save`) and ``phase_attention.parquet``.
+    """
+    import torch
+    from threadpoolctl import threadpool_limits
+
+    from phasemech.ablation import ablate
+    from phasemech.evaluate import balanced_test_set, evaluate, load_trained
+    from phasemech.phase import phase_attention
+    from phasemech.tasks import to_tensors
+    from phasemech.train import reference_grid
+
+    run = Path(run)
+    model, cfg, model_dir = load_trained(run)
+    if cfg is None:
+        raise FileNotFoundError(f"{run} has no train_config.json: not a trained run")
+    out = run / PANEL_DIR
+    key = {
+        "version": PANEL_VERSION,
+        "config": dataclasses.asdict(config),
+        "checkpoint": str(model_dir.relative_to(run)) if model_dir.is_relative_to(run) else "",
+    }
+    cached = out / "panel.json"
+    if cached.is_file() and not force:
+        panel = json.loads(cached.read_text())
+        if panel.get("key") == key:
+            return panel
+    stride, offset = reference_grid(cfg.compression)
+    if config.sequences % cfg.task.stride:
+        raise ValueError(
+            f"sequences={config.sequences} is invalid for {run.name}: a phase-balanced set needs "
+            f"a multiple of the task stride {cfg.task.stride}"
+        )
+    ds = balanced_test_set(cfg.task, config.sequences, config.data_seed)
+    torch_threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # see the brief: more threads are slower on a busy 2-core box
+    try:
+        with threadpool_limits(1):
+            ev = evaluate(model, ds, n_boot=config.n_boot, n_perm=config.n_perm, seed=config.seed)
+            tokens, query_pos, _ = to_tensors(ds)
+            source = torch.tensor(ds["source_pos"])
+            pa = phase_attention(
+                model,
+                tokens,
+                query_pos=query_pos,
+                key_pos=source,
+                stride=stride,
+                reference_offset=offset,
+            )
+            abl = ablate(
+                model,
+                ds,
+                components=("head",),
+                modes=("zero",),
+                n_boot=config.n_boot,
+                seed=config.seed,
+            )
+            spec = abl.specialization(metric="accuracy", n_perm=config.n_perm, seed=config.seed)
+            example = _example(model, ds, stride, offset)
+    finally:
+        torch.set_num_threads(torch_threads)
+
+    rep = ev.report
+    per_phase = [
+        {
+            "phase": int(r.phase),
+            "accuracy": _r(r.accuracy),
+            "lo": _r(r.boot_lo),
+            "hi": _r(r.boot_hi),
+            "n": int(r.n),
+        }
+        for r in rep.per_phase.itertuples()
+    ]
+    gap = rep.gap
+    eff = abl.effects[abl.effects.metric == "accuracy"]
+    spec_by = spec.set_index(["layer", "unit"])
+    heads = []
+    for layer in range(cfg.model.n_layers):
+        for h in range(cfg.model.n_heads):
+            e = eff[(eff.layer == layer) & (eff.unit == h)].sort_values("phase")
+            m = pa.frame[(pa.frame.layer == layer) & (pa.frame["head"] == h)].sort_values("phase")
+            s = spec_by.loc[(layer, h)]
+            heads.append(
+                {
+                    "layer": layer,
+                    "head": h,
+                    "label": f"L{layer}H{h}",
+                    "compressed": layer in cfg.compression.compressed_layers(cfg.model.n_layers),
+                    "mass": [_r(x) for x in m["mass"]],
+                    "mass_n": [int(x) for x in m["n"]],
+                    "effect": [_r(x) for x in e["effect"]],
+                    "effect_lo": [_r(x) for x in e["ci_low"]],
+                    "effect_hi": [_r(x) for x in e["ci_high"]],
+                    "effect_n": [int(x) for x in e["n"]],
+                    "overall": _r(s["overall"]),
+                    "si": _r(s["si"]),
+                    "p_holm": _r(s["p_holm"]),
+                    "served_phase": None if pd.isna(s["served_phase"]) else int(s["served_phase"]),
+                }
+            )
+    panel = {
+        "key": key,
+        **_run_info(run, cfg),
+        "phase_stride": int(stride),
+        "grid_offset": int(offset),
+        "grid_note": ev.grid_note,
+        "summary": {
+            "accuracy": _r(rep.accuracy),
+            "n": int(rep.n),
+            "per_phase": per_phase,
+            "raw_gap": _r(gap["raw_gap"]),
+            "debiased_gap": _r(gap["debiased_gap"]),
+            "gap_lo": _r(gap["debiased_lo"]),
+            "gap_hi": _r(gap["debiased_hi"]),
+            "p_perm": _r(gap["p_perm"]),
+        },
+        "heads": heads,
+        "example": example,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    abl.save(out / "ablate", specialization=spec)
+    pa.frame.to_parquet(out / "phase_attention.parquet")
+    write_json_atomic(cached, panel)
+    return panel
+
+
+def collect_panels(
+    run_dir: str | Path,
+    config: PanelConfig = PanelConfig(),
+    *,
+    models: Sequence[str] | None = None,
+    force: bool = False,
+    progress: bool = False,
+) -> list[dict[str, Any]]:
+    """:func:`model_panel` of every run under ``run_dir`` (or only those named in ``models``)."""
+    runs = find_runs(run_dir)
+    if models:
+        names = {r.name for r in runs}
+        missing = [m for m in models if m not in names]
+        if missing:
+            raise ValueError(
+                f"models {missing} are not runs of {run_dir}; it holds {sorted(names)}"
+            )
+        runs = [r for r in runs if r.name in set(models)]
+    panels = []
+    for run in _progress(runs, progress, "dashboard data"):
+        panels.append(model_panel(run, config, force=force))
+    return panels
+
+
+def _progress(items: list[Path], show: bool, what: str) -> Iterable[Path]:
+    if not show:
+        yield from items
+        return
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+    )
+
+    with Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[model]}"),
+        TimeRemainingColumn(),
+    ) as bar:
+        task = bar.add_task(what, total=len(items), model="")
+        for run in items:
+            bar.update(task, model=run.name)
+            yield run
+            bar.advance(task)
+
+
+# ---------------------------------------------------------------------------------- rendering
+
+_ASSETS = Path(__file__).with_name("dashboard_assets")
+
+
+def render_dashboard(panels: Sequence[dict[str, Any]], title: str = "phasemech dashboard") -> str:
+    """One self-contained HTML page (plotly.js, data, script and style inlined)."""
+    from plotly.offline import get_plotlyjs
+
+    if not panels:
+        raise ValueError("render_dashboard: no panels: nothing to show")
+    data = json.dumps(
+        {
+            "title": title,
+            "models": list(panels),
+            # the template's scales, so the page's colours match the static figures
+            "phase_scale": _rgb_scale(PHASE_SCALE),
+            "effect_scale": _rgb_scale(EFFECT_SCALE),
+        },
+        allow_nan=False,
+    )
+    # "</" would end the <script> element early inside a string of the JSON
+    data = data.replace("</", "<\\/")
+    page = (_ASSETS / "dashboard.html").read_text()
+    return (
+        page.replace("{{TITLE}}", _html_escape(title))
+        .replace("{{STYLE}}", (_ASSETS / "dashboard.css").read_text())
+        .replace("{{PLOTLYJS}}", get_plotlyjs())
+        .replace("{{DATA}}", data)
+        .replace("{{SCRIPT}}", (_ASSETS / "dashboard.js").read_text())
+    )
+
+
+def _rgb_scale(name: str) -> list[list[Any]]:
+    """A named plotly colour scale as ``[[t, "rgb(r,g,b)"], ...]`` (what plotly.js draws)."""
+    import plotly.colors as pcolors
+
+    scale = pcolors.get_colorscale(name)
+    colors = pcolors.convert_colors_to_same_type([c for _, c in scale], colortype="rgb")[0]
+    return [[float(t), c] for (t, _), c in zip(scale, colors, strict=True)]
+
+
+def _html_escape(s: str) -> str:
+    return s.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def build_dashboard(
+    run_dir: str | Path,
+    out: str | Path,
+    config: PanelConfig = PanelConfig(),
+    *,
+    models: Sequence[str] | None = None,
+    force: bool = False,
+    progress: bool = False,
+    title: str | None = None,
+) -> Path:
+    """Collect every run's panel and write the dashboard to ``out`` (atomically)."""
+    out = Path(out)
+    if out.suffix.lower() not in (".html", ".htm"):
+        raise ValueError(f"out={str(out)!r} is invalid: the dashboard is an .html file")
+    panels = collect_panels(run_dir, config, models=models, force=force, progress=progress)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(out, render_dashboard(panels, title or f"phasemech: {Path(run_dir).name}"))
+    return out
+
+
+__all__ = [
+    "PANEL_VERSION",
+    "PanelConfig",
+    "build_dashboard",
+    "collect_panels",
+    "find_runs",
+    "model_panel",
+    "render_dashboard",
+]

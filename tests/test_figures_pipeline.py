@@ -1,0 +1,258 @@
+"""``make figures`` end to end at its tiny profile, and the dashboard in a real browser.
+
+The tiny pipeline (two 30-step models) runs once per session; the dashboard tests reuse its
+trained runs and cached panels.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from phasemech.cli import app
+from phasemech.dashboard import (
+    PanelConfig,
+    collect_panels,
+    find_runs,
+    model_panel,
+    render_dashboard,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+CHROMIUM = Path("/usr/bin/chromium")
+FIGURES = (
+    "accuracy_by_phase_d4",
+    "accuracy_by_phase_polar_d4",
+    "head_phase_attention",
+    "ablation_effects",
+    "patching_grid",
+    "specialization",
+    "training_dynamics",
+    "attention_pattern",
+)
+TINY_PANEL = PanelConfig(sequences=64, n_boot=50, n_perm=50)  # the tiny profile's
+
+
+@pytest.fixture(scope="session")
+def tiny_figures(tmp_path_factory):
+    """``(runs folder of the tiny sweep, figures folder, stdout)`` of one tiny pipeline run."""
+    tmp = tmp_path_factory.mktemp("figures_pipeline")
+    out, runs = tmp / "figures", tmp / "runs"
+    cmd = [sys.executable, str(ROOT / "analyses/figures.py"), "--profile", "tiny"]
+    cmd += ["--runs", str(runs), "--out", str(out)]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return runs / "phase_sweep_tiny", out, done.stdout
+
+
+def test_tiny_profile_writes_every_figure_and_an_index(tiny_figures):
+    sweep, out, stdout = tiny_figures
+    # progress names the stage and the models
+    for stage in ("1/4 train + score", "2/4 tables", "3/4 model panels", "4/4 figures"):
+        assert stage in stdout
+    index = (out / "index.html").read_text()
+    captions = json.loads((out / "captions.json").read_text())
+    names = [f["name"] for f in captions["figures"]]
+    assert names == [*FIGURES, "dashboard"]
+    for f in captions["figures"]:
+        page = out / f["html"]
+        assert page.is_file() and f'href="{f["html"]}"' in index
+        assert f["caption"] and re.search(r"\d\.\d{2}", f["caption"]), f["name"]
+        if f["name"] != "dashboard":  # plotly.js beside the pages: they work offline
+            assert 'src="plotly.min.js"' in page.read_text()
+    assert (out / "plotly.min.js").is_file()
+    if CHROMIUM.exists():
+        for name in [*FIGURES, "dashboard"]:
+            png = out / f"{name}.png"
+            assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+            assert f'src="{name}.png"' in index
+    # the numbers in a caption are the table's: accuracy of the tiny gated model at phase 0
+    table = __import__("pandas").read_parquet(sweep / "per_phase.parquet")
+    gated = table[(table.design == "gated") & (table.grid == 4)].sort_values("phase")
+    first = captions["figures"][0]["caption"]
+    assert f"gated d=4 H=2: {gated.overall.iloc[0]:.3f} overall" in first
+
+
+def test_tiny_profile_reuses_its_cache(tiny_figures, tmp_path):
+    sweep, _, _ = tiny_figures
+    runs = tmp_path / "runs"
+    shutil.copytree(sweep, runs / sweep.name)
+    stamps = {p: p.stat().st_mtime_ns for p in runs.rglob("*.safetensors")}
+    stamps |= {p: p.stat().st_mtime_ns for p in runs.rglob("panel.json")}
+    cmd = [sys.executable, str(ROOT / "analyses/figures.py"), "--profile", "tiny", "--no-png"]
+    cmd += ["--runs", str(runs), "--out", str(tmp_path / "fig")]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "2 of 2 models cached; training 0" in " ".join(done.stdout.split())
+    assert all(p.stat().st_mtime_ns == t for p, t in stamps.items())
+    assert not list((tmp_path / "fig").glob("*.png"))
+
+
+# ------------------------------------------------------------------------------- dashboard
+
+
+def test_panel_numbers_come_from_the_library(tiny_figures):
+    from phasemech.ablation import AblationResult
+    from phasemech.evaluate import balanced_test_set, evaluate, load_trained
+
+    sweep, _, _ = tiny_figures
+    run = sweep / "gated_d4_h2_T32_s0"
+    panel = model_panel(run, TINY_PANEL)  # cached by the pipeline run
+    model, cfg, _ = load_trained(run)
+    ev = evaluate(model, balanced_test_set(cfg.task, 64, 777), n_boot=50, n_perm=50)
+    assert panel["summary"]["accuracy"] == pytest.approx(ev.report.accuracy, abs=1e-4)
+    assert [p["accuracy"] for p in panel["summary"]["per_phase"]] == pytest.approx(
+        ev.report.per_phase["accuracy"].tolist(), abs=1e-4
+    )
+    effects = AblationResult.load(run / "dashboard" / "ablate").tensor("accuracy", "head", "zero")
+    for h in panel["heads"]:
+        assert h["effect"] == pytest.approx(effects[h["layer"], h["head"]].tolist(), abs=1e-4)
+        assert h["label"] == f"L{h['layer']}H{h['head']}"
+    ex = panel["example"]
+    pattern = ex["patterns"][1][0]
+    assert len(pattern) == len(ex["tokens"]) == 32 and ex["needle"] < ex["query"]
+    # causal: no query attends to a later key
+    assert all(v == 0 for q, row in enumerate(pattern) for k, v in enumerate(row) if k > q)
+
+
+def test_panel_cache_is_keyed_by_config(tiny_figures, tmp_path, monkeypatch):
+    sweep, _, _ = tiny_figures
+    run = tmp_path / "run"
+    shutil.copytree(sweep / "none_d4_h2_T32_s0", run)
+    import phasemech.ablation as ablation
+
+    calls = []
+    real = ablation.ablate
+    monkeypatch.setattr(ablation, "ablate", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model_panel(run, TINY_PANEL)
+    assert calls == []  # the pipeline's panel is reused
+    other = PanelConfig(sequences=32, n_boot=20, n_perm=20)
+    p = model_panel(run, other)
+    assert calls == [1] and p["summary"]["n"] < 64 * 8
+    model_panel(run, other)
+    assert calls == [1]
+
+
+def test_bad_input_is_named(tmp_path, tiny_figures):
+    sweep, _, _ = tiny_figures
+    with pytest.raises(FileNotFoundError, match="holds no trained run"):
+        find_runs(tmp_path)
+    with pytest.raises(ValueError, match=r"models \['nope'\] are not runs"):
+        collect_panels(sweep, TINY_PANEL, models=["nope"])
+    with pytest.raises(ValueError, match="sequences=0 is invalid"):
+        PanelConfig(sequences=0)
+    with pytest.raises(ValueError, match="multiple of the task stride"):
+        model_panel(sweep / "none_d4_h2_T32_s0", PanelConfig(sequences=66))
+    with pytest.raises(ValueError, match="no panels"):
+        render_dashboard([])
+    res = CliRunner().invoke(app, ["dashboard", str(tmp_path), "-o", str(tmp_path / "d.html")])
+    assert res.exit_code == 1 and "holds no trained run" in " ".join(res.output.split())
+    res = CliRunner().invoke(app, ["dashboard", str(sweep), "-o", str(tmp_path / "d.txt")])
+    assert res.exit_code == 1 and "is an .html file" in " ".join(res.output.split())
+
+
+def test_dashboard_file_is_self_contained(tiny_figures, tmp_path):
+    sweep, _, _ = tiny_figures
+    out = tmp_path / "dash.html"
+    res = CliRunner().invoke(
+        app,
+        [
+            "dashboard",
+            str(sweep),
+            "-o",
+            str(out),
+            "--sequences",
+            "64",
+            "--n-boot",
+            "50",
+            "--n-perm",
+            "50",
+        ],
+    )
+    assert res.exit_code == 0, res.output
+    page = out.read_text()
+    # plotly.js inlined, no script or stylesheet loaded from anywhere
+    assert "plotly.js v" in page or "plotly.js" in page
+    assert not re.search(r"<script[^>]+src=", page) and "<link" not in page
+    data = json.loads(
+        re.search(r'id="phasemech-data">(.*?)</script>', page, re.S).group(1).replace("<\\/", "</")
+    )
+    assert [m["name"] for m in data["models"]] == [r.name for r in find_runs(sweep)]
+    # a name holding "</script>" cannot end the data block early
+    evil = dict(data["models"][0], name="</script><b>x")
+    assert "</script><b>" not in render_dashboard([evil]).split('id="phasemech-data">')[1][:20000]
+
+
+def _cell_xy(page, row: int, col: int) -> tuple[float, float]:
+    """Page coordinates of heatmap cell (row, col), from plotly's own axis mapping."""
+    return page.evaluate(
+        """([row, col]) => {
+            const gd = document.getElementById('heatmap');
+            const L = gd._fullLayout, r = gd.getBoundingClientRect();
+            return [r.left + L.xaxis._offset + L.xaxis.l2p(col),
+                    r.top + L.yaxis._offset + L.yaxis.l2p(row)];
+        }""",
+        [row, col],
+    )
+
+
+def test_dashboard_in_a_real_browser(tiny_figures, tmp_path):
+    playwright = pytest.importorskip("playwright.sync_api", reason="playwright not installed")
+    if not CHROMIUM.exists():
+        pytest.skip("no /usr/bin/chromium (make test installs it with apt-get where root)")
+    _, out, _ = tiny_figures
+    page_path = out / "dashboard.html"
+    data = json.loads(
+        re.search(r'id="phasemech-data">(.*?)</script>', page_path.read_text(), re.S)
+        .group(1)
+        .replace("<\\/", "</")
+    )
+    errors: list[str] = []
+    with playwright.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1300, "height": 1000})
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(page_path.as_uri())
+        page.wait_for_selector("#heatmap .main-svg")
+        model = data["models"][int(page.input_value("#model"))]
+        before = page.text_content("#head-title")
+        start = page.evaluate("window.phasemechDashboard.state.h")
+        target = (start + 1) % len(model["heads"])  # a head other than the one shown
+        head = model["heads"][target]
+        x, y = _cell_xy(page, target, 2)
+        page.mouse.move(x, y)
+        page.mouse.click(x, y)
+        page.wait_for_function(
+            "label => document.getElementById('head-title').textContent.endsWith(label)",
+            arg=head["label"],
+        )
+        title = page.text_content("#head-title")
+        table = page.inner_text("#head-numbers")
+        assert title != before and title == f"{model['name']} · {head['label']}"
+        rows = [r.split("\t") for r in table.strip().splitlines()[1 : 1 + model["phase_stride"]]]
+        for ph, cells in enumerate(rows):
+            fmt = lambda v: "–" if v is None else f"{v:.3f}"  # noqa: E731
+            assert cells[1] == fmt(head["mass"][ph]) and cells[2] == fmt(head["effect"][ph])
+        # the clicked column's phase is highlighted in the strip, the table and the slider
+        assert page.input_value("#phase") == "2"
+        assert page.get_attribute('#summary .phase[data-phase="2"]', "class").endswith("hl")
+        assert page.get_attribute('#head-numbers tr[data-phase="2"]', "class") == "hl"
+        # the phase slider moves the highlight everywhere
+        page.fill("#phase", "1")
+        page.dispatch_event("#phase", "input")
+        assert page.text_content("#phase-label") == "1"
+        assert page.get_attribute('#head-numbers tr[data-phase="1"]', "class") == "hl"
+        # another model: the strip follows
+        page.select_option("#design", "none")
+        page.wait_for_function("document.getElementById('summary').textContent.includes('none_')")
+        page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
+        browser.close()
+    assert errors == []
+    assert (tmp_path / "dashboard.png").stat().st_size > 10_000
