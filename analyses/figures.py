@@ -37,7 +37,7 @@ import os
 import shutil
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, as_completed, wait
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -144,17 +144,49 @@ def train_and_score(specs: list[ps.RunSpec], fp: FigureProfile, sweep_dir: Path,
     )
     if not todo:
         return
+    steps = fp.sweep.steps
     with _progress() as bar, ProcessPoolExecutor(min(workers, len(todo))) as pool:
-        task = bar.add_task("train + score", total=len(todo), item="")
+        # the whole stage in training steps (early stops count as done), and one bar per model
+        # read from its metrics.jsonl, so that the ETA follows the steps actually run
+        total = bar.add_task("train + score", total=steps * len(todo), item="")
+        rows = {s.name: bar.add_task(f"  {s.name}", total=steps, item="queued") for s in todo}
         futures = {pool.submit(ps.run_one, s, fp.sweep, str(sweep_dir)): s for s in todo}
-        bar.update(task, item=", ".join(s.name for s in todo[:workers]) + " ...")
-        for fut in as_completed(futures):
-            info = fut.result()
-            bar.console.print(
-                f"  {info['name']}: step {info['step']}, held-out acc {info['accuracy']:.3f}, "
-                f"{info['total_seconds']:.0f} s"
-            )
-            bar.update(task, advance=1, item=f"done: {info['name']}")
+        pending = set(futures)
+        while pending:
+            finished, pending = wait(pending, timeout=2.0, return_when=FIRST_COMPLETED)
+            for fut in finished:
+                info = fut.result()
+                bar.update(
+                    rows[info["name"]],
+                    completed=steps,
+                    item=(
+                        f"step {info['step']}, held-out acc {info['accuracy']:.3f}, "
+                        f"{info['total_seconds']:.0f} s"
+                    ),
+                )
+            for s in todo:
+                if futures_done(futures, s):
+                    continue
+                step, acc = _last_eval(sweep_dir / s.name)
+                if step:
+                    bar.update(rows[s.name], completed=step, item=f"step {step}, acc {acc:.3f}")
+            bar.update(total, completed=sum(bar.tasks[t].completed for t in rows.values()))
+
+
+def futures_done(futures: dict, spec: ps.RunSpec) -> bool:
+    return any(f.done() for f, s in futures.items() if s == spec)
+
+
+def _last_eval(run: Path) -> tuple[int, float]:
+    """``(step, held-out accuracy)`` of a run's last evaluation line, ``(0, 0.0)`` if none."""
+    path = run / "metrics.jsonl"
+    if not path.is_file():
+        return 0, 0.0
+    for line in reversed(path.read_text().splitlines()):
+        row = json.loads(line) if line.strip() else {}
+        if "accuracy_by_phase" in row:
+            return int(row["step"]), float(row["accuracy"])
+    return 0, 0.0
 
 
 def _scored(run: Path) -> bool:
@@ -487,7 +519,8 @@ def make_figures(
         )
     )
 
-    if importlib.util.find_spec("phasemech.theory") is not None:  # the theory issue's hook
+    # the theory issue's hook: phasemech.theory.figure_curves() -> {name, figure, caption}
+    if importlib.util.find_spec("phasemech.theory") is not None:
         from phasemech import theory
 
         if hasattr(theory, "figure_curves"):
@@ -606,10 +639,12 @@ def main() -> None:
             )
         bar.update(task, item="dashboard")
         dash = args.out / "dashboard.html"
-        write_text_atomic(dash, render_dashboard(panel_list, f"phasemech: {fp.folder}"))
+        show = pick_showcase(panel_list)
+        write_text_atomic(
+            dash, render_dashboard(panel_list, f"phasemech: {fp.folder}", initial=show["name"])
+        )
         shot = not args.no_png and screenshot(dash, args.out / "dashboard.png")
         bar.advance(task)
-    show = pick_showcase(panel_list)
     entries.append(
         dict(
             name="dashboard",

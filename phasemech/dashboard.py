@@ -330,16 +330,25 @@ def _progress(items: list[Path], show: bool, what: str) -> Iterable[Path]:
 _ASSETS = Path(__file__).with_name("dashboard_assets")
 
 
-def render_dashboard(panels: Sequence[dict[str, Any]], title: str = "phasemech dashboard") -> str:
-    """One self-contained HTML page (plotly.js, data, script and style inlined)."""
+def render_dashboard(
+    panels: Sequence[dict[str, Any]],
+    title: str = "phasemech dashboard",
+    initial: str | None = None,
+) -> str:
+    """One self-contained HTML page (plotly.js, data, script and style inlined), opening on the
+    model named ``initial`` (default: the first)."""
     from plotly.offline import get_plotlyjs
 
     if not panels:
         raise ValueError("render_dashboard: no panels: nothing to show")
+    names = [p["name"] for p in panels]
+    if initial is not None and initial not in names:
+        raise ValueError(f"render_dashboard: initial={initial!r} is not one of {names}")
     data = json.dumps(
         {
             "title": title,
             "models": list(panels),
+            "initial": None if initial is None else names.index(initial),
             # the template's scales, so the page's colours match the static figures
             "phase_scale": _rgb_scale(PHASE_SCALE),
             "effect_scale": _rgb_scale(EFFECT_SCALE),
@@ -380,14 +389,17 @@ def build_dashboard(
     force: bool = False,
     progress: bool = False,
     title: str | None = None,
+    initial: str | None = None,
 ) -> Path:
-    """Collect every run's panel and write the dashboard to ``out`` (atomically)."""
+    """Collect every run's panel and write the dashboard to ``out`` (atomically), opening on
+    the run named ``initial`` (default: the first)."""
     out = Path(out)
     if out.suffix.lower() not in (".html", ".htm"):
         raise ValueError(f"out={str(out)!r} is invalid: the dashboard is an .html file")
     panels = collect_panels(run_dir, config, models=models, force=force, progress=progress)
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(out, render_dashboard(panels, title or f"phasemech: {Path(run_dir).name}"))
+    title = title or f"phasemech: {Path(run_dir).name}"
+    write_text_atomic(out, render_dashboard(panels, title, initial))
     return out
 
 

@@ -152,6 +152,9 @@ def test_bad_input_is_named(tmp_path, tiny_figures):
         model_panel(sweep / "none_d4_h2_T32_s0", PanelConfig(sequences=66))
     with pytest.raises(ValueError, match="no panels"):
         render_dashboard([])
+    panels = collect_panels(sweep, TINY_PANEL)
+    with pytest.raises(ValueError, match="initial='nope' is not one of"):
+        render_dashboard(panels, initial="nope")
     res = CliRunner().invoke(app, ["dashboard", str(tmp_path), "-o", str(tmp_path / "d.html")])
     assert res.exit_code == 1 and "holds no trained run" in " ".join(res.output.split())
     res = CliRunner().invoke(app, ["dashboard", str(sweep), "-o", str(tmp_path / "d.txt")])
@@ -209,6 +212,8 @@ def test_dashboard_in_a_real_browser(tiny_figures, tmp_path):
         pytest.skip("no /usr/bin/chromium (make test installs it with apt-get where root)")
     _, out, _ = tiny_figures
     page_path = out / "dashboard.html"
+    captions = json.loads((out / "captions.json").read_text())["figures"]
+    showcase = captions[-1]["caption"].split("Opens on ")[1].split(":")[0]
     data = json.loads(
         re.search(r'id="phasemech-data">(.*?)</script>', page_path.read_text(), re.S)
         .group(1)
@@ -222,6 +227,7 @@ def test_dashboard_in_a_real_browser(tiny_figures, tmp_path):
         page.goto(page_path.as_uri())
         page.wait_for_selector("#heatmap .main-svg")
         model = data["models"][int(page.input_value("#model"))]
+        assert model["name"] == showcase  # opens on the pipeline's showcase model
         before = page.text_content("#head-title")
         start = page.evaluate("window.phasemechDashboard.state.h")
         target = (start + 1) % len(model["heads"])  # a head other than the one shown

@@ -42,7 +42,7 @@
   function refreshPickers(keepModel) {
     const design = $("design").value;
     const strides = uniq(D.models.filter((m) => m.design === design).map((m) => m.stride)).sort((a, b) => a - b);
-    fillSelect($("stride"), strides, null, $("stride").value);
+    fillSelect($("stride"), strides, null, keepModel !== undefined ? D.models[keepModel].stride : $("stride").value);
     const stride = Number($("stride").value);
     const idx = D.models.map((m, i) => i).filter((i) => D.models[i].design === design && D.models[i].stride === stride);
     fillSelect($("model"), idx, idx.map((i) => D.models[i].name), keepModel);
@@ -205,7 +205,9 @@
   $("model").addEventListener("change", () => showModel(Number($("model").value)));
   $("view").addEventListener("change", () => { renderHeatmap(); });
   $("phase").addEventListener("input", (e) => setPhase(Number(e.target.value)));
-  refreshPickers();
+  // open on the model the page was written for (D.initial), else the first one
+  if (D.initial !== null) $("design").value = D.models[D.initial].design;
+  refreshPickers(D.initial === null ? undefined : D.initial);
   $("heatmap").on("plotly_click", (ev) => {
     const pt = ev.points[0];
     const i = model().heads.findIndex((h) => h.label === pt.y);
