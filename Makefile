@@ -23,13 +23,14 @@ $(STAMP): pyproject.toml
 chromium:
 	@command -v chromium >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } \
+	      || echo "warning: apt-get could not install chromium: PNGs and the browser test are skipped"; \
 	  else echo "warning: no chromium and cannot apt-get install it: PNGs and the browser test are skipped"; fi; }
 
 test: $(STAMP) chromium
 	$(PY) -m pytest -q
 
-# default: 4 models, <= 20 min on a fresh 2-core machine; FULL=1: the 60-model sweep (3 seeds)
+# default: 5 models, <= 20 min on a fresh 2-core machine; FULL=1: the 60-model sweep (3 seeds)
 figures: $(STAMP) chromium
 	$(PY) analyses/figures.py --runs runs --out figures $(if $(filter 1,$(FULL)),--profile full,)
 

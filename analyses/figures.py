@@ -55,7 +55,7 @@ from rich.progress import (
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import phase_sweep as ps  # noqa: E402  (the sweep's profiles, specs and worker)
 
-from phasemech.dashboard import PanelConfig  # noqa: E402
+from phasemech.dashboard import PanelConfig, head_rank_key, panel_dir  # noqa: E402
 
 console = Console()
 CHROMIUM = "/usr/bin/chromium"
@@ -104,7 +104,7 @@ PROFILES = {
     "full": FigureProfile(
         sweep=ps.PROFILES["default"],
         folder="phase_sweep_default",
-        panel=PanelConfig(sequences=2048, n_boot=1000, n_perm=1000),
+        panel=PanelConfig(sequences=4096, n_boot=1000, n_perm=1000),
     ),
 }
 
@@ -183,7 +183,10 @@ def _last_eval(run: Path) -> tuple[int, float]:
     if not path.is_file():
         return 0, 0.0
     for line in reversed(path.read_text().splitlines()):
-        row = json.loads(line) if line.strip() else {}
+        try:
+            row = json.loads(line) if line.strip() else {}
+        except json.JSONDecodeError:  # a line the worker is still writing
+            continue
         if "accuracy_by_phase" in row:
             return int(row["step"]), float(row["accuracy"])
     return 0, 0.0
@@ -268,27 +271,36 @@ def panels(specs: list[ps.RunSpec], fp: FigureProfile, sweep_dir: Path, workers:
     return [out[s.name] for s in specs]
 
 
+def best_head(panel: dict) -> dict:
+    """A panel's most phase-specialised head (:func:`phasemech.dashboard.head_rank_key`),
+    among its compressed layers' heads when it has any."""
+    return max([h for h in panel["heads"] if h["compressed"]] or panel["heads"], key=head_rank_key)
+
+
 def pick_showcase(panel_list: list[dict]) -> dict:
-    """The compressed model with the most phase-specialised head (see the module docstring)."""
+    """The compressed model whose most specialised head ranks first (see the module docstring),
+    among models with test-set accuracy >= 0.9 when any."""
     comp = [p for p in panel_list if p["design"] != "none"] or panel_list
     good = [p for p in comp if (p["summary"]["accuracy"] or 0) >= 0.9] or comp
-
-    def score(p: dict) -> tuple[float, float]:
-        sig = [h["si"] or 0 for h in p["heads"] if (h["p_holm"] or 1) < 0.05]
-        return (max(sig) if sig else 0.0, max(h["si"] or 0 for h in p["heads"]))
-
-    return max(good, key=score)
+    return max(good, key=lambda p: head_rank_key(best_head(p)))
 
 
 def patch_grid(run: Path, fp: FigureProfile) -> pd.DataFrame | None:
     """Grid-contrast head patching of the showcase (cached); ``None`` for a dense model."""
     from phasemech.evaluate import balanced_test_set, load_trained
+    from phasemech.io import write_json_atomic
     from phasemech.patching import make_contrast, patch_heads
     from phasemech.train import reference_grid
 
-    dest = run / "figures" / "patch_grid"
-    if (dest / "by_phase.parquet").is_file():
-        return pd.read_parquet(dest / "by_phase.parquet")
+    # cached beside the panel, valid for the weights the panel was computed on
+    dest = panel_dir(run, fp.panel) / "patch_grid"
+    key = {
+        "panel": json.loads((panel_dir(run, fp.panel) / "panel.json").read_text())["key"],
+        "pairs": fp.patch_pairs,
+    }
+    if (dest / "by_phase.parquet").is_file() and (dest / "key.json").is_file():
+        if json.loads((dest / "key.json").read_text()) == key:
+            return pd.read_parquet(dest / "by_phase.parquet")
     model, cfg, _ = load_trained(run)
     if not cfg.compression.enabled:
         return None
@@ -299,6 +311,7 @@ def patch_grid(run: Path, fp: FigureProfile) -> pd.DataFrame | None:
     )
     res = patch_heads(model, contrast)
     res.save(dest, n_boot=fp.panel.n_boot, seed=0)
+    write_json_atomic(dest / "key.json", key)
     return pd.read_parquet(dest / "by_phase.parquet")
 
 
@@ -321,6 +334,11 @@ def _series(table: pd.DataFrame, grid: int) -> dict[str, pd.DataFrame]:
         out[_label(design, stride, heads, seq_len, multi_t)] = df
     # the dense control first: drawn underneath, first in the legend
     return dict(sorted(out.items(), key=lambda kv: (not kv[0].startswith("none"), kv[0])))
+
+
+def _num(x: float | None, spec: str) -> str:
+    """A panel number for a caption (panels hold ``None`` where a value is undefined)."""
+    return "n/a" if x is None else format(x, spec)
 
 
 def _acc_caption(series: dict[str, pd.DataFrame]) -> str:
@@ -383,11 +401,8 @@ def make_figures(
     show = pick_showcase(panel_list)
     run = sweep_dir / show["name"]
     d = int(show["phase_stride"])
-    best = max(
-        (h for h in show["heads"] if h["compressed"]) or show["heads"],
-        key=lambda h: h["si"] or 0,
-    )
-    pa = pd.read_parquet(run / "dashboard" / "phase_attention.parquet")
+    best = best_head(show)
+    pa = pd.read_parquet(panel_dir(run, fp.panel) / "phase_attention.parquet")
     mass = pa[(pa.layer == best["layer"]) & (pa["head"] == best["head"])].sort_values("phase")
     figs.append(
         dict(
@@ -402,7 +417,7 @@ def make_figures(
         )
     )
 
-    abl = AblationResult.load(run / "dashboard" / "ablate")
+    abl = AblationResult.load(panel_dir(run, fp.panel) / "ablate")
     eff = abl.effects
     eff = eff[(eff.metric == "accuracy") & (eff.component == "head") & (eff["mode"] == "zero")]
     figs.append(
@@ -412,15 +427,15 @@ def make_figures(
             caption=(
                 f"{show['name']}: accuracy change when one head's output is zeroed, by needle "
                 f"phase (hover: 95% CI, n). {best['label']}: "
-                + ", ".join(f"{e:+.3f}" for e in best["effect"])
-                + f" at phases 0-{d - 1}, specialisation index {best['si']:.2f}, Holm p "
-                f"{best['p_holm']:.3g}."
+                + ", ".join(_num(e, "+.3f") for e in best["effect"])
+                + f" at phases 0-{d - 1}, specialisation index {_num(best['si'], '.2f')}, "
+                f"Holm p {_num(best['p_holm'], '.3g')}."
             ),
         )
     )
 
     patched = patch_grid(run, fp)
-    if patched is not None:
+    if patched is not None and patched["normalized"].notna().any():
         cell = patched.loc[patched["normalized"].abs().idxmax()]
         figs.append(
             dict(
@@ -510,7 +525,7 @@ def make_figures(
                 title=f"{show['name']} {best['label']} on one example",
             ),
             caption=(
-                f"{show['name']} {best['label']} (its most specialised head): effective attention "
+                f"{show['name']} {best['label']} (its most phase-specialised head): attention "
                 f"of every query on one test sequence, key phases on top, chunk starts dotted; "
                 f"needle at {ex['needle']} (phase {(ex['needle'] - ex['grid_offset']) % d}), "
                 f"query at {ex['query']}, attention "
@@ -548,13 +563,17 @@ def screenshot(page_path: Path, png: Path) -> bool:
         return False
     if not Path(CHROMIUM).exists():
         return False
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-        page = browser.new_page(viewport={"width": 1300, "height": 1000})
-        page.goto(page_path.resolve().as_uri())
-        page.wait_for_selector("#heatmap .main-svg")
-        page.screenshot(path=str(png), full_page=True)
-        browser.close()
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+            page = browser.new_page(viewport={"width": 1300, "height": 1000})
+            page.goto(page_path.resolve().as_uri())
+            page.wait_for_selector("#heatmap .main-svg")
+            page.screenshot(path=str(png), full_page=True)
+            browser.close()
+    except Exception as err:  # a screenshot is a nicety: never lose the index over it
+        console.print(f"[yellow]no dashboard screenshot[/]: {type(err).__name__}: {err}")
+        return False
     return True
 
 
@@ -654,9 +673,10 @@ def main() -> None:
                 f"Interactive head-attribution dashboard over the {len(panel_list)} models "
                 "(one self-contained file, works offline): pick a model, click a head cell, "
                 f"slide the phase. Opens on {show['name']}: accuracy "
-                f"{show['summary']['accuracy']:.3f}, debiased gap "
-                f"{show['summary']['debiased_gap']:.3f} [{show['summary']['gap_lo']:.3f}, "
-                f"{show['summary']['gap_hi']:.3f}]."
+                f"{_num(show['summary']['accuracy'], '.3f')}, debiased gap "
+                f"{_num(show['summary']['debiased_gap'], '.3f')} "
+                f"[{_num(show['summary']['gap_lo'], '.3f')}, "
+                f"{_num(show['summary']['gap_hi'], '.3f')}]."
             ),
         )
     )

@@ -6,7 +6,7 @@ reference grid), ``pos`` / ``key_pos`` for the example pattern.
 Two steps, kept apart so that rendering never runs a model:
 
 1. :func:`model_panel` gathers, for one trained run, everything the dashboard (and the static
-   figures of ``analyses/figures.py``) show, and caches it under ``RUN/dashboard/``:
+   figures of ``analyses/figures.py``) show, and caches it under ``RUN/dashboard/<setting>/``:
    the per-phase accuracy with cluster-bootstrap CIs and the debiased phase gap
    (:func:`phasemech.evaluate.evaluate`), per-head attention mass from the answer position onto
    its needle by needle phase (:func:`phasemech.phase.phase_attention`, pair mode), every head's
@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,7 +42,7 @@ from phasemech.io import write_json_atomic, write_text_atomic
 from phasemech.viz import EFFECT_SCALE, PHASE_SCALE
 
 #: bump when the panel's content changes: cached panels of another version are recomputed
-PANEL_VERSION = 1
+PANEL_VERSION = 2
 PANEL_DIR = "dashboard"
 
 
@@ -143,33 +144,98 @@ def _run_info(run: Path, cfg) -> dict[str, Any]:
     }
 
 
+def panel_dir(run: str | Path, config: PanelConfig = PanelConfig()) -> Path:
+    """Where :func:`model_panel` caches a run's panel for ``config``: one folder per setting, so
+    panels of different settings (the CLI's, ``make figures``') never overwrite each other."""
+    c = config
+    tag = f"n{c.sequences}_data{c.data_seed}_boot{c.n_boot}_perm{c.n_perm}_seed{c.seed}"
+    return Path(run) / PANEL_DIR / tag
+
+
+def _checkpoint_stamp(run: Path, model_dir: Path) -> dict[str, Any]:
+    """Identifies the weights: path, size and mtime of the safetensors file (a run retrained in
+    place to the same step gets a new panel)."""
+    weights = sorted(model_dir.glob("*.safetensors"))
+    stat = [[w.name, w.stat().st_size, w.stat().st_mtime_ns] for w in weights]  # JSON-shaped
+    rel = str(model_dir.relative_to(run)) if model_dir.is_relative_to(run) else str(model_dir)
+    return {"checkpoint": rel, "weights": stat}
+
+
+def _pair_attention(model, ds, stride: int, offset: int, batch: int = 256) -> pd.DataFrame:
+    """:func:`phasemech.phase.phase_attention` from each answer onto its needle, in batches
+    (token patterns are ``O(batch * head * T^2)``), combined as count-weighted means."""
+    import torch
+
+    from phasemech.phase import phase_attention
+    from phasemech.tasks import to_tensors
+
+    parts = []
+    for i in range(0, len(ds), batch):
+        rows = ds.select(range(i, min(i + batch, len(ds))))
+        tokens, query_pos, _ = to_tensors(rows)
+        source = torch.tensor(rows["source_pos"])
+        f = phase_attention(
+            model,
+            tokens,
+            query_pos=query_pos,
+            key_pos=source,
+            stride=stride,
+            reference_offset=offset,
+        ).frame
+        parts.append(f.assign(total=f["mass"].fillna(0.0) * f["n"]))
+    df = pd.concat(parts)
+    keys = ["layer", "head", "phase"]
+    out = df.groupby(keys, as_index=False).agg(
+        total=("total", "sum"), n=("n", "sum"), exact=("exact", "all"), kind=("kind", "first")
+    )
+    out["mass"] = np.where(out["n"] > 0, out["total"] / out["n"].clip(lower=1), np.nan)
+    return out[["layer", "head", "phase", "mass", "n", "exact", "kind"]]
+
+
+def head_rank_key(head: dict[str, Any], alpha: float = 0.05) -> tuple[bool, float]:
+    """How phase-specialised a panel head is: significant (Holm p < ``alpha``) first, then the
+    range of its per-phase ablation effect (a head that barely matters has a small range even
+    when its specialisation index is high)."""
+    p = head.get("p_holm")
+    return (p is not None and p < alpha, float(head.get("effect_range") or 0.0))
+
+
 def model_panel(
-    run: str | Path, config: PanelConfig = PanelConfig(), *, force: bool = False
+    run: str | Path,
+    config: PanelConfig = PanelConfig(),
+    *,
+    force: bool = False,
+    threads: int | None = 1,
 ) -> dict[str, Any]:
-    """The dashboard data of one trained run (JSON-ready), cached in ``RUN/dashboard/``.
+    """The dashboard data of one trained run (JSON-ready), cached in :func:`panel_dir`.
 
     Reuses ``panel.json`` when it was computed with the same ``config``, panel version and
-    checkpoint, unless ``force``. Also writes the ablation folder ``RUN/dashboard/ablate``
+    weights, unless ``force``. Also writes, beside it, the ablation folder ``ablate``
     (:meth:`phasemech.ablation.AblationResult.save`) and ``phase_attention.parquet``.
+    ``threads``: torch threads while computing (``None``: leave torch's setting; one is fastest
+    on a busy 2-core machine).
     """
     import torch
     from threadpoolctl import threadpool_limits
 
     from phasemech.ablation import ablate
     from phasemech.evaluate import balanced_test_set, evaluate, load_trained
-    from phasemech.phase import phase_attention
-    from phasemech.tasks import to_tensors
     from phasemech.train import reference_grid
 
     run = Path(run)
     model, cfg, model_dir = load_trained(run)
     if cfg is None:
         raise FileNotFoundError(f"{run} has no train_config.json: not a trained run")
-    out = run / PANEL_DIR
+    if config.sequences % cfg.task.stride:
+        raise ValueError(
+            f"sequences={config.sequences} is invalid for {run.name}: a phase-balanced set needs "
+            f"a multiple of the task stride {cfg.task.stride}"
+        )
+    out = panel_dir(run, config)
     key = {
         "version": PANEL_VERSION,
         "config": dataclasses.asdict(config),
-        "checkpoint": str(model_dir.relative_to(run)) if model_dir.is_relative_to(run) else "",
+        **_checkpoint_stamp(run, model_dir),
     }
     cached = out / "panel.json"
     if cached.is_file() and not force:
@@ -177,27 +243,14 @@ def model_panel(
         if panel.get("key") == key:
             return panel
     stride, offset = reference_grid(cfg.compression)
-    if config.sequences % cfg.task.stride:
-        raise ValueError(
-            f"sequences={config.sequences} is invalid for {run.name}: a phase-balanced set needs "
-            f"a multiple of the task stride {cfg.task.stride}"
-        )
     ds = balanced_test_set(cfg.task, config.sequences, config.data_seed)
-    torch_threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # see the brief: more threads are slower on a busy 2-core box
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
     try:
-        with threadpool_limits(1):
+        with threadpool_limits(threads):
             ev = evaluate(model, ds, n_boot=config.n_boot, n_perm=config.n_perm, seed=config.seed)
-            tokens, query_pos, _ = to_tensors(ds)
-            source = torch.tensor(ds["source_pos"])
-            pa = phase_attention(
-                model,
-                tokens,
-                query_pos=query_pos,
-                key_pos=source,
-                stride=stride,
-                reference_offset=offset,
-            )
+            pa = _pair_attention(model, ds, stride, offset)
             abl = ablate(
                 model,
                 ds,
@@ -209,40 +262,47 @@ def model_panel(
             spec = abl.specialization(metric="accuracy", n_perm=config.n_perm, seed=config.seed)
             example = _example(model, ds, stride, offset)
     finally:
-        torch.set_num_threads(torch_threads)
+        torch.set_num_threads(before)
 
     rep = ev.report
+    phases = pd.Index(range(stride), name="phase")
+    # every per-phase list has exactly `stride` entries, index = phase (None where undefined)
+    pp = rep.per_phase.set_index("phase").reindex(phases)
     per_phase = [
         {
-            "phase": int(r.phase),
+            "phase": int(ph),
             "accuracy": _r(r.accuracy),
             "lo": _r(r.boot_lo),
             "hi": _r(r.boot_hi),
-            "n": int(r.n),
+            "n": 0 if pd.isna(r.n) else int(r.n),
         }
-        for r in rep.per_phase.itertuples()
+        for ph, r in zip(phases, pp.itertuples(), strict=True)
     ]
     gap = rep.gap
     eff = abl.effects[abl.effects.metric == "accuracy"]
     spec_by = spec.set_index(["layer", "unit"])
+    compressed = cfg.compression.compressed_layers(cfg.model.n_layers)
     heads = []
     for layer in range(cfg.model.n_layers):
         for h in range(cfg.model.n_heads):
-            e = eff[(eff.layer == layer) & (eff.unit == h)].sort_values("phase")
-            m = pa.frame[(pa.frame.layer == layer) & (pa.frame["head"] == h)].sort_values("phase")
+            e = eff[(eff.layer == layer) & (eff.unit == h)].set_index("phase").reindex(phases)
+            m = pa[(pa.layer == layer) & (pa["head"] == h)].set_index("phase").reindex(phases)
             s = spec_by.loc[(layer, h)]
+            effect = [_r(x) for x in e["effect"]]
+            defined = [x for x in effect if x is not None]
             heads.append(
                 {
                     "layer": layer,
                     "head": h,
                     "label": f"L{layer}H{h}",
-                    "compressed": layer in cfg.compression.compressed_layers(cfg.model.n_layers),
+                    "compressed": layer in compressed,
                     "mass": [_r(x) for x in m["mass"]],
-                    "mass_n": [int(x) for x in m["n"]],
-                    "effect": [_r(x) for x in e["effect"]],
+                    "mass_n": [0 if pd.isna(x) else int(x) for x in m["n"]],
+                    "effect": effect,
                     "effect_lo": [_r(x) for x in e["ci_low"]],
                     "effect_hi": [_r(x) for x in e["ci_high"]],
-                    "effect_n": [int(x) for x in e["n"]],
+                    "effect_n": [0 if pd.isna(x) else int(x) for x in e["n"]],
+                    "effect_range": _r(max(defined) - min(defined)) if defined else None,
                     "overall": _r(s["overall"]),
                     "si": _r(s["si"]),
                     "p_holm": _r(s["p_holm"]),
@@ -270,7 +330,7 @@ def model_panel(
     }
     out.mkdir(parents=True, exist_ok=True)
     abl.save(out / "ablate", specialization=spec)
-    pa.frame.to_parquet(out / "phase_attention.parquet")
+    pa.to_parquet(out / "phase_attention.parquet")
     write_json_atomic(cached, panel)
     return panel
 
@@ -355,16 +415,19 @@ def render_dashboard(
         },
         allow_nan=False,
     )
-    # "</" would end the <script> element early inside a string of the JSON
-    data = data.replace("</", "<\\/")
+    # "<" as \u003c: no "</script>" or "<!--" inside a string can end or confuse the script
+    # element (JSON reads \u003c back as "<")
+    data = data.replace("<", "\\u003c")
     page = (_ASSETS / "dashboard.html").read_text()
-    return (
-        page.replace("{{TITLE}}", _html_escape(title))
-        .replace("{{STYLE}}", (_ASSETS / "dashboard.css").read_text())
-        .replace("{{PLOTLYJS}}", get_plotlyjs())
-        .replace("{{DATA}}", data)
-        .replace("{{SCRIPT}}", (_ASSETS / "dashboard.js").read_text())
-    )
+    parts = {
+        "TITLE": _html_escape(title),
+        "STYLE": (_ASSETS / "dashboard.css").read_text(),
+        "PLOTLYJS": get_plotlyjs(),
+        "DATA": data,
+        "SCRIPT": (_ASSETS / "dashboard.js").read_text(),
+    }
+    # one pass: a placeholder inside an inserted part (a title, plotly.js) is left alone
+    return re.sub(r"\{\{([A-Z]+)\}\}", lambda m: parts[m.group(1)], page)
 
 
 def _rgb_scale(name: str) -> list[list[Any]]:
@@ -409,6 +472,8 @@ __all__ = [
     "build_dashboard",
     "collect_panels",
     "find_runs",
+    "head_rank_key",
     "model_panel",
+    "panel_dir",
     "render_dashboard",
 ]

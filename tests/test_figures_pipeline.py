@@ -22,6 +22,7 @@ from phasemech.dashboard import (
     collect_panels,
     find_runs,
     model_panel,
+    panel_dir,
     render_dashboard,
 )
 
@@ -111,7 +112,9 @@ def test_panel_numbers_come_from_the_library(tiny_figures):
     assert [p["accuracy"] for p in panel["summary"]["per_phase"]] == pytest.approx(
         ev.report.per_phase["accuracy"].tolist(), abs=1e-4
     )
-    effects = AblationResult.load(run / "dashboard" / "ablate").tensor("accuracy", "head", "zero")
+    effects = AblationResult.load(panel_dir(run, TINY_PANEL) / "ablate").tensor(
+        "accuracy", "head", "zero"
+    )
     for h in panel["heads"]:
         assert h["effect"] == pytest.approx(effects[h["layer"], h["head"]].tolist(), abs=1e-4)
         assert h["label"] == f"L{h['layer']}H{h['head']}"
@@ -172,25 +175,37 @@ def test_dashboard_file_is_self_contained(tiny_figures, tmp_path):
             "-o",
             str(out),
             "--sequences",
-            "64",
+            "32",
             "--n-boot",
-            "50",
+            "20",
             "--n-perm",
-            "50",
+            "20",
         ],
     )
     assert res.exit_code == 0, res.output
     page = out.read_text()
     # plotly.js inlined, no script or stylesheet loaded from anywhere
-    assert "plotly.js v" in page or "plotly.js" in page
+    from plotly.offline import get_plotlyjs
+
+    js = get_plotlyjs()
+    assert js[1000:3000] in page and js[-2000:] in page
     assert not re.search(r"<script[^>]+src=", page) and "<link" not in page
-    data = json.loads(
-        re.search(r'id="phasemech-data">(.*?)</script>', page, re.S).group(1).replace("<\\/", "</")
-    )
+    data = _data(page)
     assert [m["name"] for m in data["models"]] == [r.name for r in find_runs(sweep)]
-    # a name holding "</script>" cannot end the data block early
-    evil = dict(data["models"][0], name="</script><b>x")
-    assert "</script><b>" not in render_dashboard([evil]).split('id="phasemech-data">')[1][:20000]
+    # the CLI's settings differ from the pipeline's: their own cache folder, none overwritten
+    runs = find_runs(sweep)
+    assert all((panel_dir(r, TINY_PANEL) / "panel.json").is_file() for r in runs)
+    assert all((r / "dashboard" / "n32_data777_boot20_perm20_seed0").is_dir() for r in runs)
+    pipeline = _data((tiny_figures[1] / "dashboard.html").read_text())
+    assert data["models"][0]["summary"]["n"] < pipeline["models"][0]["summary"]["n"]
+    # a name holding "</script>" or "<!--" cannot end or confuse the data block
+    evil = dict(data["models"][0], name="</script><!--<script>x")
+    block = render_dashboard([evil]).split('id="phasemech-data">')[1].split("</script>")[0]
+    assert _data(f'id="phasemech-data">{block}</script>')["models"][0]["name"] == evil["name"]
+
+
+def _data(page: str) -> dict:
+    return json.loads(re.search(r'id="phasemech-data">(.*?)</script>', page, re.S).group(1))
 
 
 def _cell_xy(page, row: int, col: int) -> tuple[float, float]:
@@ -214,11 +229,7 @@ def test_dashboard_in_a_real_browser(tiny_figures, tmp_path):
     page_path = out / "dashboard.html"
     captions = json.loads((out / "captions.json").read_text())["figures"]
     showcase = captions[-1]["caption"].split("Opens on ")[1].split(":")[0]
-    data = json.loads(
-        re.search(r'id="phasemech-data">(.*?)</script>', page_path.read_text(), re.S)
-        .group(1)
-        .replace("<\\/", "</")
-    )
+    data = _data(page_path.read_text())
     errors: list[str] = []
     with playwright.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox"])
@@ -262,3 +273,99 @@ def test_dashboard_in_a_real_browser(tiny_figures, tmp_path):
         browser.close()
     assert errors == []
     assert (tmp_path / "dashboard.png").stat().st_size > 10_000
+
+
+def _fake_panel(name: str, design: str, d: int, seq: int = 16) -> dict:
+    """A panel with undefined (None) numbers where real ones can be missing."""
+    heads = []
+    for layer in range(2):
+        for h in range(2):
+            effect = [round(0.01 * (p + h), 4) for p in range(d)]
+            effect[1] = None  # a phase with no target
+            heads.append(
+                dict(
+                    layer=layer,
+                    head=h,
+                    label=f"L{layer}H{h}",
+                    compressed=layer == 1,
+                    mass=[0.1] * d,
+                    mass_n=[5] * d,
+                    effect=effect,
+                    effect_lo=[None] * d,
+                    effect_hi=[None] * d,
+                    effect_n=[5] * d,
+                    effect_range=0.01 * d,
+                    overall=0.0,
+                    si=None,
+                    p_holm=None,
+                    served_phase=None,
+                )
+            )
+    eye = [[1.0 if k == q else 0.0 for k in range(seq)] for q in range(seq)]
+    return dict(
+        name=name,
+        design=design,
+        stride=d,
+        window=None,
+        compressed_layers=[1],
+        n_layers=2,
+        n_heads=2,
+        seq_len=seq,
+        seed=0,
+        trained_steps=None,
+        phase_stride=d,
+        grid_offset=0,
+        grid_note="a test grid",
+        summary=dict(
+            accuracy=0.5,
+            n=10,
+            raw_gap=None,
+            debiased_gap=None,
+            gap_lo=None,
+            gap_hi=None,
+            p_perm=None,
+            per_phase=[dict(phase=p, accuracy=None, lo=None, hi=None, n=0) for p in range(d)],
+        ),
+        heads=heads,
+        example=dict(
+            tokens=list(range(seq)),
+            needle=2,
+            query=seq - 1,
+            grid_offset=0,
+            stride=d,
+            patterns=[[eye, eye], [eye, eye]],
+        ),
+    )
+
+
+def test_dashboard_switches_strides_and_shows_missing_numbers(tmp_path):
+    playwright = pytest.importorskip("playwright.sync_api", reason="playwright not installed")
+    if not CHROMIUM.exists():
+        pytest.skip("no /usr/bin/chromium (make test installs it with apt-get where root)")
+    page_path = tmp_path / "fake.html"
+    panels = [_fake_panel("a<b>_d4", "mean", 4), _fake_panel("c_d8", "route", 8)]
+    page_path.write_text(render_dashboard(panels, "fake <title>", initial="c_d8"))
+    errors: list[str] = []
+    with playwright.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1300, "height": 1000})
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(page_path.as_uri())
+        page.wait_for_selector("#heatmap .main-svg")
+        assert page.input_value("#design") == "route" and page.get_attribute("#phase", "max") == "7"
+        page.fill("#phase", "6")
+        page.dispatch_event("#phase", "input")
+        # to the d=4 model: the slider range follows and the out-of-range phase is cleared
+        page.select_option("#design", "mean")
+        page.wait_for_function("document.getElementById('phase').max === '3'")
+        assert page.input_value("#phase") == "-1" and page.text_content("#phase-label") == "all"
+        assert "a<b>_d4" in page.text_content("#summary")  # shown as text, not markup
+        x, y = _cell_xy(page, 3, 1)
+        page.mouse.move(x, y)
+        page.mouse.click(x, y)
+        page.wait_for_function("document.getElementById('head-title').textContent.endsWith('L1H1')")
+        cells = page.inner_text('#head-numbers tr[data-phase="1"]').split("\t")
+        assert cells[2] == "–" and cells[3] == "[–, –]"
+        assert "debiased phase gap –" in page.text_content("#summary")
+        browser.close()
+    assert errors == []

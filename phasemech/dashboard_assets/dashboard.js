@@ -12,6 +12,11 @@
   const fmt = (x, nd = 3) => (x === null || x === undefined ? "–" : Number(x).toFixed(nd));
   const ci = (lo, hi, nd = 3) => `[${fmt(lo, nd)}, ${fmt(hi, nd)}]`;
   const uniq = (xs) => Array.from(new Set(xs));
+  const esc = (x) => String(x).replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" })[c]);
+  // the same ranking as phasemech.dashboard.head_rank_key: Holm-significant first, then the
+  // range of the per-phase ablation effect
+  const rankKey = (h) => [h.p_holm !== null && h.p_holm < 0.05 ? 1 : 0, h.effect_range ?? 0];
+  const better = (a, b) => { const x = rankKey(a), y = rankKey(b); return x[0] !== y[0] ? x[0] > y[0] : x[1] > y[1]; };
   const model = () => D.models[st.m];
   const head = () => model().heads[st.h];
   const phases = () => Array.from({ length: model().phase_stride }, (_, p) => p);
@@ -53,7 +58,7 @@
   function renderSummary() {
     const m = model(), s = m.summary;
     const cells = [
-      `<span class="cell"><b>${m.name}</b> (${m.design}, d=${m.phase_stride}, ${m.n_heads} heads, step ${m.trained_steps ?? "?"})</span>`,
+      `<span class="cell"><b>${esc(m.name)}</b> (${esc(m.design)}, d=${m.phase_stride}, ${m.n_heads} heads, step ${m.trained_steps ?? "?"})</span>`,
       `<span class="cell" id="sum-acc">accuracy <b>${fmt(s.accuracy)}</b> (n=${s.n})</span>`,
     ];
     s.per_phase.forEach((r) => {
@@ -126,7 +131,7 @@
     Plotly.react($("mass-plot"), [{ type: "bar", x: phases(), y: h.mass, marker: { color: barColors(), line: { color: "#333", width: 1 } },
       customdata: h.mass_n, hovertemplate: "phase %{x}<br>mass %{y:.3f}<br>n %{customdata}<extra></extra>" }],
       { font, height: 200, margin: { l: 50, r: 10, t: 30, b: 35 }, title: { text: `${h.label}: attention mass on the needle`, font: { size: 12 } },
-        xaxis: { tickvals: phases(), title: { text: "needle phase" } }, yaxis: { rangemode: "tozero" } }, cfg);
+        xaxis: { tickvals: phases(), title: { text: "needle phase" }, zeroline: false }, yaxis: { rangemode: "tozero" } }, cfg);
   }
   function renderEffect() {
     const h = head();
@@ -137,7 +142,7 @@
       error_y: { type: "data", symmetric: false, array: up, arrayminus: down, color: "#333" },
       hovertemplate: "phase %{x}<br>effect %{y:.3f}<extra></extra>" }],
       { font, height: 200, margin: { l: 50, r: 10, t: 30, b: 35 }, title: { text: `${h.label}: zero-ablation effect on accuracy (95% CI)`, font: { size: 12 } },
-        xaxis: { tickvals: phases(), title: { text: "needle phase" } },
+        xaxis: { tickvals: phases(), title: { text: "needle phase" }, zeroline: false },
         shapes: [{ type: "line", xref: "paper", x0: 0, x1: 1, y0: 0, y1: 0, line: { color: "#999", dash: "dot" } }] }, cfg);
   }
   function renderPattern() {
@@ -164,7 +169,7 @@
       colorbar: { title: { text: "attn" }, thickness: 10 },
       hovertemplate: "query %{y} → key %{x}<br>attention %{z:.3f}<extra></extra>" }],
       { font, height: 380, margin: { l: 50, r: 10, t: 50, b: 40 },
-        title: { text: `${h.label} on one example: needle at ${ex.needle} (phase ${needlePhase}, orange), query ${ex.query} (green)<br>dotted: chunk starts${h.compressed ? "; effective token pattern" : ""}`, font: { size: 11 } },
+        title: { text: `${h.label} on one example: needle at ${ex.needle} (phase ${needlePhase}, orange), query ${ex.query} (green)<br>dotted: chunk starts of the reference grid${h.compressed ? "; effective token pattern" : ""}`, font: { size: 11 } },
         xaxis: { title: { text: "key position" } }, yaxis: { title: { text: "query position" }, autorange: "reversed" }, shapes }, cfg);
   }
   function selectHead(i) {
@@ -183,9 +188,11 @@
     if (st.phase > m.phase_stride - 1) st.phase = -1;
     $("phase").value = String(st.phase);
     $("phase-label").textContent = st.phase < 0 ? "all" : String(st.phase);
-    // start on the most phase-specialised head (largest specialisation index)
-    let best = 0;
-    m.heads.forEach((h, k) => { if ((h.si ?? -1) > (m.heads[best].si ?? -1)) best = k; });
+    // start on the most phase-specialised head of a compressed layer (any layer if dense)
+    const pool = m.heads.some((h) => h.compressed) ? m.heads.filter((h) => h.compressed) : m.heads;
+    let bestHead = pool[0];
+    pool.forEach((h) => { if (better(h, bestHead)) bestHead = h; });
+    const best = m.heads.indexOf(bestHead);
     st.h = best;
     renderSummary(); renderHeatmap(); selectHead(best);
   }
@@ -211,8 +218,10 @@
   $("heatmap").on("plotly_click", (ev) => {
     const pt = ev.points[0];
     const i = model().heads.findIndex((h) => h.label === pt.y);
+    // a click selects the head and highlights the cell's phase; the same cell again clears it
+    const again = i === st.h && pt.x === st.phase;
     if (i >= 0) selectHead(i);
-    if (typeof pt.x === "number") setPhase(pt.x === st.phase ? -1 : pt.x);
+    if (typeof pt.x === "number") setPhase(again ? -1 : pt.x);
   });
   window.phasemechDashboard = { state: st, data: D, selectHead, setPhase, showModel };
 })();
