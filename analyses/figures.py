@@ -7,17 +7,19 @@ Stages (each cached under ``RUNS/<sweep folder>/``; rerunning skips finished wor
    checkpoints on the phase-balanced test set (``targets_step_*.parquet``);
 2. **tables**: per-phase accuracy with cluster-bootstrap 95% CIs per (design, stride, heads,
    T), seeds pooled, at the final checkpoint (``per_phase.parquet``);
-3. **model panels** (:func:`phasemech.dashboard.model_panel`, cached in ``<run>/dashboard/``):
+3. **model panels** (:func:`phasemech.dashboard.model_panel`, cached in
+   ``<run>/dashboard/<setting>/``):
    per-phase accuracy and debiased gap, head attention mass on the needle by phase, head
    zero-ablation effects by phase with CIs and specialisation tests, an example pattern; and
-   grid-contrast activation patching of the showcase model (``<run>/figures/patch_grid``);
+   grid-contrast activation patching of the showcase model (``.../<setting>/patch_grid``);
 4. **figures**: ``OUT/*.html``, ``OUT/*.png`` (kaleido with the system Chromium), the dashboard
    (``OUT/dashboard.html`` and a screenshot ``OUT/dashboard.png``) and ``OUT/index.html`` with a
    one-line caption per figure whose numbers are read from the tables above.
 
 The *showcase* model (heatmaps, patching, dynamics, example pattern) is picked from the data:
-the compressed model with the most phase-specialised head (largest specialisation index among
-heads with Holm p < 0.05, else overall), among models with held-out accuracy >= 0.9 when any.
+the compressed model whose most phase-specialised compressed-layer head ranks first
+(:func:`phasemech.dashboard.head_rank_key`: Holm p < 0.05, then the range of its per-phase
+ablation effect), among models with test-set accuracy >= 0.9 when any.
 
 Profiles: ``tiny`` (seconds; the end-to-end test), ``default`` (five 2-head models, T = 64,
 one seed each: ``make figures``), ``full`` (``FULL=1``: the 60 models of the
