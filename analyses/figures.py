@@ -57,7 +57,7 @@ from rich.progress import (
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import phase_sweep as ps  # noqa: E402  (the sweep's profiles, specs and worker)
 
-from phasemech.dashboard import PanelConfig, head_rank_key, panel_dir  # noqa: E402
+from phasemech.dashboard import PanelConfig, example_target, head_rank_key, panel_dir  # noqa: E402
 
 console = Console()
 CHROMIUM = "/usr/bin/chromium"
@@ -515,23 +515,26 @@ def make_figures(
     )
 
     ex = show["example"]
+    # the farthest target whose needle has the phase this head attends most
+    mass_best = [m if m is not None else -1.0 for m in best["mass"]]
+    i, needle, query = example_target(show, int(max(range(d), key=mass_best.__getitem__)))
+    pattern = ex["examples"][i]["patterns"][best["layer"]][best["head"]]
     figs.append(
         dict(
             name="attention_pattern",
             figure=viz.attention_pattern_phases(
-                ex["patterns"][best["layer"]][best["head"]],
+                pattern,
                 d,
                 grid_offset=ex["grid_offset"],
-                needle=ex["needle"],
-                query=ex["query"],
+                needle=needle,
+                query=query,
                 title=f"{show['name']} {best['label']} on one example",
             ),
             caption=(
                 f"{show['name']} {best['label']} (its most phase-specialised head): attention "
                 f"of every query on one test sequence, key phases on top, chunk starts dotted; "
-                f"needle at {ex['needle']} (phase {(ex['needle'] - ex['grid_offset']) % d}), "
-                f"query at {ex['query']}, attention "
-                f"{ex['patterns'][best['layer']][best['head']][ex['query']][ex['needle']]:.3f}."
+                f"needle at {needle} (phase {(needle - ex['grid_offset']) % d}, the phase the "
+                f"head attends most), query at {query}, attention {pattern[query][needle]:.3f}."
             ),
         )
     )

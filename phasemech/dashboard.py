@@ -42,7 +42,7 @@ from phasemech.io import write_json_atomic, write_text_atomic
 from phasemech.viz import EFFECT_SCALE, PHASE_SCALE
 
 #: bump when the panel's content changes: cached panels of another version are recomputed
-PANEL_VERSION = 2
+PANEL_VERSION = 4
 PANEL_DIR = "dashboard"
 
 
@@ -92,18 +92,26 @@ def _r(x: Any, nd: int = 4) -> float | None:
     return round(float(x), nd)
 
 
-def _example(model, ds, stride: int, offset: int) -> dict[str, Any]:
-    """Every head's token pattern on one sequence, with its farthest needle and query marked."""
+def _example(model, ds, stride: int, offset: int, max_sequences: int = 4) -> dict[str, Any]:
+    """Every head's token pattern on a few test sequences chosen so that their targets' needles
+    cover every phase (MQAR puts needles at every other position, so one sequence holds only
+    half the phases); each with its targets ``[needle, query]``, farthest first."""
     import torch
 
     from phasemech.phase import _pattern_hook_name
     from phasemech.tasks import to_tensors
 
-    row = ds.select([0])
-    tokens, query_pos, _ = to_tensors(row)
-    source = np.asarray(row["source_pos"][0])
-    t = int(np.argmax(query_pos[0].numpy() - source))  # the farthest needle: read via blocks
     names = [_pattern_hook_name(model, i) for i in range(model.cfg.n_layers)]
+    chosen, covered = [], set()
+    for i in range(min(len(ds), 8 * stride)):
+        phases = {(int(sp) - offset) % stride for sp in ds[i]["source_pos"]}
+        if not chosen or phases - covered:
+            chosen.append(i)
+            covered |= phases
+        if len(covered) == stride or len(chosen) == max_sequences:
+            break
+    rows = ds.select(chosen)
+    tokens, query_pos, _ = to_tensors(rows)
     was = getattr(model.cfg, "use_token_pattern", False)
     model.set_use_token_pattern(True)
     try:
@@ -111,18 +119,19 @@ def _example(model, ds, stride: int, offset: int) -> dict[str, Any]:
             _, cache = model.run_with_cache(tokens, names_filter=lambda n: n in names)
     finally:
         model.set_use_token_pattern(was)
-    patterns = [
-        np.round(cache[n][0].float().numpy(), 3).tolist()  # [head, query, key] per layer
-        for n in names
-    ]
-    return {
-        "tokens": tokens[0].tolist(),
-        "needle": int(source[t]),
-        "query": int(query_pos[0, t]),
-        "grid_offset": int(offset),
-        "stride": int(stride),
-        "patterns": patterns,  # [layer][head][query][key]
-    }
+    examples = []
+    for b in range(len(chosen)):
+        source = np.asarray(rows[b]["source_pos"])
+        order = np.argsort(source - query_pos[b].numpy(), kind="stable")  # farthest first
+        examples.append(
+            {
+                "tokens": tokens[b].tolist(),
+                "targets": [[int(source[t]), int(query_pos[b, t])] for t in order],
+                # [layer][head][query][key]; two decimals keep the file small
+                "patterns": [np.round(cache[n][b].float().numpy(), 2).tolist() for n in names],
+            }
+        )
+    return {"stride": int(stride), "grid_offset": int(offset), "examples": examples}
 
 
 def _run_info(run: Path, cfg) -> dict[str, Any]:
@@ -190,6 +199,20 @@ def _pair_attention(model, ds, stride: int, offset: int, batch: int = 256) -> pd
     )
     out["mass"] = np.where(out["n"] > 0, out["total"] / out["n"].clip(lower=1), np.nan)
     return out[["layer", "head", "phase", "mass", "n", "exact", "kind"]]
+
+
+def example_target(panel: dict[str, Any], phase: int | None) -> tuple[int, int, int]:
+    """``(example, needle, query)``: the farthest target whose needle has ``phase`` (on the
+    panel's grid), first example first; else the first example's farthest target."""
+    ex = panel["example"]
+    d, off = ex["stride"], ex["grid_offset"]
+    if phase is not None:
+        for i, e in enumerate(ex["examples"]):
+            for needle, query in e["targets"]:
+                if (needle - off) % d == phase:
+                    return i, needle, query
+    needle, query = ex["examples"][0]["targets"][0]
+    return 0, needle, query
 
 
 def head_rank_key(head: dict[str, Any], alpha: float = 0.05) -> tuple[bool, float]:
@@ -472,6 +495,7 @@ __all__ = [
     "build_dashboard",
     "collect_panels",
     "find_runs",
+    "example_target",
     "head_rank_key",
     "model_panel",
     "panel_dir",

@@ -17,6 +17,10 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], Any]) -> None:
     os.close(fd)
     try:
         write(tmp)
+        # mkstemp creates 0600; give the file the mode a plain open() would (0666 - umask)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -20,6 +20,7 @@ from phasemech.cli import app
 from phasemech.dashboard import (
     PanelConfig,
     collect_panels,
+    example_target,
     find_runs,
     model_panel,
     panel_dir,
@@ -119,10 +120,16 @@ def test_panel_numbers_come_from_the_library(tiny_figures):
         assert h["effect"] == pytest.approx(effects[h["layer"], h["head"]].tolist(), abs=1e-4)
         assert h["label"] == f"L{h['layer']}H{h['head']}"
     ex = panel["example"]
-    pattern = ex["patterns"][1][0]
-    assert len(pattern) == len(ex["tokens"]) == 32 and ex["needle"] < ex["query"]
-    # causal: no query attends to a later key
-    assert all(v == 0 for q, row in enumerate(pattern) for k, v in enumerate(row) if k > q)
+    # the examples' needles cover every phase; causal: no query attends to a later key
+    phases = {(n - ex["grid_offset"]) % 4 for e in ex["examples"] for n, _ in e["targets"]}
+    assert phases == {0, 1, 2, 3}
+    for e in ex["examples"]:
+        pattern = e["patterns"][1][0]
+        assert len(pattern) == len(e["tokens"]) == 32
+        assert all(n < q for n, q in e["targets"])
+        assert all(v == 0 for q, row in enumerate(pattern) for k, v in enumerate(row) if k > q)
+    i, needle, query = example_target(panel, 2)
+    assert (needle % 4 == 2) and [needle, query] in ex["examples"][i]["targets"]
 
 
 def test_panel_cache_is_keyed_by_config(tiny_figures, tmp_path, monkeypatch):
@@ -328,12 +335,11 @@ def _fake_panel(name: str, design: str, d: int, seq: int = 16) -> dict:
         ),
         heads=heads,
         example=dict(
-            tokens=list(range(seq)),
-            needle=2,
-            query=seq - 1,
             grid_offset=0,
             stride=d,
-            patterns=[[eye, eye], [eye, eye]],
+            examples=[
+                dict(tokens=list(range(seq)), targets=[[2, seq - 1]], patterns=[[eye, eye]] * 2)
+            ],
         ),
     )
 

@@ -62,7 +62,7 @@
       `<span class="cell" id="sum-acc">accuracy <b>${fmt(s.accuracy)}</b> (n=${s.n})</span>`,
     ];
     s.per_phase.forEach((r) => {
-      cells.push(`<span class="cell phase" data-phase="${r.phase}">φ${r.phase} ${fmt(r.accuracy)} ${ci(r.lo, r.hi, 2)}</span>`);
+      cells.push(`<span class="cell phase" data-phase="${r.phase}">φ${r.phase} ${fmt(r.accuracy)} ${ci(r.lo, r.hi)}</span>`);
     });
     cells.push(`<span class="cell" id="sum-gap">debiased phase gap <b>${fmt(s.debiased_gap)}</b> ${ci(s.gap_lo, s.gap_hi)} (raw ${fmt(s.raw_gap)}, p<sub>perm</sub> ${fmt(s.p_perm, 3)})</span>`);
     $("summary").innerHTML = cells.join("");
@@ -147,7 +147,22 @@
   }
   function renderPattern() {
     const m = model(), h = head(), ex = m.example;
-    const z = ex.patterns[h.layer][h.head];
+    // the target shown: the farthest of the highlighted phase, else of the phase this head
+    // attends most (as phasemech.dashboard.example_target), else the first example's farthest
+    let want = st.phase;
+    if (want < 0) {
+      let best = -1;
+      h.mass.forEach((v, p) => { if (v !== null && (best < 0 || v > h.mass[best])) best = p; });
+      want = best;
+    }
+    const phaseOf = (n) => (((n - ex.grid_offset) % ex.stride) + ex.stride) % ex.stride;
+    let e = 0, pick = null;
+    for (let i = 0; i < ex.examples.length && pick === null; i++) {
+      const t = ex.examples[i].targets.find(([n]) => phaseOf(n) === want);
+      if (t) { e = i; pick = t; }
+    }
+    const [needle, query] = pick || ex.examples[0].targets[0];
+    const z = ex.examples[e].patterns[h.layer][h.head];
     const nk = z[0].length, d = ex.stride, off = ex.grid_offset;
     const shapes = [];
     for (let k = 1; k < nk; k++) {
@@ -162,14 +177,14 @@
         }
       }
     }
-    shapes.push({ type: "rect", x0: ex.needle - 0.5, x1: ex.needle + 0.5, y0: -0.5, y1: z.length - 0.5, line: { color: "#d55e00", width: 2 } });
-    shapes.push({ type: "rect", x0: -0.5, x1: nk - 0.5, y0: ex.query - 0.5, y1: ex.query + 0.5, line: { color: "#009e73", width: 2 } });
-    const needlePhase = (((ex.needle - off) % d) + d) % d;
+    shapes.push({ type: "rect", x0: needle - 0.5, x1: needle + 0.5, y0: -0.5, y1: z.length - 0.5, line: { color: "#d55e00", width: 2 } });
+    shapes.push({ type: "rect", x0: -0.5, x1: nk - 0.5, y0: query - 0.5, y1: query + 0.5, line: { color: "#009e73", width: 2 } });
+    const needlePhase = (((needle - off) % d) + d) % d;
     Plotly.react($("pattern-plot"), [{ type: "heatmap", z, colorscale: "Greys", reversescale: true, zmin: 0, zmax: 1,
       colorbar: { title: { text: "attn" }, thickness: 10 },
       hovertemplate: "query %{y} → key %{x}<br>attention %{z:.3f}<extra></extra>" }],
       { font, height: 380, margin: { l: 50, r: 10, t: 50, b: 40 },
-        title: { text: `${h.label} on one example: needle at ${ex.needle} (phase ${needlePhase}, orange), query ${ex.query} (green)<br>dotted: chunk starts of the reference grid${h.compressed ? "; effective token pattern" : ""}`, font: { size: 11 } },
+        title: { text: `${h.label} on one example: needle at ${needle} (phase ${needlePhase}, orange), query ${query} (green), attention ${fmt(z[query][needle])}<br>dotted: chunk starts of the reference grid${h.compressed ? "; effective token pattern" : ""}`, font: { size: 11 } },
         xaxis: { title: { text: "key position" } }, yaxis: { title: { text: "query position" }, autorange: "reversed" }, shapes }, cfg);
   }
   function selectHead(i) {
