@@ -837,14 +837,7 @@ def theory_curves(
                 go.Scatter(
                     x=np.r_[xs, xs[::-1]],
                     y=np.r_[hi, lo[::-1]],
-                    fill="toself",
-                    fillcolor=_rgba(color, 0.18),
-                    mode="lines",
-                    line=dict(width=0),
-                    hoverinfo="skip",
-                    showlegend=False,
-                    legendgroup=label,
-                    name=f"{label} band",
+                    **_band_style(label, color),
                 )
             )
         fig.add_trace(

@@ -6,6 +6,7 @@ trained runs and cached panels.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
@@ -215,6 +216,24 @@ def _data(page: str) -> dict:
     return json.loads(re.search(r'id="phasemech-data">(.*?)</script>', page, re.S).group(1))
 
 
+@contextlib.contextmanager
+def _browser(page_path: Path):
+    """``(page, errors)``: ``page_path`` opened in headless Chromium (Playwright driving the
+    system browser, no download), plotted; ``errors`` collects uncaught page errors."""
+    playwright = pytest.importorskip("playwright.sync_api", reason="playwright not installed")
+    if not CHROMIUM.exists():
+        pytest.skip("no /usr/bin/chromium (make test installs it with apt-get where root)")
+    errors: list[str] = []
+    with playwright.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1300, "height": 1000})
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(page_path.as_uri())
+        page.wait_for_selector("#heatmap .main-svg")
+        yield page, errors
+        browser.close()
+
+
 def _cell_xy(page, row: int, col: int) -> tuple[float, float]:
     """Page coordinates of heatmap cell (row, col), from plotly's own axis mapping."""
     return page.evaluate(
@@ -229,21 +248,12 @@ def _cell_xy(page, row: int, col: int) -> tuple[float, float]:
 
 
 def test_dashboard_in_a_real_browser(tiny_figures, tmp_path):
-    playwright = pytest.importorskip("playwright.sync_api", reason="playwright not installed")
-    if not CHROMIUM.exists():
-        pytest.skip("no /usr/bin/chromium (make test installs it with apt-get where root)")
     _, out, _ = tiny_figures
     page_path = out / "dashboard.html"
     captions = json.loads((out / "captions.json").read_text())["figures"]
     showcase = captions[-1]["caption"].split("Opens on ")[1].split(":")[0]
     data = _data(page_path.read_text())
-    errors: list[str] = []
-    with playwright.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox"])
-        page = browser.new_page(viewport={"width": 1300, "height": 1000})
-        page.on("pageerror", lambda e: errors.append(str(e)))
-        page.goto(page_path.as_uri())
-        page.wait_for_selector("#heatmap .main-svg")
+    with _browser(page_path) as (page, errors):
         model = data["models"][int(page.input_value("#model"))]
         assert model["name"] == showcase  # opens on the pipeline's showcase model
         before = page.text_content("#head-title")
@@ -277,7 +287,6 @@ def test_dashboard_in_a_real_browser(tiny_figures, tmp_path):
         page.select_option("#design", "none")
         page.wait_for_function("document.getElementById('summary').textContent.includes('none_')")
         page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
-        browser.close()
     assert errors == []
     assert (tmp_path / "dashboard.png").stat().st_size > 10_000
 
@@ -345,19 +354,10 @@ def _fake_panel(name: str, design: str, d: int, seq: int = 16) -> dict:
 
 
 def test_dashboard_switches_strides_and_shows_missing_numbers(tmp_path):
-    playwright = pytest.importorskip("playwright.sync_api", reason="playwright not installed")
-    if not CHROMIUM.exists():
-        pytest.skip("no /usr/bin/chromium (make test installs it with apt-get where root)")
     page_path = tmp_path / "fake.html"
     panels = [_fake_panel("a<b>_d4", "mean", 4), _fake_panel("c_d8", "route", 8)]
     page_path.write_text(render_dashboard(panels, "fake <title>", initial="c_d8"))
-    errors: list[str] = []
-    with playwright.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox"])
-        page = browser.new_page(viewport={"width": 1300, "height": 1000})
-        page.on("pageerror", lambda e: errors.append(str(e)))
-        page.goto(page_path.as_uri())
-        page.wait_for_selector("#heatmap .main-svg")
+    with _browser(page_path) as (page, errors):
         assert page.input_value("#design") == "route" and page.get_attribute("#phase", "max") == "7"
         page.fill("#phase", "6")
         page.dispatch_event("#phase", "input")
@@ -373,5 +373,4 @@ def test_dashboard_switches_strides_and_shows_missing_numbers(tmp_path):
         cells = page.inner_text('#head-numbers tr[data-phase="1"]').split("\t")
         assert cells[2] == "–" and cells[3] == "[–, –]"
         assert "debiased phase gap –" in page.text_content("#summary")
-        browser.close()
     assert errors == []
