@@ -53,9 +53,11 @@ DEFAULT_MODELS = (
 
 
 def components_for(design: str) -> tuple[str, ...]:
+    from phasemech.config import SELECTING_DESIGNS
+
     comps = ["head"]
     if design != "none":
-        comps += ["blocks"] + (["raw"] if design != "route" else [])
+        comps += ["blocks"] + (["raw"] if design not in SELECTING_DESIGNS else [])
         comps += ["phase_bias"] if design == "gated" else []
     return tuple(comps)
 

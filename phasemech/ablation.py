@@ -61,7 +61,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from torch import Tensor
 
 from phasemech.attention import CompressedAttentionMixin
-from phasemech.config import is_int
+from phasemech.config import SELECTING_DESIGNS, is_int
 from phasemech.grid import n_blocks
 from phasemech.io import atomic_write, write_json_atomic
 from phasemech.model import PhaseTransformer
@@ -117,7 +117,7 @@ def _design(model: PhaseTransformer) -> str:
 def _modes_for(component: str, design: str) -> tuple[str, ...]:
     # route's block entries only steer its top-k choice; replacing them is not "the head's
     # compressed read" (it reads selected blocks raw), so only masking the selection is defined
-    if component == "blocks" and design == "route":
+    if component == "blocks" and design in SELECTING_DESIGNS:
         return ("mask",)
     return VALID_MODES[component]
 
@@ -130,9 +130,9 @@ def _check_design(where: str, component: str, design: str) -> None:
             f"{where}: component {component!r} needs compressed layers, but the model's design "
             "is 'none' (dense attention): only 'head' applies"
         )
-    if component == "raw" and design == "route":
+    if component == "raw" and design in SELECTING_DESIGNS:
         raise ValueError(
-            f"{where}: component 'raw' is not defined for design 'route': it has no raw-band "
+            f"{where}: component 'raw' is not defined for design {design!r}: it has no raw-band "
             "columns (it attends raw tokens of its selected blocks); use 'blocks' with 'mask'"
         )
     if component == "phase_bias" and design != "gated":
@@ -247,7 +247,7 @@ def _hooks(
     if component == "head":
         value = 0.0 if mode == "zero" else replacement  # [batch or 1, pos, d_head]
         return [set_axis(2, value, "hook_z")]
-    if component == "blocks" and mode == "mask" and attn.design == "route":
+    if component == "blocks" and mode == "mask" and attn.design in SELECTING_DESIGNS:
         return [set_axis(1, False, "hook_route_selected")]
     if component in ("blocks", "raw") and mode == "mask":
         block_cols = component == "blocks"

@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from phasemech import __version__
-from phasemech.config import DESIGNS
+from phasemech.config import DESIGNS, SELECTING_DESIGNS
 from phasemech.model import PhaseTransformer
 from phasemech.phase import phase_attention
 
@@ -196,7 +196,7 @@ def train(
         if stride is not None and task.stride % stride:
             # keep phases balanced on the new grid: the task stride must be a multiple of it
             task = dataclasses.replace(task, stride=math.lcm(task.stride, stride))
-        if comp["design"] != "route":
+        if comp["design"] not in SELECTING_DESIGNS:
             comp["top_k"] = None
         cfg = dataclasses.replace(
             cfg,
@@ -358,7 +358,7 @@ def ablate(
         design = model.cfg.compression.design
         default = ["head"]
         if design != "none":
-            default += ["blocks"] + (["raw"] if design != "route" else [])
+            default += ["blocks"] + (["raw"] if design not in SELECTING_DESIGNS else [])
             default += ["phase_bias"] if design == "gated" else []
         chosen = {"modes": _split(modes)} if modes else {}
         result = run_ablation(

@@ -21,16 +21,19 @@ from typing import Any, Literal
 import numpy as np
 from transformer_lens import HookedTransformerConfig
 
-DESIGNS = ("none", "mean", "gated", "mlp", "route")
+DESIGNS = ("none", "mean", "gated", "mlp", "route", "evict")
 VISIBILITY = ("inclusive", "strict")
 OFFSET_MODES = ("aligned", "per_layer", "per_head", "random")
 GATES = ("scalar", "channel")
 BLOCK_SCOPES = ("outside_window", "all")
 
-Design = Literal["none", "mean", "gated", "mlp", "route"]
+Design = Literal["none", "mean", "gated", "mlp", "route", "evict"]
 OffsetSpec = str | int | tuple[int, ...] | tuple[tuple[int, ...], ...]
 
 DEFAULT_TOP_K = 2
+DEFAULT_OBS_WINDOW = 8
+#: designs that attend raw tokens of selected blocks (top-k over the pooled designs' candidates)
+SELECTING_DESIGNS = ("route", "evict")
 
 
 def _bad(field_name: str, value: Any, allowed: str) -> ValueError:
@@ -73,8 +76,9 @@ class CompressionConfig:
     Args:
         design: ``"none"`` (dense attention), ``"mean"`` (mean-pooled K/V per block),
             ``"gated"`` (softmax-gated pooling with a learned intra-block position bias),
-            ``"mlp"`` (NSA compressor MLP over the flattened block) or ``"route"`` (MoBA block
-            routing over raw tokens).
+            ``"mlp"`` (NSA compressor MLP over the flattened block), ``"route"`` (MoBA block
+            routing over raw tokens) or ``"evict"`` (ChunkKV chunk eviction: raw tokens of the
+            chunks that recent queries attended most).
         stride: ``d``, the distance between consecutive block starts.
         block_len: ``l >= d``; ``None`` means ``l = d`` (no overlap).
         window: ``W``, the raw sliding window in tokens (query included); ``None`` means ``2d``.
@@ -89,8 +93,8 @@ class CompressionConfig:
             forward, ``eval_offset`` in eval mode), or explicit ints: one int, one per KV head
             ``[kv_head]``, or one per layer and KV head ``[layer, kv_head]`` (a tensor works).
         layers: indices of compressed layers; ``None`` means all layers.
-        top_k: blocks selected per query by ``route``; ``None`` means 2 for ``route``. Only
-            ``route`` accepts it.
+        top_k: blocks selected per query by ``route`` / kept per query and KV head by
+            ``evict``; ``None`` means 2 for them. Only ``route`` and ``evict`` accept it.
         gate: ``gated`` only: ``"scalar"`` (one gate per KV head and token: pooling weights are
             an exact convex mass, so token attribution is exact) or ``"channel"`` (DeepSeek-V4
             style, one gate per channel).
@@ -98,6 +102,9 @@ class CompressionConfig:
         block_scope: ``"outside_window"`` (default: blocks wholly inside the raw window are not
             used, so at most ``l - 1`` tokens are reached both raw and compressed) or ``"all"``
             (DeepSeek-V4: every complete block plus the raw window, in one softmax).
+            ``route`` and ``evict`` refuse ``"all"``.
+        obs_window: ``evict`` only: how many recent queries (the query included) score the
+            chunks by the dense attention they pay to them; ``None`` means 8.
 
     The exact coverage rule (which past token is reached raw, which through a block) is in
     ``phasemech.grid``.
@@ -114,6 +121,7 @@ class CompressionConfig:
     gate: Literal["scalar", "channel"] = "scalar"
     eval_offset: int = 0
     block_scope: Literal["outside_window", "all"] = "outside_window"
+    obs_window: int | None = None
 
     def __post_init__(self) -> None:
         # Frozen dataclass: normalise with object.__setattr__, validate before any work starts.
@@ -157,14 +165,31 @@ class CompressionConfig:
             if len(set(layers)) != len(layers):
                 raise _bad("layers", self.layers, "layer indices must be unique")
             set_(self, "layers", tuple(sorted(int(i) for i in layers)))
-        if self.design == "route":
+        if self.design in SELECTING_DESIGNS:
             if self.top_k is None:
                 set_(self, "top_k", DEFAULT_TOP_K)
             if not is_int(self.top_k) or self.top_k < 1:
-                raise _bad("top_k", self.top_k, "must be an int >= 1 for design='route'")
+                raise _bad("top_k", self.top_k, f"must be an int >= 1 for design={self.design!r}")
+            set_(self, "top_k", int(self.top_k))
         elif self.top_k is not None:
             raise _bad(
-                "top_k", self.top_k, f"only design='route' selects blocks, not {self.design!r}"
+                "top_k",
+                self.top_k,
+                f"only designs {SELECTING_DESIGNS} select blocks, not {self.design!r}",
+            )
+        if self.design == "evict":
+            if self.obs_window is None:
+                set_(self, "obs_window", DEFAULT_OBS_WINDOW)
+            if not is_int(self.obs_window) or self.obs_window < 1:
+                raise _bad(
+                    "obs_window", self.obs_window, "must be an int >= 1 (observation queries)"
+                )
+            set_(self, "obs_window", int(self.obs_window))
+        elif self.obs_window is not None:
+            raise _bad(
+                "obs_window",
+                self.obs_window,
+                f"only design='evict' scores chunks by observation queries, not {self.design!r}",
             )
         if self.gate not in GATES:
             raise _bad("gate", self.gate, f"allowed: {GATES}")
@@ -176,11 +201,12 @@ class CompressionConfig:
             )
         if self.block_scope not in BLOCK_SCOPES:
             raise _bad("block_scope", self.block_scope, f"allowed: {BLOCK_SCOPES}")
-        if self.block_scope == "all" and self.design == "route":
+        if self.block_scope == "all" and self.design in SELECTING_DESIGNS:
             raise _bad(
                 "block_scope",
                 self.block_scope,
-                "design='route' reads blocks raw, so its candidates must lie outside the window",
+                f"design={self.design!r} reads blocks raw, so its candidates must lie outside "
+                "the window",
             )
         if self.eval_offset != 0 and self.offsets != "random":
             raise _bad("eval_offset", self.eval_offset, "only offsets='random' uses eval_offset")

@@ -161,8 +161,8 @@ class PhaseTransformer(HookedTransformer):
     ) -> PhaseTransformer:
         """The same model (same weights, tokenizer, device) with ``compression`` applied post hoc.
 
-        ``mean`` and ``route`` have no parameters, so the result runs as is; ``gated`` and ``mlp``
-        get freshly initialised compressors (``gated`` starts close to mean pooling).
+        ``mean``, ``route`` and ``evict`` have no parameters, so the result runs as is; ``gated``
+        and ``mlp`` get freshly initialised compressors (``gated`` starts close to mean pooling).
         """
         if not isinstance(compression, CompressionConfig):
             raise ValueError(

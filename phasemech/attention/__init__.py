@@ -1,6 +1,7 @@
 """Compressed attention designs, one per file; ``DESIGN_CLASSES`` maps names to mixins."""
 
 from phasemech.attention.base import CompressedAttentionMixin, make_attention_class
+from phasemech.attention.evict import ChunkEvictAttention
 from phasemech.attention.gated import GatedPoolAttention
 from phasemech.attention.mean import MeanPoolAttention
 from phasemech.attention.mlp import MLPCompressorAttention
@@ -11,11 +12,13 @@ DESIGN_CLASSES: dict[str, type] = {
     "gated": GatedPoolAttention,
     "mlp": MLPCompressorAttention,
     "route": BlockRouteAttention,
+    "evict": ChunkEvictAttention,
 }
 
 __all__ = [
     "DESIGN_CLASSES",
     "BlockRouteAttention",
+    "ChunkEvictAttention",
     "CompressedAttentionMixin",
     "GatedPoolAttention",
     "MLPCompressorAttention",

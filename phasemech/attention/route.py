@@ -38,12 +38,28 @@ class BlockRouteAttention(CompressedAttentionMixin):
     def pooling_weights(self, x, geo):
         return mean_weights(geo)  # MoBA's block key is the mean key
 
-    def attend(self, x, q, k, v, geo):
-        seq = q.shape[1]
+    def gate_scores(self, x, q, k, v, geo):
+        """Gate of every block for every query ``[batch, head, pos, block]`` (no gradient),
+        before candidates are masked: MoBA's ``q_t . mean_j(k_j)``. Runs ``hook_block_weights``
+        and ``hook_k_block``. Subclasses (``evict``) override it to rank blocks otherwise."""
         weights = self.hook_block_weights(self.pooling_weights(x, geo).to(k.dtype))
         ks = self._gather_slots(k, geo)
         k_blk = torch.einsum("bgns,bgnsd->bgnd", weights, ks)
         k_blk = self.hook_k_block(k_blk.permute(0, 2, 1, 3)).permute(0, 2, 1, 3)
+        qh = q.transpose(1, 2)  # [batch, head, pos, d]
+        return (qh @ self._repeat_kv(k_blk, 1).transpose(-1, -2)).detach()
+
+    def gate_scores_rows(self, x, q, k, v, geo, rows):
+        """``gate_scores`` at one query row per sequence: ``[batch, head, block]``, no hooks."""
+        ar = torch.arange(q.shape[0], device=q.device)
+        weights = self.pooling_weights(x, geo).to(k.dtype)
+        k_blk = torch.einsum("bgns,bgnsd->bgnd", weights, self._gather_slots(k, geo))
+        q_t = q[ar, rows]  # [batch, head, d]
+        return torch.einsum("bhd,bhnd->bhn", q_t, self._repeat_kv(k_blk, 1))
+
+    def attend(self, x, q, k, v, geo):
+        seq = q.shape[1]
+        gate = self.gate_scores(x, q, k, v, geo)  # [batch, head, pos, block]
         qh = q.transpose(1, 2)  # [batch, head, pos, d]
         candidate = self._repeat_kv(geo.block_used, 1)  # [batch, head, pos, block]
         # MoBA always keeps the current block: the one ending at the query itself (inclusive
@@ -51,7 +67,6 @@ class BlockRouteAttention(CompressedAttentionMixin):
         t = torch.arange(seq, device=q.device)
         own = self._repeat_kv(geo.block_last[:, :, None, :] == t[None, None, :, None], 1)
         forced = candidate & own
-        gate = (qh @ self._repeat_kv(k_blk, 1).transpose(-1, -2)).detach()
         gate = self.hook_route_scores(gate.masked_fill(~(candidate & ~forced), float("-inf")))
         n_pick = min(self.top_k, gate.shape[-1])
         top = gate.topk(n_pick, dim=-1).indices
@@ -75,13 +90,11 @@ class BlockRouteAttention(CompressedAttentionMixin):
         window as the full forward, scores against every key for that row only."""
         ar = torch.arange(q.shape[0], device=q.device)
         seq = q.shape[1]
-        weights = self.pooling_weights(x, geo).to(k.dtype)
-        k_blk = torch.einsum("bgns,bgnsd->bgnd", weights, self._gather_slots(k, geo))
         q_t = q[ar, rows]  # [batch, head, d]
         candidate = self._repeat_kv(geo.block_used[ar, :, rows], 1)  # [batch, head, block]
         own = self._repeat_kv(geo.block_last == rows[:, None, None], 1)
         forced = candidate & own
-        gate = torch.einsum("bhd,bhnd->bhn", q_t, self._repeat_kv(k_blk, 1))
+        gate = self.gate_scores_rows(x, q, k, v, geo, rows)
         gate = gate.masked_fill(~(candidate & ~forced), float("-inf"))
         top = gate.topk(min(self.top_k, gate.shape[-1]), dim=-1).indices
         ranked = torch.zeros_like(candidate).scatter(-1, top, True) & candidate & ~forced
