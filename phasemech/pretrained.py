@@ -67,8 +67,10 @@ def gguf_path(name: str) -> Path:
 def hf_model(name: str) -> tuple[Any, Any]:
     """``(LlamaForCausalLM in float32, tokenizer)`` dequantised from the package's GGUF file."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
     path = gguf_path(name)
+    hf_logging.disable_progress_bar()  # one dequantisation bar per worker process is noise
     tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -111,6 +113,28 @@ def llama_config(hf_cfg: Any, n_ctx: int) -> HookedTransformerConfig:
     )
 
 
+def hooked_from_hf(hf: Any, tok: Any, n_ctx: int = 2048) -> HookedTransformer:
+    """A HF llama model as a ``HookedTransformer`` (weights not folded: hooks show the model as
+    it is)."""
+    from transformer_lens.pretrained.weight_conversions.llama import convert_llama_weights
+
+    from phasemech.model import quiet_tl_deprecation
+
+    cfg = llama_config(hf.config, n_ctx)
+    with quiet_tl_deprecation():
+        model = HookedTransformer(cfg, tokenizer=tok, move_to_device=False)
+    model.load_and_process_state_dict(
+        convert_llama_weights(hf, cfg),
+        fold_ln=False,
+        center_writing_weights=False,
+        center_unembed=False,
+        fold_value_biases=False,
+        refactor_factored_attn_matrices=False,
+    )
+    model.eval()
+    return model
+
+
 def load_pretrained(
     name: str,
     compression: CompressionConfig | None = None,
@@ -124,8 +148,6 @@ def load_pretrained(
     ``HookedTransformer.from_pretrained`` knows (downloads from the hub). ``n_ctx``: the context
     the hooked model allocates (SmolLM2 was trained to 8192; the rotary tables grow with it).
     """
-    from transformer_lens.pretrained.weight_conversions.llama import convert_llama_weights
-
     from phasemech.model import PhaseTransformer, quiet_tl_deprecation
 
     if compression is not None and not isinstance(compression, CompressionConfig):
@@ -135,17 +157,7 @@ def load_pretrained(
     with quiet_tl_deprecation():
         if name in LOCAL:
             hf, tok = hf_model(name)
-            cfg = llama_config(hf.config, n_ctx)
-            model = HookedTransformer(cfg, tokenizer=tok, move_to_device=False)
-            state = convert_llama_weights(hf, cfg)
-            model.load_and_process_state_dict(
-                state,
-                fold_ln=False,
-                center_writing_weights=False,
-                center_unembed=False,
-                fold_value_biases=False,
-                refactor_factored_attn_matrices=False,
-            )
+            model = hooked_from_hf(hf, tok, n_ctx)
             del hf
         else:
             model = HookedTransformer.from_pretrained(name, device="cpu")
@@ -157,4 +169,12 @@ def load_pretrained(
     return out
 
 
-__all__ = ["INSTALL", "LOCAL", "gguf_path", "hf_model", "llama_config", "load_pretrained"]
+__all__ = [
+    "INSTALL",
+    "LOCAL",
+    "gguf_path",
+    "hf_model",
+    "hooked_from_hf",
+    "llama_config",
+    "load_pretrained",
+]

