@@ -12,16 +12,19 @@ Profiles (``phasemech.pretrained_sweep.PROFILES``):
 
 - ``default``: the null and one setting (``route``, d=4, raw window 32, top-2 blocks, layers
   2-29: the regime where retrieval stays partly alive), 200 contents x 4 phases;
-- ``full``: where does retrieval survive: ``mean``, ``route`` and ``evict`` (ChunkKV-style
-  eviction), strides 4 and 8, windows 32 and 64, top-k 1/2/4 (selecting designs), compressed
-  layers 2-29 / 8-29 / 16-29 (early layers left dense), 200 contents x 8 phases;
+- ``map``: one knob at a time around the default (mean pooling in layers 2-29 or 16-29,
+  route top-1 / top-4 / stride 8, ``evict`` = ChunkKV-style eviction top-2 in layers 2-29 or
+  16-29), 25 contents x 8 phases per setting;
+- ``full``: ``mean``, ``route`` and ``evict``, strides 4 and 8, top-k 1 and 4, compressed layers
+  2-29 or 16-29 (early layers left dense), window 32, 200 contents x 8 phases;
 - ``tiny``: 2 contents, the smoke test.
 
 Writes ``RUNS/pretrained_<profile>/``: ``targets.parquet`` (one row per setting x prompt, with
 absolute positions), ``attention.parquet``, ``summary.parquet``, ``per_phase.parquet``,
-``summary.md``, ``summary.json`` (wall time).
+``summary.md``, ``summary.json`` (wall time), and the figures ``accuracy_by_phase.html`` and
+``attention_<setting>.html`` (``phasemech.viz``).
 
-Usage: ``python analyses/pretrained_phase.py [--profile default|full|tiny] [--runs runs]
+Usage: ``python analyses/pretrained_phase.py [--profile default|map|full|tiny] [--runs runs]
 [--workers 2]`` (the same as ``phasemech sweep-pretrained``).
 """
 

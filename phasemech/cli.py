@@ -510,7 +510,7 @@ def dashboard(
 
 @app.command("sweep-pretrained")
 def sweep_pretrained(
-    profile: Annotated[str, typer.Option(help="default, full or tiny")] = "default",
+    profile: Annotated[str, typer.Option(help="default, map, full or tiny")] = "default",
     runs: Annotated[Path, typer.Option(help="results go to RUNS/pretrained_<profile>/")] = Path(
         "runs"
     ),

@@ -355,43 +355,43 @@ __all__ = [
 _LATE = tuple(range(2, 30))  # SmolLM2-135M: 30 layers; the first two left dense
 
 
+def _setting(design: str, d: int, w: int, first: int, k: int | None = None) -> Setting:
+    name = f"{design}_d{d}_w{w}" + (f"_k{k}" if k is not None else "") + f"_L{first}"
+    return Setting(
+        name, CompressionConfig(design, stride=d, window=w, top_k=k, layers=tuple(range(first, 30)))
+    )
+
+
 def _profile_settings(name: str) -> list[Setting]:
     null = Setting("null")
     if name in ("tiny", "default"):
+        return [null, _setting("route", 4, 32, 2, k=2)]
+    if name == "map":  # a quick map: one knob at a time around the default setting
         return [
             null,
-            Setting(
-                "route_d4_w32_k2_L2",
-                CompressionConfig("route", stride=4, window=32, top_k=2, layers=_LATE),
-            ),
+            _setting("mean", 4, 32, 2),
+            _setting("mean", 4, 32, 16),
+            _setting("route", 4, 32, 2, k=1),
+            _setting("route", 4, 32, 2, k=4),
+            _setting("route", 8, 32, 2, k=2),
+            _setting("evict", 4, 32, 2, k=2),
+            _setting("evict", 4, 32, 16, k=2),
         ]
     out = [null]
-    for first in (2, 8, 16):
-        layers = tuple(range(first, 30))
+    for first in (2, 16):
         for d in (4, 8):
-            for w in (32, 64):
-                out.append(
-                    Setting(
-                        f"mean_d{d}_w{w}_L{first}",
-                        CompressionConfig("mean", stride=d, window=w, layers=layers),
-                    )
-                )
-                for design in ("route", "evict"):
-                    for k in (1, 2, 4):
-                        out.append(
-                            Setting(
-                                f"{design}_d{d}_w{w}_k{k}_L{first}",
-                                CompressionConfig(
-                                    design, stride=d, window=w, top_k=k, layers=layers
-                                ),
-                            )
-                        )
+            out.append(_setting("mean", d, 32, first))
+            for design in ("route", "evict"):
+                for k in (1, 4):
+                    out.append(_setting(design, d, 32, first, k=k))
     return out
 
 
 PROFILES = {
     "tiny": SweepConfig(contents=2, n_boot=50, n_perm=50, attention_prompts=4),
     "default": SweepConfig(contents=200),
+    # stride-8 prompts (balanced for d=4 too), 25 contents x 8 phases per setting
+    "map": SweepConfig(task=PasskeyTask(stride=8), contents=25),
     "full": SweepConfig(task=PasskeyTask(stride=8), contents=200),
 }
 
@@ -414,6 +414,7 @@ def run_profile(profile: str, runs, workers: int | None = None) -> str:
     attention.to_parquet(out / "attention.parquet")
     summary.to_parquet(out / "summary.parquet")
     per_phase.to_parquet(out / "per_phase.parquet")
+    write_figures(per_phase, attention, settings, stride, out)
     text = summary_markdown(summary, attention, cfg, seconds, profile)
     (out / "summary.md").write_text(text)
     (out / "summary.json").write_text(
@@ -429,6 +430,29 @@ def run_profile(profile: str, runs, workers: int | None = None) -> str:
         )
     )
     return text
+
+
+def write_figures(
+    per_phase: pd.DataFrame,
+    attention: pd.DataFrame,
+    settings: Sequence[Setting],
+    stride: int,
+    out,
+) -> None:
+    """``accuracy_by_phase.html`` (one line per setting, 95% bands) and, per setting,
+    ``attention_<setting>.html`` (answer step -> needle, head x phase per layer)."""
+    from phasemech.viz import head_phase_heatmap, per_phase_accuracy
+
+    series = {s.name: per_phase[per_phase.setting == s.name] for s in settings}
+    fig = per_phase_accuracy(series, stride, title="Passkey accuracy by needle phase")
+    fig.write_html(out / "accuracy_by_phase.html", include_plotlyjs="directory")
+    for s in settings:
+        a = attention[attention.setting == s.name]
+        if len(a):
+            fig = head_phase_heatmap(
+                a.assign(exact=True, kind="pair"), title=f"Answer -> needle attention ({s.name})"
+            )
+            fig.write_html(out / f"attention_{s.name}.html", include_plotlyjs="directory")
 
 
 def _f(x, spec: str = ".3f") -> str:
