@@ -203,8 +203,10 @@ def run_sweep(
     # the first chunk of each setting also measures attention on its first prompts
     t0 = time.perf_counter()
     targets, attention = [], []
-    bar = _bar(progress, len(jobs) and n * len(settings))
-    with bar as b, ProcessPoolExecutor(workers, initializer=_init, initargs=(cfg.model,)) as pool:
+    with (
+        _bar(progress) as b,
+        ProcessPoolExecutor(workers, initializer=_init, initargs=(cfg.model,)) as pool,
+    ):
         task = b.add_task("passkey prompts", total=n * len(settings), item="") if b else None
         futures = {pool.submit(_job, s, cfg, ids, att): (s, len(ids)) for s, ids, att in jobs}
         for fut in as_completed(futures):
@@ -224,7 +226,7 @@ def run_sweep(
     return df.reset_index(drop=True), att, time.perf_counter() - t0
 
 
-def _bar(show: bool, total: int):
+def _bar(show: bool):
     import contextlib
 
     if not show:
