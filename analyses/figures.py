@@ -45,19 +45,12 @@ from pathlib import Path
 
 import pandas as pd
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import phase_sweep as ps  # noqa: E402  (the sweep's profiles, specs and worker)
 
 from phasemech.dashboard import PanelConfig, example_target, head_rank_key, panel_dir  # noqa: E402
+from phasemech.progress import progress_bar  # noqa: E402
 
 console = Console()
 CHROMIUM = "/usr/bin/chromium"
@@ -111,17 +104,8 @@ PROFILES = {
 }
 
 
-def _progress() -> Progress:
-    return Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[item]}"),
-        TimeElapsedColumn(),
-        TextColumn("ETA"),
-        TimeRemainingColumn(),
-        console=console,
-    )
+def _progress():
+    return progress_bar(console)
 
 
 def specs_of(fp: FigureProfile) -> list[ps.RunSpec]:

@@ -386,24 +386,12 @@ def _progress(items: list[Path], show: bool, what: str) -> Iterable[Path]:
     if not show:
         yield from items
         return
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeRemainingColumn,
-    )
+    from phasemech.progress import progress_bar
 
-    with Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[model]}"),
-        TimeRemainingColumn(),
-    ) as bar:
-        task = bar.add_task(what, total=len(items), model="")
+    with progress_bar() as bar:
+        task = bar.add_task(what, total=len(items), item="")
         for run in items:
-            bar.update(task, model=run.name)
+            bar.update(task, item=run.name)
             yield run
             bar.advance(task)
 

@@ -229,26 +229,9 @@ def run_sweep(
 def _bar(show: bool):
     import contextlib
 
-    if not show:
-        return contextlib.nullcontext(None)
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
+    from phasemech.progress import progress_bar
 
-    return Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[item]}"),
-        TimeElapsedColumn(),
-        TextColumn("ETA"),
-        TimeRemainingColumn(),
-    )
+    return progress_bar() if show else contextlib.nullcontext(None)
 
 
 # ------------------------------------------------------------------------------- statistics

@@ -115,3 +115,13 @@ def tokens(batch: int = 2, seq: int = 24, seed: int = 0, d_vocab: int = D_VOCAB)
 @pytest.fixture
 def toks() -> torch.Tensor:
     return tokens()
+
+
+def raises_naming(field: str, value, **kwargs) -> str:
+    """``CompressionConfig(**kwargs)`` raises a ValueError naming ``field`` and ``value``."""
+    with pytest.raises(ValueError) as info:
+        CompressionConfig(**kwargs)
+    msg = str(info.value)
+    assert field in msg, msg
+    assert repr(value) in msg or str(value) in msg, msg
+    return msg

@@ -8,19 +8,10 @@ import numpy as np
 import pytest
 import torch
 from conftest import D_VOCAB, N_CTX, make_config, make_model
+from conftest import raises_naming as _raises
 
 from phasemech import CompressionConfig, phase_of
 from phasemech.config import DEFAULT_TOP_K
-
-
-def _raises(field: str, value, **kwargs):
-    """CompressionConfig(**kwargs) raises a ValueError naming ``field`` and ``value``."""
-    with pytest.raises(ValueError) as info:
-        CompressionConfig(**kwargs)
-    msg = str(info.value)
-    assert field in msg, msg
-    assert repr(value) in msg or str(value) in msg, msg
-    return msg
 
 
 @pytest.mark.parametrize("stride", [0, -1, 2.0, "4", True, None])

@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 from conftest import make_hooked, tokens
+from conftest import raises_naming as _raises
 
 from phasemech import CompressionConfig, PhaseTransformer
 from phasemech.attention import ChunkEvictAttention, CompressedAttentionMixin
@@ -251,13 +252,6 @@ def test_forward_rows_matches_forward():
 
 
 # ---------------------------------------------------------------------------- config
-def _raises(field: str, value, **kwargs) -> str:
-    with pytest.raises(ValueError) as info:
-        CompressionConfig(**kwargs)
-    msg = str(info.value)
-    assert field in msg, msg
-    assert repr(value) in msg or str(value) in msg, msg
-    return msg
 
 
 def test_config_defaults_and_roundtrip():
