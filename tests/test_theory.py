@@ -1,0 +1,74 @@
+"""The idealized gradient-flow model (THEORY.md): exact gradient, stability, the predictions
+that hold at small sizes."""
+
+import math
+
+import numpy as np
+import pytest
+
+from phasemech.theory import (
+    TheoryConfig,
+    critical_beta_over_d,
+    flow,
+    g_second,
+    loss,
+    simulate,
+    uniform_eigenvalue,
+)
+
+
+@pytest.mark.parametrize("offsets", ["aligned", "staggered", "random", (0, 3, 1)])
+def test_flow_is_minus_the_loss_gradient(offsets):
+    cfg = TheoryConfig(
+        d=4,
+        heads=3,
+        n_windows=32,
+        beta=6.0,
+        offsets=offsets,
+        gain=(0.5, 0.7, 0.9, 1.0),
+        pi=(0.1, 0.2, 0.3, 0.4),
+    )
+    theta = np.random.default_rng(1).normal(0, 1, (3, 4))
+    num = np.zeros_like(theta)
+    for i, j in np.ndindex(theta.shape):
+        e = np.zeros_like(theta)
+        e[i, j] = 1e-6
+        num[i, j] = -(loss(theta + e, cfg) - loss(theta - e, cfg)) / 2e-6
+    assert np.abs(num - flow(theta, cfg)).max() < 1e-7
+
+
+def test_uniform_pooling_is_unstable_below_the_critical_gain():
+    n = 64
+    crit = critical_beta_over_d(n, d=8)
+    assert g_second(1 / 8, 0.99 * crit * 8, 1.0, n) > 0 > g_second(1 / 8, 1.01 * crit * 8, 1.0, n)
+    # the critical beta/d grows with log(N - 1), as THEORY.md predicts (roughly equal to it)
+    crits = [critical_beta_over_d(n) for n in (16, 64, 256, 1024)]
+    assert np.all(np.diff(crits) > 0)
+    slope = np.polyfit([math.log(n - 1) for n in (16, 64, 256, 1024)], crits, 1)[0]
+    assert 0.7 < slope < 1.3
+    assert uniform_eigenvalue(TheoryConfig(beta=8.0, n_windows=1024)) > 0
+    assert uniform_eigenvalue(TheoryConfig(beta=80.0, n_windows=16)) < 0
+
+
+def test_heads_partition_the_phases_up_to_capacity():
+    for heads in (2, 4):
+        tr = simulate(TheoryConfig(d=8, heads=heads, beta=8.0), steps=3000)
+        assert tr.covered() == heads  # H < d heads cover H phases, the rest stay at chance
+        # each covered phase is served by one head's dominant slot
+        top = tr.weights[-1].argmax(-1)
+        assert len(set(top.tolist())) == heads
+
+
+def test_staggered_offsets_close_the_gap_that_a_slot_handicap_opens():
+    gain = tuple(0.8 ** (8 - 1 - slot) for slot in range(8))
+    aligned = simulate(TheoryConfig(beta=16.0, gain=gain), steps=3000)
+    staggered = simulate(TheoryConfig(beta=16.0, gain=gain, offsets="staggered"), steps=3000)
+    assert aligned.gap > 0.5 and staggered.gap < 0.05
+    assert staggered.accuracy[-1].mean() > aligned.accuracy[-1].mean()
+
+
+def test_bad_config_is_named():
+    with pytest.raises(ValueError, match="offsets='diagonal' is invalid"):
+        TheoryConfig(offsets="diagonal")
+    with pytest.raises(ValueError, match="pi=.* must sum to 1"):
+        TheoryConfig(d=2, pi=(0.5, 0.6))
