@@ -150,17 +150,13 @@ def train_and_score(specs: list[ps.RunSpec], fp: FigureProfile, sweep_dir: Path,
                         f"{info['total_seconds']:.0f} s"
                     ),
                 )
-            for s in todo:
-                if futures_done(futures, s):
+            for fut, s in futures.items():
+                if fut.done():
                     continue
                 step, acc = _last_eval(sweep_dir / s.name)
                 if step:
                     bar.update(rows[s.name], completed=step, item=f"step {step}, acc {acc:.3f}")
             bar.update(total, completed=sum(bar.tasks[t].completed for t in rows.values()))
-
-
-def futures_done(futures: dict, spec: ps.RunSpec) -> bool:
-    return any(f.done() for f, s in futures.items() if s == spec)
 
 
 def _last_eval(run: Path) -> tuple[int, float]:

@@ -18,8 +18,12 @@ from phasemech.theory import TheoryConfig, critical_beta_over_d, simulate
 
 def main() -> None:
     print("critical beta/d (uniform pooling turns stable) vs log(N-1):")
-    for n in (16, 64, 256, 1024):
-        print(f"  N={n:5d}: {critical_beta_over_d(n):.2f} vs {math.log(n - 1):.2f}")
+    ns = (16, 64, 256, 1024)
+    crit = [critical_beta_over_d(n) for n in ns]
+    for n, c in zip(ns, crit, strict=True):
+        print(f"  N={n:5d}: {c:.2f} vs {math.log(n - 1):.2f}")
+    slope = np.polyfit([math.log(n - 1) for n in ns], crit, 1)[0]
+    print(f"  slope of critical beta/d against log(N-1): {slope:.2f}")
     print("plateau (flow time to mean max weight > 0.5), d=H=8, beta=8, 6000 steps, dt 0.5:")
     for n in (16, 64, 256, 1024):
         tr = simulate(TheoryConfig(d=8, heads=8, n_windows=n, beta=8.0), steps=6000)

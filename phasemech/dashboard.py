@@ -175,7 +175,7 @@ def _pair_attention(model, ds, stride: int, offset: int, batch: int = 256) -> pd
     (token patterns are ``O(batch * head * T^2)``), combined as count-weighted means."""
     import torch
 
-    from phasemech.phase import phase_attention
+    from phasemech.phase import combine_frames, phase_attention
     from phasemech.tasks import to_tensors
 
     parts = []
@@ -183,22 +183,16 @@ def _pair_attention(model, ds, stride: int, offset: int, batch: int = 256) -> pd
         rows = ds.select(range(i, min(i + batch, len(ds))))
         tokens, query_pos, _ = to_tensors(rows)
         source = torch.tensor(rows["source_pos"])
-        f = phase_attention(
+        pa = phase_attention(
             model,
             tokens,
             query_pos=query_pos,
             key_pos=source,
             stride=stride,
             reference_offset=offset,
-        ).frame
-        parts.append(f.assign(total=f["mass"].fillna(0.0) * f["n"]))
-    df = pd.concat(parts)
-    keys = ["layer", "head", "phase"]
-    out = df.groupby(keys, as_index=False).agg(
-        total=("total", "sum"), n=("n", "sum"), exact=("exact", "all"), kind=("kind", "first")
-    )
-    out["mass"] = np.where(out["n"] > 0, out["total"] / out["n"].clip(lower=1), np.nan)
-    return out[["layer", "head", "phase", "mass", "n", "exact", "kind"]]
+        )
+        parts.append(pa.frame)
+    return combine_frames(parts)
 
 
 def example_target(panel: dict[str, Any], phase: int | None) -> tuple[int, int, int]:

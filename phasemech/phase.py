@@ -303,4 +303,16 @@ def _required(model: HookedTransformer, cache, layer: int) -> str:
     return name
 
 
-__all__ = ["PhaseAttention", "phase_attention"]
+def combine_frames(frames: Sequence[pd.DataFrame]) -> pd.DataFrame:
+    """Pool the ``frame`` s of several :func:`phase_attention` calls (e.g. over batches) into
+    one: per (layer, head, phase) the ``n``-weighted mean ``mass`` (NaN where ``n`` is 0)."""
+    df = pd.concat(frames)
+    df = df.assign(total=df["mass"].fillna(0.0) * df["n"])
+    out = df.groupby(["layer", "head", "phase"], as_index=False).agg(
+        total=("total", "sum"), n=("n", "sum"), exact=("exact", "all"), kind=("kind", "first")
+    )
+    out["mass"] = np.where(out["n"] > 0, out["total"] / out["n"].clip(lower=1), np.nan)
+    return out[["layer", "head", "phase", "mass", "n", "exact", "kind"]]
+
+
+__all__ = ["PhaseAttention", "combine_frames", "phase_attention"]

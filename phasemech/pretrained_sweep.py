@@ -126,49 +126,38 @@ def _job(setting: Setting, cfg: SweepConfig, ids: list[int], attention: bool) ->
     sel = torch.tensor(ids)
     frame = full.frame.iloc[ids].reset_index(drop=True)
     batch = PasskeyBatch(full.tokens[sel], full.answer[sel], frame, full.stride)
-    t0 = time.perf_counter()
     scored = score(model, batch, cfg.batch_size).assign(setting=setting.name)
     pa = None
     if attention:
         k = min(cfg.attention_prompts, len(ids))
         sub = PasskeyBatch(batch.tokens[:k], batch.answer[:k], frame.iloc[:k], full.stride)
         pa = answer_attention(model, sub, setting).assign(setting=setting.name)
-    return scored, pa, time.perf_counter() - t0
+    return scored, pa
 
 
 def answer_attention(model, batch, setting: Setting) -> pd.DataFrame:
     """Per (layer, head, needle phase): attention from the position that predicts the first
-    answer token onto the needle's first digit (token patterns on compressed layers)."""
+    answer token onto the needle's first digit (token patterns on compressed layers; the phase
+    API hooks them, so nothing needs switching on)."""
     import torch
 
-    from phasemech.phase import phase_attention
+    from phasemech.phase import combine_frames, phase_attention
 
-    was = getattr(model.cfg, "use_token_pattern", None)
-    if was is not None:
-        model.set_use_token_pattern(True)
-    try:
-        frames = []
-        for i in range(0, len(batch.tokens), 8):
-            f = batch.frame.iloc[i : i + 8]
-            width = int(f["answer_start"].max())
-            tokens = batch.tokens[i : i + 8, :width]
-            with torch.inference_mode():
-                pa = phase_attention(
-                    model,
-                    tokens,
-                    query_pos=torch.tensor(f["answer_start"].to_numpy() - 1),
-                    key_pos=torch.tensor(f["needle_pos"].to_numpy()),
-                    stride=batch.stride,
-                    reference_offset=0,
-                )
-            frames.append(pa.frame.assign(total=pa.frame["mass"].fillna(0) * pa.frame["n"]))
-    finally:
-        if was is not None:
-            model.set_use_token_pattern(was)
-    df = pd.concat(frames)
-    out = df.groupby(["layer", "head", "phase"], as_index=False)[["total", "n"]].sum()
-    out["mass"] = out["total"] / out["n"].where(out["n"] > 0)
-    return out.drop(columns="total")
+    frames = []
+    for i in range(0, len(batch.tokens), 8):
+        f = batch.frame.iloc[i : i + 8]
+        width = int(f["answer_start"].max())
+        with torch.inference_mode():
+            pa = phase_attention(
+                model,
+                batch.tokens[i : i + 8, :width],
+                query_pos=torch.tensor(f["answer_start"].to_numpy() - 1),
+                key_pos=torch.tensor(f["needle_pos"].to_numpy()),
+                stride=batch.stride,
+                reference_offset=0,
+            )
+        frames.append(pa.frame)
+    return combine_frames(frames)
 
 
 def run_sweep(
@@ -210,7 +199,7 @@ def run_sweep(
         task = b.add_task("passkey prompts", total=n * len(settings), item="") if b else None
         futures = {pool.submit(_job, s, cfg, ids, att): (s, len(ids)) for s, ids, att in jobs}
         for fut in as_completed(futures):
-            scored, pa, _ = fut.result()
+            scored, pa = fut.result()
             targets.append(scored)
             if pa is not None:
                 attention.append(pa)
@@ -434,9 +423,7 @@ def write_figures(
     for s in settings:
         a = attention[attention.setting == s.name]
         if len(a):
-            fig = head_phase_heatmap(
-                a.assign(exact=True, kind="pair"), title=f"Answer -> needle attention ({s.name})"
-            )
+            fig = head_phase_heatmap(a, title=f"Answer -> needle attention ({s.name})")
             fig.write_html(out / f"attention_{s.name}.html", include_plotlyjs="directory")
 
 
