@@ -55,6 +55,7 @@ __all__ = [
     "PhaseReport",
     "by_depth",
     "chi2_phase",
+    "compare_gaps",
     "design_guard",
     "harmonics",
     "logistic_phase_test",
@@ -801,6 +802,113 @@ def design_guard(df: pd.DataFrame, stride: int, n_bins: int = 5) -> dict:
     """
     t = _load(df, stride, "design_guard", ("phase", "depth"))
     return _design_guard(t, _check_int("design_guard", "n_bins", n_bins, 1))
+
+
+def _content_seed_counts(t: _Targets, contents: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``k, n`` per (seed, shared content, phase), ``(S, C, d)``: ``contents`` maps each row to a
+    content code shared by the frames being compared."""
+    s, c, d = t.n_seeds, int(contents.max()) + 1, t.stride
+    flat = (t.seed * c + contents) * d + t.phase
+    k = np.bincount(flat, weights=t.correct, minlength=s * c * d).reshape(s, c, d)
+    n = np.bincount(flat, minlength=s * c * d).reshape(s, c, d).astype(float)
+    return k, n
+
+
+def compare_gaps(
+    baseline: pd.DataFrame,
+    other: pd.DataFrame,
+    stride: int,
+    *,
+    n_boot: int = 1000,
+    n_splits: int = 20,
+    seed: int = 0,
+    alpha: float = 0.05,
+) -> dict:
+    """Does ``other`` (a fix) shrink the phase gap of ``baseline``, and at what cost in accuracy?
+
+    Both frames hold targets of the *same* test set scored by different models: columns
+    ``correct``, ``phase``, ``seq_id`` (the test content, shared by both frames: a content seen
+    at several shifts is one cluster) and optionally ``seed`` (the trained model). Returns the
+    mean accuracies and their difference ``other - baseline``, the debiased (split-sample) gaps
+    and the relative reduction ``1 - gap_other / gap_baseline``, with percentile intervals from
+    a paired cluster bootstrap: contents are resampled once for both frames (they share the test
+    set), seeds independently for each (different models). Each replicate uses 2 random halves
+    for its split gap, which widens the interval slightly (conservative).
+    """
+    where = "compare_gaps"
+    stride = _check_int(where, "stride", stride, 2)
+    n_boot = _check_int(where, "n_boot", n_boot, 0)
+    n_splits = _check_int(where, "n_splits", n_splits, 1)
+    alpha = _check_alpha(where, alpha)
+    cols = ("correct", "phase", "seq_id")
+    ta = _load(baseline, stride, f"{where} (baseline)", cols)
+    tb = _load(other, stride, f"{where} (other)", cols)
+    codes, uniq = pd.factorize(pd.concat([baseline["seq_id"], other["seq_id"]]), sort=True)
+    ca, cb = codes[: len(baseline)], codes[len(baseline) :]
+    n_contents = len(uniq)
+    ka, na = _content_seed_counts(ta, ca)
+    kb, nb = _content_seed_counts(tb, cb)
+    ka = np.pad(ka, ((0, 0), (0, n_contents - ka.shape[1]), (0, 0)))
+    na = np.pad(na, ((0, 0), (0, n_contents - na.shape[1]), (0, 0)))
+    kb = np.pad(kb, ((0, 0), (0, n_contents - kb.shape[1]), (0, 0)))
+    nb = np.pad(nb, ((0, 0), (0, n_contents - nb.shape[1]), (0, 0)))
+    split_rng, boot_rng = (np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(2))
+    one_seed = np.zeros(n_contents, dtype=np.int64)
+
+    def split_gaps(w_seed: np.ndarray, w_content: np.ndarray, k, n, masks) -> np.ndarray:
+        # w_seed (B, S), w_content and masks (B, C): the split gap of each replicate
+        full_k = np.einsum("bs,bc,scp->bp", w_seed, w_content, k)
+        full_n = np.einsum("bs,bc,scp->bp", w_seed, w_content, n)
+        half_k = np.einsum("bs,bc,scp->bp", w_seed, w_content * masks, k)
+        half_n = np.einsum("bs,bc,scp->bp", w_seed, w_content * masks, n)
+        return _split_gap(half_k, half_n, full_k - half_k, full_n - half_n)
+
+    def point(k, n) -> tuple[float, float]:
+        masks = _half_masks(split_rng, one_seed, n_splits).astype(float)
+        ones_s = np.ones((n_splits, k.shape[0]))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            gap = float(np.nanmean(split_gaps(ones_s, np.ones_like(masks), k, n, masks)))
+        return float(k.sum() / n.sum()), gap
+
+    acc_a, gap_a = point(ka, na)
+    acc_b, gap_b = point(kb, nb)
+    out = {
+        "accuracy_baseline": acc_a,
+        "accuracy_other": acc_b,
+        "accuracy_diff": acc_b - acc_a,
+        "gap_baseline": gap_a,
+        "gap_other": gap_b,
+        "reduction": 1 - gap_b / gap_a if gap_a > 0 else math.nan,
+        "n_boot": n_boot,
+    }
+    lo = {k: math.nan for k in ("accuracy_diff", "gap_other", "reduction")}
+    hi = dict(lo)
+    if n_boot:
+        w_c = boot_rng.multinomial(
+            n_contents, np.full(n_contents, 1 / n_contents), size=n_boot
+        ).astype(float)
+        reps = {}
+        for name, k, n in (("a", ka, na), ("b", kb, nb)):
+            s = k.shape[0]
+            w_s = boot_rng.multinomial(s, np.full(s, 1 / s), size=n_boot).astype(float)
+            gaps = [
+                split_gaps(w_s, w_c, k, n, _half_masks(boot_rng, one_seed, n_boot))
+                for _ in range(2)
+            ]
+            acc = np.einsum("bs,bc,scp->b", w_s, w_c, k) / np.einsum("bs,bc,scp->b", w_s, w_c, n)
+            reps[name] = (acc, np.mean(gaps, axis=0))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            red = np.where(reps["a"][1] > 0, 1 - reps["b"][1] / reps["a"][1], np.nan)
+        for key, x in (
+            ("accuracy_diff", reps["b"][0] - reps["a"][0]),
+            ("gap_other", reps["b"][1]),
+            ("reduction", red),
+        ):
+            lo[key], hi[key] = (float(v) for v in _percentile_ci(x, alpha))
+    for key in lo:
+        out[f"{key}_lo"], out[f"{key}_hi"] = lo[key], hi[key]
+    return out
 
 
 def paired_phase_test(df: pd.DataFrame, stride: int) -> dict:
