@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import html
-import importlib.util
 import json
 import os
 import shutil
@@ -48,6 +47,7 @@ from rich.console import Console
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import phase_sweep as ps  # noqa: E402  (the sweep's profiles, specs and worker)
+import report  # noqa: E402  (REPORT.md and the analyses' figures)
 
 from phasemech.dashboard import PanelConfig, example_target, head_rank_key, panel_dir  # noqa: E402
 from phasemech.progress import progress_bar  # noqa: E402
@@ -63,6 +63,7 @@ class FigureProfile:
     panel: PanelConfig
     models: tuple[str, ...] | None = None  # only these runs of the sweep (None: all)
     patch_pairs: int = 256
+    theory_scale: float = 1.0  # phasemech.theory.predictions(scale): < 1 only for tests
 
 
 PROFILES = {
@@ -71,6 +72,7 @@ PROFILES = {
         folder="phase_sweep_tiny",
         panel=PanelConfig(sequences=64, n_boot=50, n_perm=50),
         patch_pairs=32,
+        theory_scale=0.05,
     ),
     # one seed of the four design families that the sweep found most telling: the dense
     # control, mean pooling (largest gap), gated (heads split the phases), route (no gap)
@@ -519,12 +521,6 @@ def make_figures(
         )
     )
 
-    # the theory issue's hook: phasemech.theory.figure_curves() -> {name, figure, caption}
-    if importlib.util.find_spec("phasemech.theory") is not None:
-        from phasemech import theory
-
-        if hasattr(theory, "figure_curves"):
-            figs.append(theory.figure_curves())
     return figs
 
 
@@ -597,6 +593,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("figures"))
     parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--no-png", action="store_true", help="HTML only (no kaleido export)")
+    parser.add_argument(
+        "--report",
+        type=Path,
+        default=Path(__file__).resolve().parent / "REPORT.md",
+        help="where the claims report goes (default analyses/REPORT.md)",
+    )
     args = parser.parse_args()
     if args.workers < 1:
         parser.error(f"--workers {args.workers} is invalid: expected >= 1")
@@ -616,10 +618,14 @@ def main() -> None:
     panel_list = panels(specs, fp, sweep_dir, args.workers)
     console.print("[bold]4/4 figures[/]")
     from phasemech.dashboard import render_dashboard
-    from phasemech.io import write_text_atomic
+    from phasemech.io import write_json_atomic, write_text_atomic
+    from phasemech.theory import predictions
 
     entries = []
-    figs = make_figures(table, panel_list, sweep_dir, fp)
+    with console.status("theory: re-deriving THEORY.md's predictions"):
+        theory = predictions(scale=fp.theory_scale)
+    write_json_atomic(sweep_dir / "theory_predictions.json", json.loads(json.dumps(theory)))
+    figs = make_figures(table, panel_list, sweep_dir, fp) + report.analysis_figures(theory)
     with _progress() as bar:
         task = bar.add_task("figures", total=len(figs) + 2, item="")
         for f in figs:
@@ -674,7 +680,13 @@ def main() -> None:
         seconds=seconds,
     )
     index = write_index(entries, args.out, meta)
-    console.print(f"wrote {len(entries)} figures and {index} in {seconds:.0f} s")
+    links = {
+        e["name"]: os.path.relpath(args.out / (e["png"] or e["html"]), args.report.parent)
+        for e in entries
+    }
+    src = report.Sources(table, panel_list, links, theory, meta["command"])
+    report.write_report(src, args.report)
+    console.print(f"wrote {len(entries)} figures, {index} and {args.report} in {seconds:.0f} s")
     if shutil.which("chromium") is None and not Path(CHROMIUM).exists():
         console.print("[yellow]no Chromium: PNGs and the dashboard screenshot were skipped[/]")
 

@@ -1,42 +1,76 @@
-"""Re-derive THEORY.md's predictions with ``phasemech.theory`` (seconds; prints a table).
+"""Re-derive THEORY.md's predictions with ``phasemech.theory`` (about 40 s; no training).
 
-First pass (issue 7 starts here): the critical beta/d vs log(N-1), the plateau length vs N,
-capacity H vs d, and the slot-handicap gap under aligned / staggered / random offsets, with the
-parameters this module uses by default (alpha 8, V 64; THEORY.md leaves them open).
+Critical beta/d (uniform pooling turns stable) vs log(N-1), and the stability eigenvalue's sign
+against what the flow does; the plateau length vs N; capacity H vs d; the shared slot handicap
+under aligned / staggered / random offsets; training concentrated on one phase; the causal
+signature of ablating a head. alpha 8, V 64 (THEORY.md leaves them open), side by side with the
+numbers THEORY.md quotes.
 
-Usage: ``python analyses/theory_predictions.py``.
+Writes ``--out`` (JSON, default ``runs/theory/predictions.json``); ``--record`` also copies it to
+``analyses/results/theory_predictions.json``. ``make figures`` runs it.
+
+Usage: ``python analyses/theory_predictions.py [--out PATH] [--record]``.
 """
 
 from __future__ import annotations
 
-import math
+import argparse
+import json
+import shutil
+from pathlib import Path
 
-import numpy as np
+from phasemech.io import write_json_atomic
+from phasemech.theory import fmt_num, fmt_time, predictions
 
-from phasemech.theory import TheoryConfig, critical_beta_over_d, simulate
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def markdown(p: dict) -> str:
+    lines = ["critical beta/d vs log(N-1):"]
+    for r in p["critical"]:
+        lines.append(
+            f"  N={r['n_windows']:5d}: {r['critical_beta_over_d']:.2f} vs {r['log_n_minus_1']:.2f}"
+        )
+    lines.append(f"  slope {p['critical_slope']:.2f}")
+    lines.append("stability at d=H=8, N=64 (eigenvalue at uniform vs the flow):")
+    for r in p["stability"]:
+        lines.append(
+            f"  beta/d={r['beta_over_d']:.0f}: lambda {r['eigenvalue']:+.4f}, final mean max "
+            f"weight {r['final_mean_max_weight']:.2f}, left uniform {r['left_uniform']}, "
+            f"sharp {r['sharp']}"
+        )
+    lines.append("plateau (flow time to mean max weight > 0.5), d=H=8, beta=8:")
+    for r in p["plateau"]:
+        lines.append(f"  N={r['n_windows']:5d}: {fmt_time(r['time'])} (THEORY.md {r['theory_md']})")
+    lines.append(f"  log-log slope {fmt_num(p['plateau_loglog_slope'])}")
+    lines.append("capacity, d=8, beta=8:")
+    for r in p["capacity"]:
+        lines.append(f"  H={r['heads']:2d}: covered {r['covered']}, served {r['served']}")
+    lines.append("slot handicap c_l = 0.8^(d-1-l), d=H=8, beta=16:")
+    for r in p["handicap"]:
+        md = r["theory_md"]
+        lines.append(
+            f"  {r['offsets']:9s}: gap {r['gap']:.2f}, mean {r['mean']:.2f} "
+            f"(THEORY.md {md['gap']:.2f} / {md['mean']:.2f})"
+        )
+    for r in p["concentrated"]:
+        lines.append(f"training {r['share']:.0%} on phase 0: covered {r['covered']}")
+    a = p["ablation"]
+    lines.append(f"ablation: {a['matches']}/{a['heads']} heads hurt most the phase they weigh most")
+    return "\n".join(lines)
 
 
 def main() -> None:
-    print("critical beta/d (uniform pooling turns stable) vs log(N-1):")
-    ns = (16, 64, 256, 1024)
-    crit = [critical_beta_over_d(n) for n in ns]
-    for n, c in zip(ns, crit, strict=True):
-        print(f"  N={n:5d}: {c:.2f} vs {math.log(n - 1):.2f}")
-    slope = np.polyfit([math.log(n - 1) for n in ns], crit, 1)[0]
-    print(f"  slope of critical beta/d against log(N-1): {slope:.2f}")
-    print("plateau (flow time to mean max weight > 0.5), d=H=8, beta=8, 6000 steps, dt 0.5:")
-    for n in (16, 64, 256, 1024):
-        tr = simulate(TheoryConfig(d=8, heads=8, n_windows=n, beta=8.0), steps=6000)
-        print(f"  N={n:5d}: {tr.time_to_specialize()} (phases covered {tr.covered()})")
-    print("capacity, d=8, beta=8: final accuracy proxy per phase")
-    for h in (2, 4, 8):
-        tr = simulate(TheoryConfig(d=8, heads=h, beta=8.0), steps=6000)
-        print(f"  H={h}: covered {tr.covered()}: {np.round(tr.accuracy[-1], 2).tolist()}")
-    gain = tuple(0.8 ** (8 - 1 - slot) for slot in range(8))
-    print("slot handicap c_l = 0.8^(d-1-l), d=H=8, beta=16:")
-    for off in ("aligned", "staggered", "random"):
-        tr = simulate(TheoryConfig(beta=16.0, gain=gain, offsets=off), steps=6000)
-        print(f"  {off:9s}: gap {tr.gap:.2f}, mean {tr.accuracy[-1].mean():.2f}")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("runs/theory/predictions.json"))
+    parser.add_argument("--record", action="store_true", help="copy the JSON to results/")
+    args = parser.parse_args()
+    p = predictions()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(args.out, json.loads(json.dumps(p, default=float)))
+    print(markdown(p))
+    if args.record:
+        shutil.copy(args.out, RESULTS / "theory_predictions.json")
 
 
 if __name__ == "__main__":

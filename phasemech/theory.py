@@ -229,7 +229,184 @@ def critical_beta_over_d(n_windows: int, d: int = 8) -> float:
     return float(brentq(f, 1e-6, hi) / d)
 
 
+def head_ablation(theta, cfg: TheoryConfig) -> Float[np.ndarray, "head phase"]:
+    """Accuracy-proxy drop per phase when head ``h``'s margin contribution is removed: the
+    theory's causal signature (a head should hurt mainly the phases its ``w_h`` covers)."""
+    w = softmax(theta)
+    offsets = cfg.offset_draws()
+    slots = _slots(cfg, offsets)
+    h = np.arange(cfg.heads)[None, :, None]
+    per_head = cfg.alpha * g(w[h, slots], cfg.beta, cfg.c[slots], cfg.n_windows)  # [draw, h, phi]
+    full = per_head.sum(1, keepdims=True)
+    log_v = math.log(cfg.vocab - 1)
+    return (_sigmoid(full - log_v) - _sigmoid(full - per_head - log_v)).mean(0)
+
+
+#: the numbers THEORY.md quotes from its own numerical check, for side-by-side comparison
+THEORY_MD = {
+    "plateau": {16: 100, 64: 225, 256: 725, 1024: 2725},
+    "handicap": {
+        "aligned": {"gap": 0.73, "mean": 0.86},
+        "staggered": {"gap": 0.00, "mean": 0.99},
+        "random": {"gap": 0.04, "mean": 0.65},
+    },
+}
+
+
+def predictions(scale: float = 1.0) -> dict:
+    """Re-derive every prediction of THEORY.md (seconds at ``scale=1``; ``scale`` < 1 shortens
+    the simulations for tests). alpha 8, V 64 throughout (THEORY.md leaves them open)."""
+    steps = max(int(6000 * scale), 50)
+    out: dict = {"alpha": 8.0, "vocab": 64, "steps": steps, "dt": 0.5}
+    ns = (16, 64, 256, 1024)
+    crit = [critical_beta_over_d(n) for n in ns]
+    logs = [math.log(n - 1) for n in ns]
+    out["critical"] = [
+        {"n_windows": n, "critical_beta_over_d": c, "log_n_minus_1": lg}
+        for n, c, lg in zip(ns, crit, logs, strict=True)
+    ]
+    out["critical_slope"] = float(np.polyfit(logs, crit, 1)[0])
+    # stability: the eigenvalue's sign against what the flow does (d = H = 8, N = 64)
+    out["stability"] = []
+    for beta in (16.0, 32.0, 48.0):
+        cfg = TheoryConfig(d=8, heads=8, n_windows=64, beta=beta)
+        tr = simulate(cfg, steps=steps, record_every=10)
+        out["stability"].append(
+            {
+                "beta_over_d": beta / 8,
+                "eigenvalue": uniform_eigenvalue(cfg),
+                "final_mean_max_weight": float(tr.weights[-1].max(-1).mean()),
+                # left the uniform point at all (max weight 1/d + 0.05), and sharply (> 0.5)
+                "left_uniform": bool(tr.weights[-1].max(-1).mean() > 1 / 8 + 0.05),
+                "sharp": bool(np.isfinite(tr.time_to_specialize())),
+            }
+        )
+    # plateau vs N (d = H = 8, beta = 8); N = 1024 needs a longer horizon
+    out["plateau"], out["plateau_curves"] = [], []
+    for n in ns:
+        horizon = steps * (3 if n == 1024 else 1)
+        tr = simulate(
+            TheoryConfig(d=8, heads=8, n_windows=n, beta=8.0), steps=horizon, record_every=10
+        )
+        out["plateau"].append(
+            {
+                "n_windows": n,
+                # None: not within the horizon (JSON has no inf)
+                "time": tr.time_to_specialize() if np.isfinite(tr.time_to_specialize()) else None,
+                "theory_md": THEORY_MD["plateau"][n],
+            }
+        )
+        top = tr.weights.max(-1).mean(-1)
+        out["plateau_curves"] += [
+            {"n_windows": n, "time": float(t * 0.5), "mean_max_weight": float(v)}
+            for t, v in zip(tr.steps[::5], top[::5], strict=True)
+        ]
+    fit = [r for r in out["plateau"] if r["time"] is not None]
+    log_n, log_t = (np.log([r[k] for r in fit]) for k in ("n_windows", "time"))
+    out["plateau_loglog_slope"] = (
+        float(
+            np.polyfit(np.log([r["n_windows"] for r in fit]), np.log([r["time"] for r in fit]), 1)[
+                0
+            ]
+        )
+        if len(fit) >= 2
+        else None
+    )
+    # capacity: H heads, d = 8
+    out["capacity"] = []
+    for heads in (2, 4, 8, 12):
+        tr = simulate(TheoryConfig(d=8, heads=heads, beta=8.0), steps=steps)
+        out["capacity"].append(
+            {
+                "heads": heads,
+                "covered": tr.covered(),
+                "served": len(set(tr.weights[-1].argmax(1).tolist())),
+                "accuracy": tr.accuracy[-1].round(3).tolist(),
+            }
+        )
+    # the level a covered phase reaches is set by alpha: at alpha 4.5 one head per phase gives
+    # about THEORY.md's 0.57 (H = 2, d = 8)
+    tr = simulate(TheoryConfig(d=8, heads=2, beta=8.0, alpha=4.5), steps=steps)
+    out["capacity_alpha_4.5"] = {"heads": 2, "accuracy": tr.accuracy[-1].round(3).tolist()}
+    # shared slot handicap c_l = 0.8^(d-1-l), d = H = 8, beta = 16
+    gain = tuple(0.8 ** (8 - 1 - slot) for slot in range(8))
+    out["handicap"] = []
+    for off in ("aligned", "staggered", "random"):
+        tr = simulate(TheoryConfig(beta=16.0, gain=gain, offsets=off), steps=steps)
+        out["handicap"].append(
+            {
+                "offsets": off,
+                "gap": tr.gap,
+                "mean": float(tr.accuracy[-1].mean()),
+                "accuracy": tr.accuracy[-1].round(3).tolist(),
+                "theory_md": THEORY_MD["handicap"][off],
+            }
+        )
+    # training concentrated on one phase (all of it, or 80% with the rest spread)
+    out["concentrated"] = []
+    for share in (1.0, 0.8):
+        pi = tuple([share] + [(1 - share) / 7] * 7)
+        tr = simulate(TheoryConfig(d=8, heads=8, beta=8.0, pi=pi), steps=steps)
+        out["concentrated"].append(
+            {"share": share, "covered": tr.covered(), "accuracy": tr.accuracy[-1].round(3).tolist()}
+        )
+    # causal signature: removing a head hurts the phases its weights cover
+    tr = simulate(TheoryConfig(d=8, heads=8, beta=8.0), steps=steps)
+    drop = head_ablation(tr.theta, TheoryConfig(d=8, heads=8, beta=8.0))
+    w = softmax(tr.theta)
+    out["ablation"] = {
+        "drop": drop.round(3).tolist(),
+        "matches": int((drop.argmax(1) == w.argmax(1)).sum()),
+        "heads": 8,
+    }
+    return out
+
+
+def fmt_time(t: float | None) -> str:
+    """A plateau time, or that the flow did not specialise within the horizon."""
+    return "beyond the horizon" if t is None else f"{t:g}"
+
+
+def fmt_num(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.2f}"
+
+
+def figure_curves(pred: dict | None = None):
+    """Flow time to specialise: mean over heads of the max pooling weight against flow time, one
+    line per context size ``N`` (d = H = 8, beta = 8). Returns ``{name, figure, caption}``."""
+    import pandas as pd
+
+    from phasemech import viz
+
+    pred = predictions() if pred is None else pred
+    frame = pd.DataFrame(pred["plateau_curves"]).assign(
+        series=lambda f: "N = " + f["n_windows"].astype(str)
+    )
+    fig = viz.theory_curves(
+        frame,
+        "time",
+        "mean_max_weight",
+        "series",
+        title="Idealized model: the plateau before phase specialisation grows with N",
+    )
+    fig.update_layout(xaxis_title="flow time", yaxis_title="mean max pooling weight")
+    times = ", ".join(f"N={r['n_windows']}: {fmt_time(r['time'])}" for r in pred["plateau"])
+    final = frame.groupby("n_windows")["mean_max_weight"].last()
+    ends = ", ".join(f"{v:.2f}" for v in final.to_numpy())
+    return {
+        "name": "theory_plateau",
+        "figure": fig,
+        "caption": (
+            "Gradient flow of the idealized model (d = H = 8, beta = 8, alpha 8, V 64): flow "
+            f"time until the mean max weight exceeds 0.5 is {times} (log-log slope "
+            f"{fmt_num(pred['plateau_loglog_slope'])}); mean max weight at the end of each "
+            f"run {ends}."
+        ),
+    }
+
+
 __all__ = [
+    "THEORY_MD",
     "TheoryConfig",
     "Trajectory",
     "accuracy",
@@ -238,8 +415,11 @@ __all__ = [
     "g",
     "g_prime",
     "g_second",
+    "figure_curves",
+    "head_ablation",
     "loss",
     "margins",
+    "predictions",
     "simulate",
     "softmax",
     "uniform_eigenvalue",

@@ -856,6 +856,48 @@ def theory_curves(
     return apply_template(fig, width, height, title or f"{y} vs {x} by {series}")
 
 
+def prediction_scatter(
+    frame: pd.DataFrame,
+    x: str,
+    y: str,
+    series: str,
+    title: str | None = None,
+    width: int = COLUMN_WIDTH,
+    height: int = 380,
+) -> go.Figure:
+    """Predicted (``x``) against observed (``y``) values, markers only, one trace per value of
+    ``series`` (in order of first appearance), and the dotted ``y = x`` line last."""
+    where = "prediction_scatter"
+    _need(where, "frame", frame, [x, y, series])
+    fig = go.Figure()
+    for i, key in enumerate(dict.fromkeys(frame[series])):
+        sub = frame[frame[series] == key]
+        color, _, symbol = _style(str(key), i)
+        fig.add_trace(
+            go.Scatter(
+                x=sub[x].to_numpy(float),
+                y=sub[y].to_numpy(float),
+                mode="markers",
+                name=str(key),
+                marker=dict(color=color, symbol=symbol, size=8),
+            )
+        )
+    both = frame[[x, y]].to_numpy(float)
+    lo, hi = float(np.nanmin(both)), float(np.nanmax(both))
+    fig.add_trace(
+        go.Scatter(
+            x=[lo, hi],
+            y=[lo, hi],
+            mode="lines",
+            name="y = x",
+            line=dict(color="#888888", dash=MEAN_DASH, width=1),
+        )
+    )
+    fig.update_xaxes(title_text=x)
+    fig.update_yaxes(title_text=y)
+    return apply_template(fig, width, height, title or f"{y} vs {x}")
+
+
 __all__ = [
     "COLUMN_WIDTH",
     "DESIGN_COLORS",
@@ -871,6 +913,7 @@ __all__ = [
     "head_phase_heatmap",
     "per_phase_accuracy",
     "per_phase_polar",
+    "prediction_scatter",
     "specialization_scatter",
     "theory_curves",
     "training_dynamics",

@@ -40,6 +40,16 @@ FIGURES = (
     "training_dynamics",
     "attention_pattern",
 )
+RESULTS = ROOT / "analyses" / "results"
+# the theory's curves always; the recorded analyses' figures when their results are committed
+ANALYSIS_FIGURES = ["theory_plateau"] + [
+    name
+    for name, result in (
+        ("theory_vs_trained", "theory_trained_default.json"),
+        ("fixes_by_phase", "fixes_default.json"),
+    )
+    if (RESULTS / result).is_file()
+]
 TINY_PANEL = PanelConfig(sequences=64, n_boot=50, n_perm=50)  # the tiny profile's
 
 
@@ -49,7 +59,7 @@ def tiny_figures(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("figures_pipeline")
     out, runs = tmp / "figures", tmp / "runs"
     cmd = [sys.executable, str(ROOT / "analyses/figures.py"), "--profile", "tiny"]
-    cmd += ["--runs", str(runs), "--out", str(out)]
+    cmd += ["--runs", str(runs), "--out", str(out), "--report", str(tmp / "REPORT.md")]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return runs / "phase_sweep_tiny", out, done.stdout
@@ -63,7 +73,7 @@ def test_tiny_profile_writes_every_figure_and_an_index(tiny_figures):
     index = (out / "index.html").read_text()
     captions = json.loads((out / "captions.json").read_text())
     names = [f["name"] for f in captions["figures"]]
-    assert names == [*FIGURES, "dashboard"]
+    assert names == [*FIGURES, *ANALYSIS_FIGURES, "dashboard"]
     for f in captions["figures"]:
         page = out / f["html"]
         assert page.is_file() and f'href="{f["html"]}"' in index
@@ -72,7 +82,7 @@ def test_tiny_profile_writes_every_figure_and_an_index(tiny_figures):
             assert 'src="plotly.min.js"' in page.read_text()
     assert (out / "plotly.min.js").is_file()
     if CHROMIUM.exists():
-        for name in [*FIGURES, "dashboard"]:
+        for name in [*FIGURES, *ANALYSIS_FIGURES, "dashboard"]:
             png = out / f"{name}.png"
             assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
             assert f'src="{name}.png"' in index
@@ -83,6 +93,22 @@ def test_tiny_profile_writes_every_figure_and_an_index(tiny_figures):
     assert f"gated d=4 H=2: {gated.overall.iloc[0]:.3f} overall" in first
 
 
+def test_tiny_profile_writes_the_claims_report(tiny_figures):
+    sweep, out, stdout = tiny_figures
+    text = (out.parent / "REPORT.md").read_text()
+    heads = re.findall(r"^## (\d)\. ", text, flags=re.M)
+    assert heads == ["1", "2", "3", "4", "5", "6"]
+    assert text.count("Verdict") == 6
+    # every figure link resolves, relative to the report
+    for link in re.findall(r"\]\(([^)]+)\)", text):
+        assert (out.parent / link).is_file(), link
+    # a number of the report is the table's: the dense control's debiased gap
+    table = __import__("pandas").read_parquet(sweep / "per_phase.parquet")
+    dense = table[(table.design == "none") & (table.grid == 4)].iloc[0]
+    assert f"debiased gap is {dense.debiased_gap:.3f}" in text
+    assert "REPORT.md" in stdout
+
+
 def test_tiny_profile_reuses_its_cache(tiny_figures, tmp_path):
     sweep, _, _ = tiny_figures
     runs = tmp_path / "runs"
@@ -91,6 +117,7 @@ def test_tiny_profile_reuses_its_cache(tiny_figures, tmp_path):
     stamps |= {p: p.stat().st_mtime_ns for p in runs.rglob("panel.json")}
     cmd = [sys.executable, str(ROOT / "analyses/figures.py"), "--profile", "tiny", "--no-png"]
     cmd += ["--runs", str(runs), "--out", str(tmp_path / "fig")]
+    cmd += ["--report", str(tmp_path / "REPORT.md")]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "2 of 2 models cached; training 0" in " ".join(done.stdout.split())

@@ -462,3 +462,52 @@ def test_paired_test_without_pairs_or_discordance():
     assert stats.phase_report(df, 4, n_boot=20, n_perm=20).paired == {}
     same = paired_frame(flat(0.8, 4), 10, np.random.default_rng(4)).assign(correct=True)
     assert stats.paired_phase_test(same, 4)["p"] == 1.0
+
+
+def _scored(effect: float, acc: float, seeds: int, rng: np.random.Generator) -> pd.DataFrame:
+    """Models (seeds) scoring one shared test set of 300 contents x 8 phases."""
+    phase = np.tile(np.arange(8), 300)
+    content = np.repeat(np.arange(300), 8)
+    p = acc + effect * np.cos(2 * np.pi * phase / 8) / 2
+    return pd.concat(
+        [
+            pd.DataFrame(
+                {"seed": s, "seq_id": content, "phase": phase, "correct": rng.random(len(p)) < p}
+            )
+            for s in range(seeds)
+        ],
+        ignore_index=True,
+    )
+
+
+def test_compare_gaps_sees_a_fix_that_removes_the_gap():
+    rng = np.random.default_rng(0)
+    base, fix = _scored(0.3, 0.5, 3, rng), _scored(0.0, 0.5, 3, rng)
+    c = stats.compare_gaps(base, fix, 8, n_boot=200, seed=1)
+    assert c["gap_baseline"] == pytest.approx(0.3, abs=0.06)
+    assert abs(c["gap_other"]) < 0.06
+    assert c["reduction_lo"] > 0.6 and c["reduction"] > 0.8
+    assert c["accuracy_diff_lo"] < 0 < c["accuracy_diff_hi"]  # same mean accuracy
+    assert c == stats.compare_gaps(base, fix, 8, n_boot=200, seed=1)  # deterministic
+
+
+def test_compare_gaps_finds_no_reduction_between_equal_models():
+    rng = np.random.default_rng(1)
+    base, same = _scored(0.3, 0.5, 3, rng), _scored(0.3, 0.5, 3, rng)
+    c = stats.compare_gaps(base, same, 8, n_boot=200, seed=2)
+    assert c["reduction_lo"] < 0 < c["reduction_hi"]
+    assert c["gap_other_lo"] > 0.1  # the gap is still there
+    worse = _scored(0.3, 0.3, 3, rng)
+    c = stats.compare_gaps(base, worse, 8, n_boot=200, seed=2)
+    assert c["accuracy_diff_hi"] < -0.1  # a fix that costs accuracy is seen as one
+
+
+def test_compare_gaps_rejects_bad_input():
+    rng = np.random.default_rng(2)
+    base = _scored(0.3, 0.5, 1, rng)
+    with pytest.raises(ValueError, match=r"missing column\(s\) \['seq_id'\]"):
+        stats.compare_gaps(base, base.drop(columns="seq_id"), 8)
+    with pytest.raises(ValueError, match="phase.*outside"):
+        stats.compare_gaps(base, base, 4)
+    with pytest.raises(ValueError, match="n_boot=-1"):
+        stats.compare_gaps(base, base, 8, n_boot=-1)

@@ -1,6 +1,7 @@
 """The idealized gradient-flow model (THEORY.md): exact gradient, stability, the predictions
 that hold at small sizes."""
 
+import json
 import math
 
 import numpy as np
@@ -9,9 +10,12 @@ import pytest
 from phasemech.theory import (
     TheoryConfig,
     critical_beta_over_d,
+    figure_curves,
     flow,
     g_second,
+    head_ablation,
     loss,
+    predictions,
     simulate,
     uniform_eigenvalue,
 )
@@ -72,3 +76,27 @@ def test_bad_config_is_named():
         TheoryConfig(offsets="diagonal")
     with pytest.raises(ValueError, match="pi=.* must sum to 1"):
         TheoryConfig(d=2, pi=(0.5, 0.6))
+
+
+def test_head_ablation_hurts_the_phase_a_head_weighs():
+    cfg = TheoryConfig(d=4, heads=4, n_windows=16)
+    theta = np.full((4, 4), -10.0)
+    theta[np.arange(4), [2, 0, 3, 1]] = 10.0  # one-to-one: head h on one slot
+    drop = head_ablation(theta, cfg)
+    assert drop.argmax(1).tolist() == [2, 0, 3, 1]
+    assert (drop.max(1) > 0.5).all()
+    off = drop.copy()
+    off[np.arange(4), [2, 0, 3, 1]] = 0
+    assert np.abs(off).max() < 1e-6  # no other phase depends on that head
+
+
+def test_predictions_are_json_ready_and_draw_a_figure():
+    pred = predictions(scale=0.02)
+    assert json.loads(json.dumps(pred, allow_nan=False)) == pred  # no inf / NaN
+    assert [r["n_windows"] for r in pred["plateau"]] == [16, 64, 256, 1024]
+    assert {r["offsets"] for r in pred["handicap"]} == {"aligned", "staggered", "random"}
+    # the stability eigenvalue's sign is the analytic one, whatever the horizon
+    assert pred["stability"][0]["eigenvalue"] > 0 > pred["stability"][-1]["eigenvalue"]
+    fig = figure_curves(pred)
+    assert fig["name"] == "theory_plateau" and "N=16" in fig["caption"]
+    assert [t.name for t in fig["figure"].data] == ["N = 16", "N = 64", "N = 256", "N = 1024"]
