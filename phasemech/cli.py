@@ -530,5 +530,23 @@ def sweep_pretrained(
     console.print(text)
 
 
+@app.command()
+def theory(
+    out: Annotated[Path | None, typer.Option(help="also write the numbers as JSON here")] = None,
+    scale: Annotated[
+        float, typer.Option(min=0.001, max=1.0, help="simulation length (< 1: a quick look)")
+    ] = 1.0,
+) -> None:
+    """Re-derive THEORY.md's predictions with the idealized gradient-flow model (~40 s)."""
+    from phasemech.io import write_json_atomic
+    from phasemech.theory import predictions, predictions_text
+
+    pred = predictions(scale=scale)
+    console.print(predictions_text(pred), highlight=False)
+    if out is not None:
+        write_json_atomic(out, pred)
+        console.print(f"wrote {out}")
+
+
 if __name__ == "__main__":
     app()

@@ -100,3 +100,17 @@ def test_predictions_are_json_ready_and_draw_a_figure():
     fig = figure_curves(pred)
     assert fig["name"] == "theory_plateau" and "N=16" in fig["caption"]
     assert [t.name for t in fig["figure"].data] == ["N = 16", "N = 64", "N = 256", "N = 1024"]
+
+
+def test_cli_theory_prints_and_writes_the_predictions(tmp_path):
+    from typer.testing import CliRunner
+
+    from phasemech.cli import app
+
+    out = tmp_path / "theory.json"
+    res = CliRunner().invoke(app, ["theory", "--scale", "0.02", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "critical beta/d" in res.output and "THEORY.md 2725" in res.output
+    assert json.loads(out.read_text())["steps"] == 120
+    bad = CliRunner().invoke(app, ["theory", "--scale", "2"])
+    assert bad.exit_code != 0 and "scale" in bad.output
