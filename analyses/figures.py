@@ -596,13 +596,17 @@ def main() -> None:
     parser.add_argument(
         "--report",
         type=Path,
-        default=Path(__file__).resolve().parent / "REPORT.md",
-        help="where the claims report goes (default analyses/REPORT.md)",
+        default=None,
+        help="where the claims report goes (default analyses/REPORT.md; OUT/REPORT.md for the "
+        "tiny profile, so that a smoke run never replaces the real report)",
     )
     args = parser.parse_args()
     if args.workers < 1:
         parser.error(f"--workers {args.workers} is invalid: expected >= 1")
     fp = PROFILES[args.profile]
+    if args.report is None:
+        here = Path(__file__).resolve().parent
+        args.report = args.out / "REPORT.md" if args.profile == "tiny" else here / "REPORT.md"
     t0 = time.perf_counter()
     sweep_dir = args.runs / fp.folder
     sweep_dir.mkdir(parents=True, exist_ok=True)

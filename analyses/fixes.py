@@ -11,14 +11,16 @@ phase-uniform MQAR and scored on one shared phase-balanced held-out test set:
 - ``jittered_data``: aligned grid, training pairs separated by 0..``jitter`` random fillers,
   so the values of one sequence no longer share a phase parity (the test set is not jittered).
 
-Every layer is compressed (so that per-layer staggering changes something). Phases are
-absolute, ``pos mod d``: the phase a user of the deployed model would see.
+Layer 2 is compressed; the per-layer pair uses 3-layer models with layers 2 and 3 compressed
+(per-layer staggering needs two compressed layers). Phases are absolute, ``pos mod d``: the
+phase a user of the deployed model would see.
 
 Per fix, seeds pooled: per-phase accuracy, mean accuracy and debiased gap with CIs
 (``phasemech.stats.phase_report``); against ``aligned``: the gap reduction and the change of mean
 accuracy with paired cluster-bootstrap CIs (``phasemech.stats.compare_gaps``). The goal tested:
-a fix that cuts the debiased gap by >= 70% with no loss of mean accuracy (the CI of the change
-excludes a loss larger than ``NONINFERIORITY`` = 1 point).
+a fix that cuts the debiased gap by >= 70% (point estimate, with a CI excluding 0) with no loss
+of mean accuracy (the CI of the change excludes a loss larger than ``NONINFERIORITY`` = 1
+point).
 
 Writes ``RUNS/fixes_<profile>/{results.parquet,comparison.parquet,summary.md,summary.json}``;
 ``--record`` copies the summary to ``analyses/results/fixes_<profile>.{md,json}``, which
@@ -229,7 +231,13 @@ def aggregate(out_dir: Path, p: Profile, workers: int) -> tuple[pd.DataFrame, pd
             if scope == "far":
                 a, b = a[a["distance"] >= far_from], b[b["distance"] >= far_from]
             c = compare_gaps(a, b, p.stride, n_boot=p.n_boot, seed=0)
-            meets = c["reduction"] >= GOAL_REDUCTION and c["accuracy_diff_lo"] > -NONINFERIORITY
+            # the goal: the point estimate of the cut reaches 70%, the cut is real (its CI
+            # excludes 0) and mean accuracy is not worse by more than NONINFERIORITY (CI)
+            meets = (
+                c["reduction"] >= GOAL_REDUCTION
+                and c["reduction_lo"] > 0
+                and c["accuracy_diff_lo"] > -NONINFERIORITY
+            )
             comparison.append(
                 {
                     "fix": fix,
@@ -276,7 +284,8 @@ def summary(results: pd.DataFrame, comparison: pd.DataFrame, p: Profile, seconds
         )
     lines += [
         "",
-        f"## Against the aligned baseline (goal: debiased gap cut by >= {GOAL_REDUCTION:.0%} "
+        f"## Against the aligned baseline (goal: debiased gap cut by >= {GOAL_REDUCTION:.0%}, "
+        "its CI above 0, "
         f"and mean accuracy not lower by more than {NONINFERIORITY:.0%}, 95% CI)",
         "",
         "Paired cluster bootstrap: test contents resampled once for both models, seeds "

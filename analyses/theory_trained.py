@@ -161,7 +161,20 @@ def analyse(out_dir: Path, p: Profile) -> tuple[pd.DataFrame, pd.DataFrame]:
     return pd.DataFrame(rows), pd.concat(frames, ignore_index=True)
 
 
-def summary(results: pd.DataFrame, p: Profile, seconds: float | None) -> str:
+def pooled_tests(results: pd.DataFrame) -> dict:
+    """The pooled rank test (all models, then per H): does the theory rank the phases?"""
+    from phasemech.theory_fit import pooled_rank_test
+
+    def test(rows: pd.DataFrame) -> dict:
+        pairs = list(zip(rows["predicted_accuracy"], rows["acc_by_phase"], strict=True))
+        return pooled_rank_test(pairs)
+
+    return {"all": test(results)} | {
+        f"H={h}": test(g) for h, g in results.groupby("heads", sort=True)
+    }
+
+
+def summary(results: pd.DataFrame, p: Profile, seconds: float | None, pooled: dict) -> str:
     lines = [
         f"# Theory vs trained gated models (d = {p.stride}, T = {p.seq_len}, "
         f"N = {p.seq_len // p.stride} windows)",
@@ -174,8 +187,8 @@ def summary(results: pd.DataFrame, p: Profile, seconds: float | None) -> str:
         "",
         "| H | seed | step | acc | acc by phase | effective weight per head: max (phase) | bias "
         "alone: max | theory acc from W | Spearman (p) | weak obs / pred | covered (W>=0.5 / "
-        "acc>=0.9) | theory from scratch: covered, served |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "acc>=0.9) | specialised heads, phases served | theory from scratch: covered, served |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results.itertuples():
         heads = ", ".join(f"{m:.2f} ({a})" for m, a in zip(r.max_weight, r.assignment, strict=True))
@@ -186,8 +199,17 @@ def summary(results: pd.DataFrame, p: Profile, seconds: float | None) -> str:
             f"{' '.join(f'{x:.2f}' for x in r.predicted_accuracy)} | "
             f"{r.spearman:.2f} ({r.spearman_p:.2g}) | {r.weak_observed} / {r.weak_predicted} | "
             f"{r.covered_weight} / {r.covered_accuracy} | "
+            f"{r.specialised_heads}, {r.served_phases} | "
             f"{r.theory_covered}, {r.theory_served} |"
         )
+    lines += [
+        "",
+        "Pooled rank test (mean Spearman over models; null: phases permuted within each model): "
+        + "; ".join(
+            f"{k}: {v['mean_spearman']:.2f}, p {v['p']:.2g} ({v['n_models']} models)"
+            for k, v in pooled.items()
+        ),
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -209,9 +231,15 @@ def main() -> None:
     seconds = time.perf_counter() - t0
     weights.to_parquet(out_dir / "weights.parquet")
     results.to_parquet(out_dir / "results.parquet")
-    text = summary(results, p, seconds)
+    pooled = pooled_tests(results)
+    text = summary(results, p, seconds, pooled)
     (out_dir / "summary.md").write_text(text)
-    payload = {"profile": asdict(p), "seconds": seconds, "models": results.to_dict("records")}
+    payload = {
+        "profile": asdict(p),
+        "seconds": seconds,
+        "models": results.to_dict("records"),
+        "pooled_rank_test": pooled,
+    }
     (out_dir / "summary.json").write_text(json.dumps(payload, indent=1, default=float))
     console.print(text)
     if args.record:

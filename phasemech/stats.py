@@ -833,7 +833,9 @@ def compare_gaps(
     and the relative reduction ``1 - gap_other / gap_baseline``, with percentile intervals from
     a paired cluster bootstrap: contents are resampled once for both frames (they share the test
     set), seeds independently for each (different models). Each replicate uses 2 random halves
-    for its split gap, which widens the interval slightly (conservative).
+    for its split gap, which widens the interval slightly (conservative). ``reduction_dropped``:
+    the share of replicates whose baseline gap was not positive (no reduction defined; the
+    interval is over the rest); the interval is NaN when the point estimate is.
     """
     where = "compare_gaps"
     stride = _check_int(where, "stride", stride, 2)
@@ -843,6 +845,12 @@ def compare_gaps(
     cols = ("correct", "phase", "seq_id")
     ta = _load(baseline, stride, f"{where} (baseline)", cols)
     tb = _load(other, stride, f"{where} (other)", cols)
+    only = set(baseline["seq_id"]) ^ set(other["seq_id"])
+    if only:
+        raise ValueError(
+            f"{where}: the frames must score the same test set (the bootstrap pairs them by "
+            f"seq_id), but {len(only)} seq_id value(s) are in only one, e.g. {sorted(only)[:3]}"
+        )
     codes, uniq = pd.factorize(pd.concat([baseline["seq_id"], other["seq_id"]]), sort=True)
     ca, cb = codes[: len(baseline)], codes[len(baseline) :]
     n_contents = len(uniq)
@@ -900,6 +908,11 @@ def compare_gaps(
             reps[name] = (acc, np.mean(gaps, axis=0))
         with np.errstate(divide="ignore", invalid="ignore"):
             red = np.where(reps["a"][1] > 0, 1 - reps["b"][1] / reps["a"][1], np.nan)
+        # a replicate without a positive baseline gap has no reduction: the interval is
+        # conditional on the others, so say how many were left out
+        out["reduction_dropped"] = float(np.mean(np.isnan(red)))
+        if not np.isfinite(out["reduction"]):
+            red = np.full_like(red, np.nan)
         for key, x in (
             ("accuracy_diff", reps["b"][0] - reps["a"][0]),
             ("gap_other", reps["b"][1]),

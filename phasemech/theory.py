@@ -18,7 +18,7 @@ differences). Random offsets (one grid shift per sequence) average the loss over
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 from jaxtyping import Float
@@ -28,7 +28,8 @@ from scipy.optimize import brentq
 @dataclass(frozen=True)
 class TheoryConfig:
     """One idealized model. ``offsets``: ``"aligned"`` (all 0), ``"staggered"`` (``o_h = h mod
-    d``), ``"random"`` (one shift per sequence, averaged over ``draws``), or explicit ints per
+    d``), ``"random"`` (one shift per sequence shared by the heads: every shift once when
+    ``draws >= d``, else ``draws`` sampled shifts), or explicit ints per
     head. ``gain``: ``c_l`` per slot (default all 1); ``pi``: training phase distribution
     (default uniform)."""
 
@@ -88,7 +89,13 @@ class TheoryConfig:
         if self.offsets == "staggered":
             return (h % self.d)[None]
         if self.offsets == "random":
-            shift = np.random.default_rng(self.seed).integers(self.d, size=self.draws)
+            # one shift per sequence shared by all heads; with draws >= d every shift once (the
+            # exact expectation: sampled draws leave some shifts out and fake a phase gap)
+            shift = (
+                np.arange(self.d)
+                if self.draws >= self.d
+                else np.random.default_rng(self.seed).integers(self.d, size=self.draws)
+            )
             return np.repeat(shift[:, None], self.heads, axis=1)
         return np.asarray(self.offsets, int)[None] % self.d
 
@@ -245,6 +252,7 @@ def head_ablation(theta, cfg: TheoryConfig) -> Float[np.ndarray, "head phase"]:
 #: the numbers THEORY.md quotes from its own numerical check, for side-by-side comparison
 THEORY_MD = {
     "plateau": {16: 100, 64: 225, 256: 725, 1024: 2725},
+    "capacity_h2_accuracy": 0.57,
     "handicap": {
         "aligned": {"gap": 0.73, "mean": 0.86},
         "staggered": {"gap": 0.00, "mean": 0.99},
@@ -253,69 +261,82 @@ THEORY_MD = {
 }
 
 
+def _setup(cfg: TheoryConfig, **extra: str) -> str:
+    """The parameters of a prediction, as text for the reader (read off the config used)."""
+    parts = {"d": cfg.d, "H": cfg.heads, "N": cfg.n_windows, "beta": f"{cfg.beta:g}"}
+    parts |= {"alpha": f"{cfg.alpha:g}", "V": cfg.vocab} | extra  # extra overrides
+    return ", ".join(f"{k}={v}" for k, v in parts.items())
+
+
 def predictions(scale: float = 1.0) -> dict:
-    """Re-derive every prediction of THEORY.md (seconds at ``scale=1``; ``scale`` < 1 shortens
-    the simulations for tests). alpha 8, V 64 throughout (THEORY.md leaves them open)."""
+    """Re-derive every prediction of THEORY.md (about 40 s at ``scale=1``; ``scale`` < 1
+    shortens the simulations, for tests). alpha 8, V 64 (THEORY.md leaves them open). Each
+    section carries its ``setup`` (the parameters, read off the configs) and ``checks`` holds
+    THEORY.md's qualitative predictions as booleans computed from the numbers."""
     steps = max(int(6000 * scale), 50)
-    out: dict = {"alpha": 8.0, "vocab": 64, "steps": steps, "dt": 0.5}
+    base = TheoryConfig(d=8, heads=8, n_windows=64, beta=8.0)
+    out: dict = {"alpha": base.alpha, "vocab": base.vocab, "steps": steps, "dt": 0.5}
+    out["theory_md"] = {k: v for k, v in THEORY_MD.items() if k != "plateau"}
     ns = (16, 64, 256, 1024)
-    crit = [critical_beta_over_d(n) for n in ns]
+    crit = [critical_beta_over_d(n, d=base.d) for n in ns]
     logs = [math.log(n - 1) for n in ns]
     out["critical"] = [
         {"n_windows": n, "critical_beta_over_d": c, "log_n_minus_1": lg}
         for n, c, lg in zip(ns, crit, logs, strict=True)
     ]
     out["critical_slope"] = float(np.polyfit(logs, crit, 1)[0])
-    # stability: the eigenvalue's sign against what the flow does (d = H = 8, N = 64)
+    # stability: the eigenvalue's sign against what the flow does
     out["stability"] = []
-    for beta in (16.0, 32.0, 48.0):
-        cfg = TheoryConfig(d=8, heads=8, n_windows=64, beta=beta)
+    for beta_over_d in (2.0, 4.0, 6.0):
+        cfg = replace(base, beta=beta_over_d * base.d)
         tr = simulate(cfg, steps=steps, record_every=10)
+        top = float(tr.weights[-1].max(-1).mean())
         out["stability"].append(
             {
-                "beta_over_d": beta / 8,
+                "beta_over_d": beta_over_d,
                 "eigenvalue": uniform_eigenvalue(cfg),
-                "final_mean_max_weight": float(tr.weights[-1].max(-1).mean()),
+                "final_mean_max_weight": top,
                 # left the uniform point at all (max weight 1/d + 0.05), and sharply (> 0.5)
-                "left_uniform": bool(tr.weights[-1].max(-1).mean() > 1 / 8 + 0.05),
+                "left_uniform": bool(top > 1 / cfg.d + 0.05),
                 "sharp": bool(np.isfinite(tr.time_to_specialize())),
             }
         )
-    # plateau vs N (d = H = 8, beta = 8); N = 1024 needs a longer horizon
+    out["stability_setup"] = _setup(base, beta="2d, 4d, 6d")
+    # plateau vs N; N = 1024 needs a longer horizon. The gap at a fixed budget (the first
+    # sixth of the horizon) is THEORY.md's "at a fixed budget the gap grows with N".
     out["plateau"], out["plateau_curves"] = [], []
+    budget = steps // 6
     for n in ns:
         horizon = steps * (3 if n == 1024 else 1)
-        tr = simulate(
-            TheoryConfig(d=8, heads=8, n_windows=n, beta=8.0), steps=horizon, record_every=10
-        )
+        tr = simulate(replace(base, n_windows=n), steps=horizon, record_every=10)
+        t = tr.time_to_specialize()
+        at = int(np.searchsorted(tr.steps, budget))
+        acc = tr.accuracy[at]
         out["plateau"].append(
             {
                 "n_windows": n,
-                # None: not within the horizon (JSON has no inf)
-                "time": tr.time_to_specialize() if np.isfinite(tr.time_to_specialize()) else None,
+                "time": t if np.isfinite(t) else None,  # None: not within the horizon
                 "theory_md": THEORY_MD["plateau"][n],
+                "gap_at_budget": float(acc.max() - acc.min()),
+                "mean_at_budget": float(acc.mean()),
             }
         )
         top = tr.weights.max(-1).mean(-1)
         out["plateau_curves"] += [
-            {"n_windows": n, "time": float(t * 0.5), "mean_max_weight": float(v)}
-            for t, v in zip(tr.steps[::5], top[::5], strict=True)
+            {"n_windows": n, "time": float(s_ * 0.5), "mean_max_weight": float(v)}
+            for s_, v in zip(tr.steps[::5], top[::5], strict=True)
         ]
+    out["plateau_setup"] = _setup(base, N="16..1024", budget_time=f"{budget * 0.5:g}")
     fit = [r for r in out["plateau"] if r["time"] is not None]
-    log_n, log_t = (np.log([r[k] for r in fit]) for k in ("n_windows", "time"))
     out["plateau_loglog_slope"] = (
-        float(
-            np.polyfit(np.log([r["n_windows"] for r in fit]), np.log([r["time"] for r in fit]), 1)[
-                0
-            ]
-        )
+        float(np.polyfit(*(np.log([r[k] for r in fit]) for k in ("n_windows", "time")), 1)[0])
         if len(fit) >= 2
         else None
     )
-    # capacity: H heads, d = 8
+    # capacity: H heads against d slots
     out["capacity"] = []
     for heads in (2, 4, 8, 12):
-        tr = simulate(TheoryConfig(d=8, heads=heads, beta=8.0), steps=steps)
+        tr = simulate(replace(base, heads=heads), steps=steps)
         out["capacity"].append(
             {
                 "heads": heads,
@@ -324,15 +345,19 @@ def predictions(scale: float = 1.0) -> dict:
                 "accuracy": tr.accuracy[-1].round(3).tolist(),
             }
         )
-    # the level a covered phase reaches is set by alpha: at alpha 4.5 one head per phase gives
-    # about THEORY.md's 0.57 (H = 2, d = 8)
-    tr = simulate(TheoryConfig(d=8, heads=2, beta=8.0, alpha=4.5), steps=steps)
-    out["capacity_alpha_4.5"] = {"heads": 2, "accuracy": tr.accuracy[-1].round(3).tolist()}
-    # shared slot handicap c_l = 0.8^(d-1-l), d = H = 8, beta = 16
-    gain = tuple(0.8 ** (8 - 1 - slot) for slot in range(8))
+    out["capacity_setup"] = _setup(base, H="2..12")
+    # the level a covered phase reaches is set by alpha: THEORY.md's ~0.57 at H = 2
+    low = replace(base, heads=2, alpha=4.5)
+    tr = simulate(low, steps=steps)
+    out["capacity_low_alpha"] = {
+        "setup": _setup(low),
+        "covered_level": float(tr.accuracy[-1].max()),
+    }
+    # shared slot handicap c_l = 0.8^(d-1-l)
+    hand = replace(base, beta=16.0, gain=tuple(0.8 ** (base.d - 1 - sl) for sl in range(base.d)))
     out["handicap"] = []
     for off in ("aligned", "staggered", "random"):
-        tr = simulate(TheoryConfig(beta=16.0, gain=gain, offsets=off), steps=steps)
+        tr = simulate(replace(hand, offsets=off), steps=steps)
         out["handicap"].append(
             {
                 "offsets": off,
@@ -342,22 +367,46 @@ def predictions(scale: float = 1.0) -> dict:
                 "theory_md": THEORY_MD["handicap"][off],
             }
         )
+    out["handicap_setup"] = _setup(hand, c_l="0.8^(d-1-l)")
     # training concentrated on one phase (all of it, or 80% with the rest spread)
     out["concentrated"] = []
     for share in (1.0, 0.8):
-        pi = tuple([share] + [(1 - share) / 7] * 7)
-        tr = simulate(TheoryConfig(d=8, heads=8, beta=8.0, pi=pi), steps=steps)
+        pi = tuple([share] + [(1 - share) / (base.d - 1)] * (base.d - 1))
+        tr = simulate(replace(base, pi=pi), steps=steps)
         out["concentrated"].append(
             {"share": share, "covered": tr.covered(), "accuracy": tr.accuracy[-1].round(3).tolist()}
         )
-    # causal signature: removing a head hurts the phases its weights cover
-    tr = simulate(TheoryConfig(d=8, heads=8, beta=8.0), steps=steps)
-    drop = head_ablation(tr.theta, TheoryConfig(d=8, heads=8, beta=8.0))
-    w = softmax(tr.theta)
+    # causal signature: removing a head hurts the phases its weights cover (aligned offsets:
+    # a head's slot is the phase it serves)
+    tr = simulate(base, steps=steps)
+    drop = head_ablation(tr.theta, base)
     out["ablation"] = {
         "drop": drop.round(3).tolist(),
-        "matches": int((drop.argmax(1) == w.argmax(1)).sum()),
-        "heads": 8,
+        "matches": int((drop.argmax(1) == softmax(tr.theta).argmax(1)).sum()),
+        "heads": base.heads,
+    }
+    out["setup"] = _setup(base)
+    times = [r["time"] for r in out["plateau"]]
+    gaps = [r["gap_at_budget"] for r in out["plateau"]]
+    by_off = {r["offsets"]: r for r in out["handicap"]}
+    out["checks"] = {
+        "uniform unstable iff eigenvalue > 0 (the flow leaves uniform pooling)": all(
+            (r["eigenvalue"] > 0) == r["left_uniform"] for r in out["stability"]
+        ),
+        "plateau grows with N": all(
+            (b is None) or (a is not None and b > a) for a, b in zip(times, times[1:], strict=False)
+        ),
+        "at a fixed budget the gap grows with N": bool(np.all(np.diff(gaps) >= -0.01)),
+        "H < d heads cover H phases; H >= d cover all d": all(
+            r["covered"] == min(r["heads"], base.d) for r in out["capacity"]
+        ),
+        "staggered offsets close the slot-handicap gap": by_off["staggered"]["gap"] < 0.05
+        and by_off["aligned"]["gap"] > 0.2,
+        "random offsets shrink the gap but cost mean accuracy": by_off["random"]["gap"]
+        < by_off["aligned"]["gap"]
+        and by_off["random"]["mean"] < by_off["aligned"]["mean"] - 0.05,
+        "training on one phase leaves the others uncovered": out["concentrated"][0]["covered"] == 1,
+        "ablating a head hurts the phase it weighs most": out["ablation"]["matches"] == base.heads,
     }
     return out
 
@@ -379,21 +428,29 @@ def predictions_text(p: dict) -> str:
             f"  N={r['n_windows']:5d}: {r['critical_beta_over_d']:.2f} vs {r['log_n_minus_1']:.2f}"
         )
     lines.append(f"  slope {p['critical_slope']:.2f}")
-    lines.append("stability at d=H=8, N=64 (eigenvalue at uniform vs the flow):")
+    lines.append(f"stability ({p['stability_setup']}): eigenvalue at uniform vs the flow")
     for r in p["stability"]:
         lines.append(
-            f"  beta/d={r['beta_over_d']:.0f}: lambda {r['eigenvalue']:+.4f}, final mean max "
+            f"  beta/d={r['beta_over_d']:g}: lambda {r['eigenvalue']:+.4f}, final mean max "
             f"weight {r['final_mean_max_weight']:.2f}, left uniform {r['left_uniform']}, "
             f"sharp {r['sharp']}"
         )
-    lines.append("plateau (flow time to mean max weight > 0.5), d=H=8, beta=8:")
+    lines.append(f"plateau (flow time to mean max weight > 0.5; {p['plateau_setup']}):")
     for r in p["plateau"]:
-        lines.append(f"  N={r['n_windows']:5d}: {fmt_time(r['time'])} (THEORY.md {r['theory_md']})")
+        lines.append(
+            f"  N={r['n_windows']:5d}: {fmt_time(r['time'])} (THEORY.md {r['theory_md']}); "
+            f"at the budget: gap {r['gap_at_budget']:.2f}, mean {r['mean_at_budget']:.2f}"
+        )
     lines.append(f"  log-log slope {fmt_num(p['plateau_loglog_slope'])}")
-    lines.append("capacity, d=8, beta=8:")
+    lines.append(f"capacity ({p['capacity_setup']}):")
     for r in p["capacity"]:
         lines.append(f"  H={r['heads']:2d}: covered {r['covered']}, served {r['served']}")
-    lines.append("slot handicap c_l = 0.8^(d-1-l), d=H=8, beta=16:")
+    low = p["capacity_low_alpha"]
+    lines.append(
+        f"  covered level {max(p['capacity'][0]['accuracy']):.2f}; at {low['setup']}: "
+        f"{low['covered_level']:.2f} (THEORY.md {p['theory_md']['capacity_h2_accuracy']})"
+    )
+    lines.append(f"slot handicap ({p['handicap_setup']}):")
     for r in p["handicap"]:
         md = r["theory_md"]
         lines.append(
@@ -404,6 +461,8 @@ def predictions_text(p: dict) -> str:
         lines.append(f"training {r['share']:.0%} on phase 0: covered {r['covered']}")
     a = p["ablation"]
     lines.append(f"ablation: {a['matches']}/{a['heads']} heads hurt most the phase they weigh most")
+    lines.append("THEORY.md's qualitative predictions:")
+    lines += [f"  [{'x' if ok else ' '}] {name}" for name, ok in p["checks"].items()]
     return "\n".join(lines)
 
 

@@ -8,20 +8,26 @@ import pytest
 import torch
 
 from phasemech.config import CompressionConfig
-from phasemech.tasks import MQARTask, generate
+from phasemech.grid import build_geometry
+from phasemech.tasks import MQARTask, generate, to_tensors
 from phasemech.theory import TheoryConfig
-from phasemech.theory_fit import compare, effective_weights, theory_accuracy, weight_matrix
+from phasemech.theory_fit import (
+    compare,
+    effective_weights,
+    pooled_rank_test,
+    theory_accuracy,
+    weight_matrix,
+)
 from phasemech.train import ModelSpec, TrainConfig
 
 TASK = MQARTask(seq_len=32, n_pairs=4, stride=4)
 
 
-def _gated(offsets="aligned", design="gated"):
-    cfg = TrainConfig(
-        task=TASK,
-        model=ModelSpec(n_heads=2),
-        compression=CompressionConfig(design, stride=4, layers=(1,), offsets=offsets),
-    )
+def _gated(offsets="aligned", design="gated", gate="scalar"):
+    comp = CompressionConfig(design, stride=4, layers=(1,), offsets=offsets)
+    if gate != "scalar":
+        comp = CompressionConfig(design, stride=4, layers=(1,), offsets=offsets, gate=gate)
+    cfg = TrainConfig(task=TASK, model=ModelSpec(n_heads=2), compression=comp)
     return cfg.build_model()
 
 
@@ -47,6 +53,38 @@ def test_a_strong_slot_bias_puts_all_target_weight_on_its_phase(data, offsets, e
     assert (w["n"] == 12 * 4 // 4).all()  # 48 targets, phase-balanced
 
 
+@pytest.mark.parametrize("offsets", [(0, 1), (1, 3)])
+def test_effective_weights_match_a_brute_force_lookup_of_each_targets_block(data, offsets):
+    """A random content gate makes every block different: the weight read for a target must be
+    the one of the block and slot that hold its position on that head's grid."""
+    model = _gated(offsets)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model.blocks[1].attn.W_gate.normal_(0, 2.0)
+        model.blocks[1].attn.phase_bias.normal_(0, 1.0)
+    got = weight_matrix(effective_weights(model, data, batch_size=7))
+    tokens, _, _ = to_tensors(data)
+    _, cache = model.run_with_cache(tokens, names_filter=lambda n: "blocks.1.attn" in n)
+    w = cache["blocks.1.attn.hook_block_weights"]  # [batch, kv_head, block, slot]
+    off = cache["blocks.1.attn.hook_grid_offset"]
+    geo = build_geometry(off, tokens.shape[1], 4, 4, 8, "inclusive")
+    want = np.zeros((2, 4))
+    count = np.zeros(4)
+    for b, row in enumerate(data["source_pos"]):
+        for pos in row:
+            count[pos % 4] += 1
+            for g in range(2):
+                hit = (geo.slot_pos[b, g] == pos) & geo.slot_valid[b, g]
+                assert hit.sum() == 1  # one block, one slot per token (block_len == stride)
+                want[g, pos % 4] += float(w[b, g][hit])
+    np.testing.assert_allclose(got, want / count, atol=1e-6)
+
+
+def test_channel_gates_use_the_mean_over_channels(data):
+    w = effective_weights(_gated(gate="channel"), data)
+    assert np.isfinite(w["weight"]).all() and (w["weight"] > 0).all()
+
+
 def test_the_content_gate_moves_effective_weights_away_from_the_bias(data):
     model = _gated()
     with torch.no_grad():
@@ -62,6 +100,10 @@ def test_effective_weights_refuse_designs_without_a_gate(data):
         effective_weights(_gated(design="mean"), data)
     with pytest.raises(ValueError, match="not gated layers"):
         effective_weights(_gated(), data, layers=[0])
+    with pytest.raises(ValueError, match="layers=1 is invalid"):
+        effective_weights(_gated(), data, layers=1)
+    with pytest.raises(ValueError, match="source_pos"):
+        effective_weights(_gated(), data.remove_columns("source_pos"))
 
 
 def test_theory_accuracy_grows_with_weight_and_compare_ranks_phases():
@@ -81,3 +123,14 @@ def test_theory_accuracy_grows_with_weight_and_compare_ranks_phases():
     assert c["spearman"] == pytest.approx(-1.0)
     with pytest.raises(ValueError, match=r"\[head, phase\]"):
         compare(w, observed[:3], cfg)
+
+
+def test_pooled_rank_test_pools_weak_single_model_evidence():
+    rng = np.random.default_rng(0)
+    pred = [rng.random(4) for _ in range(8)]
+    agree = pooled_rank_test([(p, p + 0.01 * rng.random(4)) for p in pred], n_perm=4000)
+    assert agree["mean_spearman"] > 0.9 and agree["p"] < 0.001 and agree["n_models"] == 8
+    noise = pooled_rank_test([(p, rng.random(4)) for p in pred], n_perm=4000)
+    assert noise["p"] > 0.05
+    flat = pooled_rank_test([(pred[0], np.ones(4))])
+    assert flat["n_models"] == 0 and np.isnan(flat["p"])
