@@ -15,6 +15,9 @@ phase-balanced data:
 - the theory simulated from scratch at the same H, d, N (``theory.simulate``, 5 seeds): the
   phases it covers and the distinct phases its heads serve.
 
+The pooled rank test uses only models that left the MQAR loss plateau (``fixes.PLATEAU_EXIT``):
+a model that retrieves nothing has no phase ranking to explain.
+
 Writes ``RUNS/theory_trained_<profile>/{weights.parquet,results.parquet,summary.md,summary.json}``;
 ``--record`` copies the summary to ``analyses/results/theory_trained_<profile>.{md,json}``.
 
@@ -150,6 +153,7 @@ def analyse(out_dir: Path, p: Profile) -> tuple[pd.DataFrame, pd.DataFrame]:
                     "seed": s,
                     "step": int(final.name.removeprefix("step_")),
                     "accuracy": float(targets["correct"].mean()),
+                    "off_plateau": fx.off_plateau(targets["correct"].mean()),
                     "acc_all_by_phase": acc_all.round(4).tolist(),
                     "acc_by_phase": acc.round(4).tolist(),  # far targets
                     "gap": float(acc.max() - acc.min()),
@@ -162,10 +166,15 @@ def analyse(out_dir: Path, p: Profile) -> tuple[pd.DataFrame, pd.DataFrame]:
 
 
 def pooled_tests(results: pd.DataFrame) -> dict:
-    """The pooled rank test (all models, then per H): does the theory rank the phases?"""
+    """The pooled rank test (all models, then per H): does the theory rank the phases?
+
+    Only models off the loss plateau: a model that retrieves nothing has no phase ranking
+    to explain (its accuracies differ by noise alone).
+    """
     from phasemech.theory_fit import pooled_rank_test
 
     def test(rows: pd.DataFrame) -> dict:
+        rows = rows[rows["off_plateau"]]
         pairs = list(zip(rows["predicted_accuracy"], rows["acc_by_phase"], strict=True))
         return pooled_rank_test(pairs)
 
@@ -204,7 +213,9 @@ def summary(results: pd.DataFrame, p: Profile, seconds: float | None, pooled: di
         )
     lines += [
         "",
-        "Pooled rank test (mean Spearman over models; null: phases permuted within each model): "
+        f"Pooled rank test over the models off the loss plateau (accuracy >= {fx.PLATEAU_EXIT}; "
+        f"{int(results['off_plateau'].sum())} of {len(results)}; mean Spearman over models; "
+        "null: phases permuted within each model): "
         + "; ".join(
             f"{k}: {v['mean_spearman']:.2f}, p {v['p']:.2g} ({v['n_models']} models)"
             for k, v in pooled.items()
@@ -237,6 +248,7 @@ def main() -> None:
     payload = {
         "profile": asdict(p),
         "seconds": seconds,
+        "plateau_exit": fx.PLATEAU_EXIT,
         "models": results.to_dict("records"),
         "pooled_rank_test": pooled,
     }

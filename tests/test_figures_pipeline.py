@@ -44,11 +44,11 @@ RESULTS = ROOT / "analyses" / "results"
 # the theory's curves always; the recorded analyses' figures when their results are committed
 ANALYSIS_FIGURES = ["theory_plateau"] + [
     name
-    for name, result in (
-        ("theory_vs_trained", "theory_trained_default.json"),
-        ("fixes_by_phase", "fixes_default.json"),
+    for name, results in (
+        ("theory_vs_trained", ["theory_trained_default.json"]),
+        ("fixes_by_phase", ["fixes_default.json", "fixes_long.json"]),
     )
-    if (RESULTS / result).is_file()
+    if any((RESULTS / r).is_file() for r in results)
 ]
 TINY_PANEL = PanelConfig(sequences=64, n_boot=50, n_perm=50)  # the tiny profile's
 
