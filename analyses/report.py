@@ -423,6 +423,8 @@ def claim_theory(src: Sources) -> str:
             f"permutation p {pooled['p']:.2g}; per H: "
             + ", ".join(
                 f"{k} {fmt_num(v['mean_spearman'])} (p {v['p']:.2g}, {v['n_models']} models)"
+                if v["n_models"]
+                else f"{k} not tested (no model off the plateau)"
                 for k, v in tt["pooled_rank_test"].items()
                 if k != "all"
             )

@@ -225,6 +225,8 @@ def summary(results: pd.DataFrame, p: Profile, seconds: float | None, pooled: di
         "null: phases permuted within each model): "
         + "; ".join(
             f"{k}: {v['mean_spearman']:.2f}, p {v['p']:.2g} ({v['n_models']} models)"
+            if v["n_models"]
+            else f"{k}: no model off the plateau"
             for k, v in pooled.items()
         ),
     ]
