@@ -288,17 +288,37 @@ def aggregate(out_dir: Path, p: Profile, workers: int) -> tuple[pd.DataFrame, pd
     return results, pd.DataFrame(comparison)
 
 
+def training_minutes(out_dir: Path, names: list[str]) -> float:
+    """Training time summed over the runs (each run's ``done`` line), cached runs included."""
+    total = 0.0
+    for name in names:
+        lines = (out_dir / name / "metrics.jsonl").read_text().splitlines()
+        done = [json.loads(ln) for ln in lines if '"done"' in ln]
+        total += done[-1]["seconds"] if done else float("nan")
+    return total / 60
+
+
 def _f(x: float, spec: str = ".3f") -> str:
     return "nan" if x is None or not np.isfinite(x) else format(x, spec)
 
 
-def summary(results: pd.DataFrame, comparison: pd.DataFrame, p: Profile, seconds) -> str:
-    timing = f"Wall time {seconds / 60:.1f} min. " if seconds is not None else ""
+def summary(
+    results: pd.DataFrame,
+    comparison: pd.DataFrame,
+    p: Profile,
+    seconds: float | None,
+    train_min: float | None = None,
+) -> str:
+    timing = f"Wall time {seconds / 60:.1f} min (this invocation). " if seconds is not None else ""
+    if train_min is not None:
+        timing += f"Training {train_min:.0f} min summed over the models (1 thread each). "
     lines = [
         f"# Fixes for phase weak spots ({p.design}, d = {p.stride}, {p.heads} heads, "
         f"T = {p.seq_len}, {len(p.seeds)} seeds, {p.steps} steps)",
         "",
-        f"{timing}Layer 2 compressed (layers 2-3 of 3 for the per-layer pair; raw window 2d); "
+        f"{timing}Layer 2 compressed ("
+        + ("layers 2-3 of 3 for the per-layer pair; " if "staggered_layer" in p.fixes else "")
+        + "raw window 2d); "
         "one shared phase-balanced test set of "
         f"{p.test_sequences} sequences (never jittered); phases absolute (pos mod {p.stride}); "
         "seeds pooled (clusters: seed, then content).",
@@ -368,11 +388,13 @@ def main() -> None:
     seconds = time.perf_counter() - t0
     results.to_parquet(out_dir / "results.parquet")
     comparison.to_parquet(out_dir / "comparison.parquet")
-    text = summary(results, comparison, p, seconds)
+    train_min = training_minutes(out_dir, [name for name, _ in jobs])
+    text = summary(results, comparison, p, seconds, train_min)
     (out_dir / "summary.md").write_text(text)
     payload = {
         "profile": asdict(p),
         "seconds": seconds,
+        "training_minutes": train_min,
         "goal_reduction": GOAL_REDUCTION,
         "noninferiority": NONINFERIORITY,
         "plateau_exit": PLATEAU_EXIT,
