@@ -141,9 +141,12 @@ def test_report_calls_a_fix_whose_models_never_learned_no_fix(tmp_path):
     text = report.claim_fixes(src)
     assert "2 of 3 seeds still on the plateau" in text and "costs mean accuracy" in text
     assert "1 of 3 seeds left the loss plateau" in text and "**Goal not met**" in text
+    assert "every seed left the plateau for 0 of 1 fixes" in text
     good = _fixes_summary([0.6, 0.58, 0.61], reduction=0.8, meets=True)
     (tmp_path / "fixes_long.json").write_text(json.dumps(good))
     text = report.claim_fixes(src)
     assert "**Goal met** by random_offset (long)" in text
+    assert "(long, 100 steps): every seed left the plateau for 1 of 1 fixes" in text
+    assert "significantly narrower for 1 (random_offset)" in text
     assert text.index("Profile default") < text.index("Profile long")
     assert report.fix_runs(tmp_path)[-1][0] == "long"
