@@ -127,17 +127,12 @@ PROFILES = {
     # the budget axis: at 2000 steps most fix models had not left the loss plateau yet, so
     # the 2-layer variants again with twice the steps (the 3-layer pair is left out for time)
     "long": Profile(
-        "mean",
-        8,
-        2,
-        64,
-        8,
-        (0, 1, 2),
-        4000,
-        2,
-        4096,
-        400,
-        400,
+        *("mean", 8, 2, 64, 8, (0, 1, 2)),
+        steps=4000,
+        jitter=2,
+        test_sequences=4096,
+        n_boot=400,
+        n_perm=400,
         fixes=("aligned", "staggered_head", "random_offset", "jittered_data"),
     ),
 }
