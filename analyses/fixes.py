@@ -66,6 +66,17 @@ def off_plateau(accuracy: float) -> bool:
     return bool(accuracy >= PLATEAU_EXIT)
 
 
+def seeds_off_plateau(results: pd.DataFrame, fix: str) -> tuple[int, int]:
+    """(seeds off the loss plateau, seeds) of ``fix``, from its per-seed rows of ``results``."""
+    per = results[(results["fix"] == fix) & (results["seed"] != "pooled")]
+    return sum(map(off_plateau, per["accuracy"])), len(per)
+
+
+def all_off_plateau(results: pd.DataFrame, fix: str) -> bool:
+    up, n = seeds_off_plateau(results, fix)
+    return up == n
+
+
 @dataclass(frozen=True)
 class Variant:
     """One way to train a model; ``baseline`` names the variant it is compared with."""
@@ -250,7 +261,6 @@ def aggregate(out_dir: Path, p: Profile, workers: int) -> tuple[pd.DataFrame, pd
 
     far_from = 3 * p.stride - 1  # beyond the raw window W = 2d: read through blocks only
     tidy = targets.assign(phase=targets["source_pos"] % p.stride, seq_id=targets["group_id"])
-    learned = tidy.groupby(["design", "seed"])["correct"].mean().map(off_plateau)
     comparison = []
     for fix in p.fixes:
         v = VARIANTS[fix]
@@ -269,7 +279,7 @@ def aggregate(out_dir: Path, p: Profile, workers: int) -> tuple[pd.DataFrame, pd
                 c["reduction"] >= GOAL_REDUCTION
                 and c["reduction_lo"] > 0
                 and c["accuracy_diff_lo"] > -NONINFERIORITY
-                and bool(learned[fix].all())
+                and all_off_plateau(results, fix)
             )
             comparison.append(
                 {
@@ -334,7 +344,7 @@ def summary(
             f"| {r.fix} | {r.accuracy:.3f} | {' '.join(f'{x:.3f}' for x in r.acc_by_phase)} | "
             f"{r.weak_phase} | {_f(r.debiased_gap)} [{_f(r.debiased_lo)}, {_f(r.debiased_hi)}] "
             f"| {_f(r.null_p95)} | {r.p_perm:.2g} | {r.p_paired:.2g} | {seed_cells} | "
-            f"{sum(map(off_plateau, seeds['accuracy']))} / {len(seeds)} |"
+            "{} / {} |".format(*seeds_off_plateau(results, r.fix))
         )
     lines += [
         "",

@@ -27,7 +27,7 @@ import pandas as pd
 from phasemech.theory import fmt_num, fmt_time
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fixes import GOAL_REDUCTION, off_plateau  # noqa: E402
+from fixes import GOAL_REDUCTION, all_off_plateau, seeds_off_plateau  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CLAIM_GAP_PP = 40  # PAPER.md: "accuracy swings by up to 40 percentage points across phases"
@@ -277,7 +277,7 @@ def claim_specialisation(src: Sources) -> str:
         )
     out.append(f"  (`{src.command}`: model panels.)")
     tt = _load_json(src.results / "theory_trained_default.json")
-    learned = [m for m in tt["models"] if off_plateau(m["accuracy"])] if tt else []
+    learned = [m for m in tt["models"] if m["off_plateau"]] if tt else []
     if learned:
         spec = sum(m["specialised_heads"] for m in learned)
         heads = sum(m["heads"] for m in learned)
@@ -405,8 +405,8 @@ def claim_theory(src: Sources) -> str:
     if tt:
         ms = tt["models"]
         pooled = tt["pooled_rank_test"]["all"]
-        learned = [m for m in ms if off_plateau(m["accuracy"])]
-        stuck = [f"H={m['heads']} seed {m['seed']}" for m in ms if not off_plateau(m["accuracy"])]
+        learned = [m for m in ms if m["off_plateau"]]
+        stuck = [f"H={m['heads']} seed {m['seed']}" for m in ms if not m["off_plateau"]]
         weak_hit = sum(m["weak_observed"] == m["weak_predicted"] for m in learned)
         out.append(
             f"- Against trained gated models (d = {tt['profile']['stride']}, H in "
@@ -524,12 +524,6 @@ def fix_runs(results: Path) -> list[tuple[str, dict]]:
     return [(name, fx) for name, fx in runs if fx is not None]
 
 
-def _seeds(res: pd.DataFrame, fix: str) -> tuple[int, int]:
-    """(seeds off the loss plateau, seeds) of one fix."""
-    per = res[(res["fix"] == fix) & (res["seed"] != "pooled")]
-    return sum(off_plateau(a) for a in per["accuracy"]), len(per)
-
-
 def _fixes_run(name: str, fx: dict) -> tuple[list[str], list[str]]:
     """The lines for one recorded fixes profile, and the fixes that met the goal there."""
     prof = fx["profile"]
@@ -544,7 +538,7 @@ def _fixes_run(name: str, fx: dict) -> tuple[list[str], list[str]]:
         "",
     ]
     for r in pooled.itertuples():
-        up, n = _seeds(res, r.fix)
+        up, n = seeds_off_plateau(res, r.fix)
         out.append(
             f"- {r.fix}: accuracy {r.accuracy:.3f}, by phase "
             f"{' '.join(f'{x:.3f}' for x in r.acc_by_phase)}, debiased gap {f3(r.debiased_gap)} "
@@ -555,7 +549,7 @@ def _fixes_run(name: str, fx: dict) -> tuple[list[str], list[str]]:
     cmp = pd.DataFrame(fx["comparison"])
     met = []
     for r in cmp[cmp["targets"] == "all"].itertuples():
-        up, n = _seeds(res, r.fix)
+        up, n = seeds_off_plateau(res, r.fix)
         why = []
         if not r.meets_goal:
             if not r.reduction >= fx["goal_reduction"]:
@@ -605,7 +599,7 @@ def claim_fixes(src: Sources) -> str:
     cmp = pd.DataFrame(fx["comparison"])
     cmp = cmp[cmp["targets"] == "all"]
     res = pd.DataFrame(fx["results"])
-    learned = [f for f in cmp["fix"] if _seeds(res, f)[0] == _seeds(res, f)[1]]
+    learned = [f for f in cmp["fix"] if all_off_plateau(res, f)]
     wider = list(cmp.loc[cmp["reduction_hi"] < 0, "fix"])
     narrower = list(cmp.loc[cmp["reduction_lo"] > 0, "fix"])
     out += [
@@ -705,7 +699,7 @@ def analysis_figures(theory: dict, results: Path = RESULTS) -> list[dict]:
                     "by needle phase: "
                     + "; ".join(
                         f"{r.fix} {r.accuracy:.3f} (gap {f3(r.debiased_gap)}, "
-                        "{}/{} seeds off the plateau)".format(*_seeds(res, r.fix))
+                        "{}/{} seeds off the plateau)".format(*seeds_off_plateau(res, r.fix))
                         for r in pooled.itertuples()
                     )
                     + "."

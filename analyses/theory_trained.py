@@ -70,8 +70,8 @@ PROFILES = {
     "tiny": Profile(
         4, (2, 4), 32, 4, (0,), 20, 64, 32, theory_seeds=2, theory_steps=200, eval_every=10
     ),
-    # at 2000 steps both H = 8 models were still on the loss plateau (accuracy 0.22; a pilot
-    # with d_head 8 too), so H = 8 gets twice the steps (at 4000 they had crept to 0.28)
+    # at 2000 steps both H = 8 models were still on the loss plateau (accuracy 0.22), so H = 8
+    # gets twice the steps (at 4000 they had crept to 0.28)
     "default": Profile(4, (2, 4, 8), 64, 8, (0, 1), 2000, 4096, 1024, steps_for_heads=((8, 4000),)),
 }
 
