@@ -259,6 +259,23 @@ class CompressionConfig:
         return cls(**d)
 
 
+def _check_compression_acts(c: CompressionConfig, n_ctx: int) -> None:
+    """Refuse a compression that could never compress anything in ``n_ctx`` positions (the
+    model would silently be the dense one)."""
+    if n_ctx < c.stride:
+        raise ValueError(
+            f"CompressionConfig.stride={c.stride} is invalid with n_ctx={n_ctx}: no chunk of "
+            f"{c.stride} tokens fits in the context, so nothing would be compressed; allowed "
+            f"stride <= n_ctx"
+        )
+    if c.window >= n_ctx and c.block_scope == "outside_window":
+        raise ValueError(
+            f"CompressionConfig.window={c.window} is invalid with n_ctx={n_ctx}: the raw window "
+            "already holds every past token of every query, so nothing would be compressed; "
+            f"allowed window < n_ctx (or block_scope='all')"
+        )
+
+
 def _no_compression() -> CompressionConfig:
     return CompressionConfig(design="none")
 
@@ -300,6 +317,8 @@ class PhaseTransformerConfig(HookedTransformerConfig):
                     f"CompressionConfig.offsets has shape {shape}: explicit offsets must be "
                     f"[kv_head]=({g},) or [layer, kv_head]=({self.n_layers}, {g})"
                 )
+        if c.enabled:
+            _check_compression_acts(c, self.n_ctx)
         if c.enabled and self.attention_dir != "causal":
             raise ValueError(
                 f"attention_dir={self.attention_dir!r} is invalid with compression: chunked KV "

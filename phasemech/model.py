@@ -225,6 +225,11 @@ class PhaseTransformer(HookedTransformer):
             raise ValueError(
                 f"tokens have shape {tuple(tokens.shape)}: expected [batch, pos] or [pos]"
             )
+        if tokens.numel() == 0:
+            raise ValueError(
+                f"tokens have shape {tuple(tokens.shape)}: need at least one sequence and one "
+                "position"
+            )
         seq = tokens.shape[-1]
         if seq > self.cfg.n_ctx:
             raise ValueError(f"tokens have {seq} positions: at most n_ctx={self.cfg.n_ctx} allowed")
@@ -234,9 +239,36 @@ class PhaseTransformer(HookedTransformer):
                 f"0..{self.cfg.d_vocab - 1}"
             )
 
+    @staticmethod
+    def _check_attention_mask(mask: Any, tokens: Any) -> None:
+        """``attention_mask``: 0/1 integers or bools, ``[batch, pos]`` like the tokens. A value
+        such as 2 would otherwise pass as "attend" while shifting the grid and positions."""
+        if not isinstance(mask, Tensor):
+            raise ValueError(
+                f"attention_mask is a {type(mask).__name__}: expected a [batch, pos] tensor of 0/1"
+            )
+        if mask.is_floating_point() or mask.is_complex():
+            raise ValueError(
+                f"attention_mask has dtype {mask.dtype}: expected 0/1 integers or bools "
+                "(1 = real token, 0 = hidden)"
+            )
+        if mask.dtype != torch.bool and mask.numel() and ((mask != 0) & (mask != 1)).any():
+            bad = sorted({int(v) for v in mask.unique().tolist()} - {0, 1})
+            raise ValueError(f"attention_mask holds {bad[:5]}: allowed values are 0 and 1")
+        if isinstance(tokens, Tensor):
+            shapes = {tuple(tokens.shape), (1, *tokens.shape) if tokens.ndim == 1 else ()}
+            if tuple(mask.shape) not in shapes:
+                raise ValueError(
+                    f"attention_mask has shape {tuple(mask.shape)}: expected the tokens' shape "
+                    f"{tuple(tokens.shape)}"
+                )
+
     def forward(self, input: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: A002
         if kwargs.get("start_at_layer") is None:
             self._check_tokens(input)
+        if kwargs.get("attention_mask") is not None:
+            tokens = input if kwargs.get("start_at_layer") is None else None
+            self._check_attention_mask(kwargs["attention_mask"], tokens)
         self.grid_state.begin_forward(self.training)
         return super().forward(input, *args, **kwargs)
 

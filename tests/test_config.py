@@ -198,6 +198,37 @@ def test_compression_dict_accepted_and_bad_type_rejected():
 
 
 @pytest.mark.parametrize(
+    ("comp", "n_ctx", "pattern"),
+    [
+        (CompressionConfig("mean", stride=8, window=2), 6, r"stride=8.*n_ctx=6.*no chunk"),
+        (CompressionConfig("route", stride=8, window=0), 7, r"stride=8.*n_ctx=7"),
+        (CompressionConfig("mean", stride=4, window=16), 16, r"window=16.*n_ctx=16.*raw window"),
+        (CompressionConfig("evict", stride=2, window=40), 24, r"window=40.*n_ctx=24"),
+        (CompressionConfig("gated", stride=4), 8, r"window=8.*n_ctx=8"),  # default 2*stride
+    ],
+)
+def test_compression_that_cannot_act_is_refused(comp, n_ctx, pattern):
+    """Such a model would silently be the dense one: refused at construction."""
+    with pytest.raises(ValueError, match=pattern):
+        make_config(comp, n_ctx=n_ctx)
+
+
+def test_compression_guard_is_tight():
+    """Just inside the guard the compressed model really differs from the dense one; with
+    ``block_scope='all'`` a window over the whole context still adds compressed entries."""
+    x = torch.randint(0, D_VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    dense = make_model("none", n_ctx=16)
+    for comp in (
+        CompressionConfig("mean", stride=4, window=15),
+        CompressionConfig("mean", stride=16, window=0),
+        CompressionConfig("mean", stride=4, window=16, block_scope="all"),
+    ):
+        model = make_model(compression=comp, n_ctx=16)
+        model.load_state_dict(dense.state_dict(), strict=False)
+        assert not torch.allclose(model(x), dense(x), atol=1e-4), comp
+
+
+@pytest.mark.parametrize(
     ("extra", "field"),
     [
         ({"attention_dir": "bidirectional"}, "attention_dir"),
@@ -235,6 +266,8 @@ def _no_forward(model, monkeypatch):
         (torch.full((1, 5), D_VOCAB), f"{D_VOCAB - 1}"),
         (torch.full((1, 5), -1), "-1"),
         (torch.zeros(1, 2, 5, dtype=torch.long), r"\(1, 2, 5\)"),
+        (torch.zeros(0, 5, dtype=torch.long), r"\(0, 5\).*at least one sequence"),
+        (torch.zeros(2, 0, dtype=torch.long), r"\(2, 0\).*one position"),
     ],
 )
 def test_bad_tokens_raise_before_work(model, monkeypatch, bad, pattern):
@@ -243,6 +276,30 @@ def test_bad_tokens_raise_before_work(model, monkeypatch, bad, pattern):
         model(bad)
     with pytest.raises(ValueError, match=pattern):
         model.run_with_cache(bad)
+
+
+@pytest.mark.parametrize(
+    ("mask", "pattern"),
+    [
+        (torch.ones(2, 5), "float32.*0/1"),
+        (torch.full((2, 5), 2), r"\[2\].*0 and 1"),
+        (torch.tensor([[1, 1, -1, 1, 1]] * 2), r"\[-1\]"),
+        (torch.ones(2, 4, dtype=torch.long), r"\(2, 4\).*\(2, 5\)"),
+        ([[1] * 5] * 2, "list"),
+    ],
+)
+def test_bad_attention_mask_raises_before_work(model, monkeypatch, mask, pattern):
+    _no_forward(model, monkeypatch)
+    x = torch.zeros(2, 5, dtype=torch.long)
+    with pytest.raises(ValueError, match=pattern):
+        model(x, attention_mask=mask)
+
+
+def test_good_attention_masks(model):
+    x = torch.randint(0, D_VOCAB, (2, 6), generator=torch.Generator().manual_seed(0))
+    ints = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 0, 1, 1]])
+    torch.testing.assert_close(model(x, attention_mask=ints), model(x, attention_mask=ints.bool()))
+    assert model(x[0], attention_mask=ints[:1]).shape == (1, 6, D_VOCAB)
 
 
 def test_good_tokens_1d_and_full_context(model):

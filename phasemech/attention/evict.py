@@ -6,7 +6,8 @@ designs' used blocks outside the raw window, see ``phasemech.grid``) is scored b
 that the observation queries ``u in [max(0, t - obs_window + 1), t]`` of all query heads of KV
 group ``g`` pay to its tokens, where each ``u`` attends as ordinary dense causal attention over
 raw post-RoPE keys ``j <= u`` (the attention before any eviction; padding keys hidden). Only
-queries and keys ``<= t`` enter, so the score is causal. The ``top_k`` best blocks are kept for
+queries and keys ``<= t`` enter, so the score is causal; a query ``u`` that ``attention_mask``
+hides observes nothing (its query vector would carry the masked token into the ranking). The ``top_k`` best blocks are kept for
 the whole KV group (eviction acts on a KV head's cache), plus what ``route`` forces (the current
 block when the query closes it); the query attends, in one softmax over raw tokens, the tokens
 of kept blocks plus its raw window, exactly as ``route`` does. The rest is evicted. No
@@ -64,6 +65,9 @@ class ChunkEvictAttention(BlockRouteAttention):
             dense = self._row_pattern(qh @ kh.transpose(-1, -2), visible)  # [b, h, u, key]
             member = self._members(geo, seq, dense.dtype)  # [batch, head, block, key_pos]
             mass = self._group_sum(dense @ member.transpose(-1, -2))  # [b, h, u, block]
+            if geo.key_valid is not None:
+                # a masked position is no observation query: its q would leak its token
+                mass = mass * geo.key_valid[:, None, :, None].to(mass.dtype)
             # observation window: sum over u in [t - obs_window + 1, t] (zeros before 0)
             w = self.obs_window
             padded = F.pad(mass, (0, 0, w - 1, 0))
@@ -80,7 +84,8 @@ class ChunkEvictAttention(BlockRouteAttention):
             keys = torch.arange(seq, device=q.device)
             visible = (keys[None, None, :] <= u[:, :, None]) & (u[:, :, None] >= 0)
             if geo.key_valid is not None:
-                visible = visible & geo.key_valid[:, None, :]
+                observer = geo.key_valid.gather(1, u.clamp(min=0))  # [batch, obs]: unmasked u
+                visible = visible & geo.key_valid[:, None, :] & observer[:, :, None]
             visible = visible[:, None].expand(-1, scores.shape[1], -1, -1)  # [b, h, obs, key]
             dense = self._row_pattern(scores, visible)
             member = self._members(geo, seq, dense.dtype)  # [batch, head, block, key_pos]
