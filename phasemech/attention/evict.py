@@ -7,10 +7,11 @@ that the observation queries ``u in [max(0, t - obs_window + 1), t]`` of all que
 group ``g`` pay to its tokens, where each ``u`` attends as ordinary dense causal attention over
 raw post-RoPE keys ``j <= u`` (the attention before any eviction; padding keys hidden). Only
 queries and keys ``<= t`` enter, so the score is causal; a query ``u`` that ``attention_mask``
-hides observes nothing (its query vector would carry the masked token into the ranking). The ``top_k`` best blocks are kept for
-the whole KV group (eviction acts on a KV head's cache), plus what ``route`` forces (the current
-block when the query closes it); the query attends, in one softmax over raw tokens, the tokens
-of kept blocks plus its raw window, exactly as ``route`` does. The rest is evicted. No
+hides observes nothing (its query vector would carry the masked token into the ranking). The
+``top_k`` best blocks are kept for the whole KV group (eviction acts on a KV head's cache), plus
+what ``route`` forces (the current block when the query closes it); the query attends, in one
+softmax over raw tokens, the tokens of kept blocks plus its raw window, exactly as ``route``
+does. The rest is evicted. No
 parameters (applied post hoc with ``PhaseTransformer.from_hooked``); selection has no gradient.
 
 Everything but the ranking is ``route``'s code path (``BlockRouteAttention``), so the hooks are
