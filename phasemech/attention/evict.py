@@ -11,8 +11,8 @@ hides observes nothing (its query vector would carry the masked token into the r
 ``top_k`` best blocks are kept for the whole KV group (eviction acts on a KV head's cache), plus
 what ``route`` forces (the current block when the query closes it); the query attends, in one
 softmax over raw tokens, the tokens of kept blocks plus its raw window, exactly as ``route``
-does. The rest is evicted. No
-parameters (applied post hoc with ``PhaseTransformer.from_hooked``); selection has no gradient.
+does. The rest is evicted. No parameters (applied post hoc with ``PhaseTransformer.from_hooked``);
+selection has no gradient.
 
 Everything but the ranking is ``route``'s code path (``BlockRouteAttention``), so the hooks are
 ``route``'s: ``hook_route_scores`` ``[batch, head, pos, block]`` holds the eviction scores
