@@ -4,20 +4,29 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import torch
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from phasemech import __version__
-from phasemech.config import DESIGNS, SELECTING_DESIGNS
-from phasemech.model import PhaseTransformer
+from phasemech.ablation import METRICS as ABLATION_METRICS
+from phasemech.config import DESIGNS, OFFSET_MODES, SELECTING_DESIGNS
+from phasemech.patching import CONTRASTS, SITES
+from phasemech.patching import METRICS as PATCH_METRICS
 from phasemech.phase import phase_attention
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.splitlines()[0])
 console = Console()
+
+
+def _fail(err: Exception | str) -> typer.Exit:
+    """Print ``err`` as one line and return the exit to raise (status 1)."""
+    console.print(f"[red]error:[/] {escape(str(err))}", highlight=False)
+    return typer.Exit(1)
 
 
 @app.command()
@@ -28,16 +37,20 @@ def info() -> None:
 
 @app.command("phase-attention")
 def phase_attention_cmd(
-    model_dir: Annotated[Path, typer.Argument(help="folder written by PhaseTransformer.save")],
+    model_dir: Annotated[Path, typer.Argument(help="run folder, checkpoint or model folder")],
     sequences: Annotated[int, typer.Option(min=1, help="random sequences to average over")] = 64,
     length: Annotated[int, typer.Option(min=0, help="sequence length (0: the model's n_ctx)")] = 0,
     seed: int = 0,
     out: Annotated[Path | None, typer.Option(help="write the tidy table (.parquet/.csv)")] = None,
 ) -> None:
     """Attention mass per (layer, head, source phase) on seeded random tokens."""
+    from phasemech.evaluate import load_trained
+
     torch.set_num_threads(1)
-    model = PhaseTransformer.load(model_dir)
-    model.eval()
+    try:
+        model, _, model_dir = load_trained(model_dir)
+    except (FileNotFoundError, ValueError) as err:
+        raise _fail(err) from err
     seq = length or model.cfg.n_ctx
     if seq > model.cfg.n_ctx:
         raise typer.BadParameter(f"--length {seq} exceeds the model's n_ctx={model.cfg.n_ctx}")
@@ -72,14 +85,32 @@ BalancedOpt = Annotated[
 ]
 
 
+def _check_data_out(out: Path) -> None:
+    """``--out`` is a new path, a ``.parquet`` file (replaced atomically) or a folder that is
+    empty or holds a saved dataset; anything else is someone's file and is left alone."""
+    if out.is_file() and out.suffix != ".parquet":
+        raise typer.BadParameter(
+            f"--out {out} is an existing file: give a new folder (save_to_disk) or a .parquet path"
+        )
+    if out.is_dir() and any(out.iterdir()) and not (out / "state.json").is_file():
+        raise typer.BadParameter(
+            f"--out {out} is a folder that is not empty and holds no saved dataset: give a new "
+            "or empty folder, or a .parquet path"
+        )
+
+
 def _write_dataset(task, sequences: int, seed: int, balanced: bool, out: Path) -> None:
     from phasemech.tasks import generate, save_dataset, targets_frame
 
+    _check_data_out(out)
     try:
         ds = generate(task, sequences, seed, balanced=balanced)
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err
-    save_dataset(ds, out)
+    try:
+        save_dataset(ds, out)
+    except OSError as err:  # a full or read-only disk
+        raise _fail(f"{out}: {err.strerror or err}") from err
     counts = targets_frame(ds).groupby("phase").size()
     console.print(
         f"wrote {len(ds)} {task.name} sequences ({int(counts.sum())} targets) to {out}; "
@@ -139,93 +170,120 @@ def data_needle(
 # ----------------------------------------------------------------------------------- train
 
 
+PosInt = Annotated[int | None, typer.Option(min=1)]
+
+
 @app.command()
 def train(
     out: Annotated[Path, typer.Option("--out", "-o", help="run folder")],
     config: Annotated[Path | None, typer.Option(help="TrainConfig JSON (flags override)")] = None,
     resume: Annotated[bool, typer.Option(help="continue from the last checkpoint")] = False,
-    design: Annotated[str | None, typer.Option(help="none|mean|gated|mlp|route")] = None,
-    stride: int | None = None,
-    window: Annotated[int | None, typer.Option(help="raw window (default 2*stride)")] = None,
+    design: Annotated[Literal[DESIGNS] | None, typer.Option()] = None,
+    stride: PosInt = None,
+    window: Annotated[int | None, typer.Option(min=0, help="raw window (default 2*stride)")] = None,
     layers: Annotated[str | None, typer.Option(help="compressed layers, e.g. '1'")] = None,
-    offsets: Annotated[str | None, typer.Option(help="aligned|per_layer|per_head|random")] = None,
-    heads: int | None = None,
-    d_model: int | None = None,
-    n_layers: int | None = None,
-    seq_len: int | None = None,
-    pairs: int | None = None,
-    jitter: int | None = None,
-    steps: int | None = None,
-    batch_size: int | None = None,
+    offsets: Annotated[Literal[OFFSET_MODES] | None, typer.Option()] = None,
+    heads: PosInt = None,
+    d_model: PosInt = None,
+    n_layers: PosInt = None,
+    seq_len: PosInt = None,
+    pairs: PosInt = None,
+    jitter: Annotated[int | None, typer.Option(min=0)] = None,
+    steps: PosInt = None,
+    batch_size: PosInt = None,
     lr: float | None = None,
-    warmup_steps: int | None = None,
-    eval_every: int | None = None,
+    warmup_steps: Annotated[int | None, typer.Option(min=0)] = None,
+    eval_every: PosInt = None,
+    eval_sequences: Annotated[
+        int | None,
+        typer.Option(min=1, help="held-out set size (default: 512 rounded up to the task stride)"),
+    ] = None,
     target_accuracy: float | None = None,
     seed: int | None = None,
-    threads: int | None = None,
+    threads: PosInt = None,
 ) -> None:
     """Train a model from scratch on MQAR (progress shows held-out accuracy per phase)."""
-    import dataclasses
-    import json
-    import math
-
-    from phasemech.config import CompressionConfig
-    from phasemech.train import TrainConfig
     from phasemech.train import train as run_train
 
+    flags = dict(
+        design=design, stride=stride, window=window, layers=layers, offsets=offsets, heads=heads,
+        d_model=d_model, n_layers=n_layers, seq_len=seq_len, pairs=pairs, jitter=jitter,
+        steps=steps, batch_size=batch_size, lr=lr, warmup_steps=warmup_steps,
+        eval_every=eval_every, eval_sequences=eval_sequences, target_accuracy=target_accuracy,
+        seed=seed, threads=threads,
+    )  # fmt: skip
     try:
-        cfg = TrainConfig()
-        if config is not None:
-            cfg = TrainConfig.from_dict(json.loads(config.read_text()))
-        elif resume and (out / "train_config.json").is_file():
-            cfg = TrainConfig.from_dict(json.loads((out / "train_config.json").read_text()))
-        task = dataclasses.replace(
-            cfg.task, **_given(seq_len=seq_len, n_pairs=pairs, jitter=jitter)
-        )
-        model = dataclasses.replace(
-            cfg.model, **_given(n_heads=heads, d_model=d_model, n_layers=n_layers)
-        )
-        comp = cfg.compression.to_dict()
-        comp.update(_given(design=design, stride=stride, window=window, offsets=offsets))
-        if layers is not None:
-            comp["layers"] = [int(x) for x in layers.split(",")] if layers else None
-        if stride is not None:  # derived fields follow the new stride unless given
-            comp["block_len"] = None
-            if window is None:
-                comp["window"] = None
-        if stride is not None and task.stride % stride:
-            # keep phases balanced on the new grid: the task stride must be a multiple of it
-            task = dataclasses.replace(task, stride=math.lcm(task.stride, stride))
-        if comp["design"] not in SELECTING_DESIGNS:
-            comp["top_k"] = None
-        cfg = dataclasses.replace(
-            cfg,
-            task=task,
-            model=model,
-            compression=CompressionConfig.from_dict(comp),
-            **_given(
-                steps=steps,
-                batch_size=batch_size,
-                lr=lr,
-                warmup_steps=warmup_steps,
-                eval_every=eval_every,
-                target_accuracy=target_accuracy,
-                seed=seed,
-                threads=threads,
-            ),
-        )
-    except (ValueError, TypeError, json.JSONDecodeError, OSError) as err:
+        cfg = _train_config(out, config, resume, flags)
+    except (ValueError, TypeError, OSError) as err:
         raise typer.BadParameter(str(err)) from err
     try:
         result = run_train(cfg, out, resume=resume)
-    except (FileExistsError, FileNotFoundError, ValueError) as err:
-        console.print(f"[red]error:[/] {err}")
-        raise typer.Exit(1) from err
+    except (OSError, ValueError) as err:  # a foreign folder, a corrupt run, a full disk
+        raise _fail(err) from err
     phases = " ".join(f"{p:.3f}" for p in result.accuracy_by_phase)
     console.print(
         f"step {result.step}: held-out accuracy {result.accuracy:.3f} (by phase {phases})"
         f"{' (early stop)' if result.stopped_early else ''}; checkpoint {result.checkpoint}"
     )
+
+
+def _train_config(out: Path, config: Path | None, resume: bool, flags: dict):
+    """The run's ``TrainConfig``: the ``--config`` file, else the run's own config when
+    resuming, else the defaults; then the flags given on the command line."""
+    import dataclasses
+    import json
+    import math
+
+    from phasemech.config import CompressionConfig
+    from phasemech.train import CONFIG_NAME, TrainConfig
+
+    source = config or (out / CONFIG_NAME if resume and (out / CONFIG_NAME).is_file() else None)
+    cfg = TrainConfig() if source is None else TrainConfig.load(source)
+    f = _given(**flags)
+    task = dataclasses.replace(
+        cfg.task, **_pick(f, seq_len="seq_len", pairs="n_pairs", jitter="jitter")
+    )
+    model = dataclasses.replace(
+        cfg.model, **_pick(f, heads="n_heads", d_model="d_model", n_layers="n_layers")
+    )
+    comp = cfg.compression.to_dict()
+    comp.update(_pick(f, design="design", stride="stride", window="window", offsets="offsets"))
+    if "layers" in f:
+        try:
+            comp["layers"] = [int(x) for x in f["layers"].split(",")] if f["layers"] else None
+        except ValueError as err:
+            raise ValueError(
+                f"--layers {f['layers']!r} is invalid: expected ints like 0,1"
+            ) from err
+    if "stride" in f:  # derived fields follow the new stride unless given
+        comp["block_len"] = None
+        if "window" not in f:
+            comp["window"] = None
+        if task.stride % f["stride"]:
+            # keep phases balanced on the new grid: the task stride must be a multiple of it
+            task = dataclasses.replace(task, stride=math.lcm(task.stride, f["stride"]))
+    if comp["design"] not in SELECTING_DESIGNS:
+        comp["top_k"] = None
+    if comp["design"] != "evict":
+        comp["obs_window"] = None
+    written = source is not None and "eval_sequences" in json.loads(source.read_text())
+    if "eval_sequences" not in f and not written and task.stride != cfg.task.stride:
+        # a held-out size the user never set follows the task stride (a multiple of it)
+        f["eval_sequences"] = None
+    keys = ("steps", "batch_size", "lr", "warmup_steps", "eval_every", "eval_sequences",
+            "target_accuracy", "seed", "threads")  # fmt: skip
+    return dataclasses.replace(
+        cfg,
+        task=task,
+        model=model,
+        compression=CompressionConfig.from_dict(comp),
+        **{k: f[k] for k in keys if k in f},
+    )
+
+
+def _pick(given: dict, **names: str) -> dict:
+    """``{field: given[flag]}`` for each ``flag=field`` that was given."""
+    return {field: given[flag] for flag, field in names.items() if flag in given}
 
 
 def _given(**kwargs):
@@ -271,8 +329,7 @@ def eval_cmd(
             n_perm=n_perm,
         )
     except (FileNotFoundError, ValueError) as err:
-        console.print(f"[red]error:[/] {err}")
-        raise typer.Exit(1) from err
+        raise _fail(err) from err
     task = task_of(ds)
     console.print(
         f"model {model_dir}; data: {task.name if task else 'dataset'} "
@@ -343,7 +400,7 @@ def ablate(
     layers: Annotated[
         str | None, typer.Option(help="comma-separated layers (default: all)")
     ] = None,
-    metric: Annotated[str, typer.Option(help="accuracy, logprob or logit_diff")] = "accuracy",
+    metric: Annotated[Literal[ABLATION_METRICS], typer.Option()] = "accuracy",
     n_boot: int = 1000,
     n_perm: int = 1000,
     seed: int = 0,
@@ -373,8 +430,7 @@ def ablate(
         )
         spec = result.specialization(metric=metric, n_perm=n_perm, seed=seed)
     except (FileNotFoundError, ValueError) as err:
-        console.print(f"[red]error:[/] {err}")
-        raise typer.Exit(1) from err
+        raise _fail(err) from err
     dest = result.save(out or model_dir / "ablate", specialization=spec)
     cols = ["component", "mode", "layer", "unit", "overall", "phase_range", "served_phase", "si"]
     top = spec.sort_values("rank").head(12)[cols + ["p_perm", "rank"]]
@@ -385,13 +441,13 @@ def ablate(
 @app.command()
 def patch(
     checkpoint: Annotated[Path, typer.Argument(help="run folder, checkpoint or model folder")],
-    contrast: Annotated[str, typer.Option(help="grid, content or answer")] = "grid",
+    contrast: Annotated[Literal[CONTRASTS], typer.Option()] = "grid",
     shift: Annotated[
         int | None, typer.Option(help="grid/content shift (default: stride // 2)")
     ] = None,
-    site: Annotated[str, typer.Option(help="z (head outputs), kv_block or pattern")] = "z",
+    site: Annotated[Literal[SITES], typer.Option(help="z: head outputs")] = "z",
     by_pos: Annotated[bool, typer.Option(help="one position at a time")] = False,
-    metric: Annotated[str, typer.Option(help="logit_diff, logprob or prob")] = "logit_diff",
+    metric: Annotated[Literal[PATCH_METRICS], typer.Option()] = "logit_diff",
     pairs: Annotated[int, typer.Option(min=1, help="clean/corrupted pairs")] = 256,
     attribution: Annotated[
         bool, typer.Option(help="also attribution patching vs exact _by_pos (site z)")
@@ -456,8 +512,7 @@ def patch(
             atp = P.attribution_patch(model, pairs_, metric=metric, progress=True)
             comparison = P.compare_attribution(atp, result)
     except (FileNotFoundError, ValueError) as err:
-        console.print(f"[red]error:[/] {err}")
-        raise typer.Exit(1) from err
+        raise _fail(err) from err
     dest = result.save(out or model_dir / f"patch_{contrast}_{site}")
     console.print(
         f"{len(pairs_)} {contrast} pairs, metric {metric}: clean {result.clean.mean():.3f}, "
@@ -502,8 +557,7 @@ def dashboard(
             run_dir, out, config, models=_split(models), force=force, progress=True
         )
     except (FileNotFoundError, ValueError) as err:
-        console.print(f"[red]error:[/] {err}")
-        raise typer.Exit(1) from err
+        raise _fail(err) from err
     size = dest.stat().st_size / 1e6
     console.print(f"wrote {dest} ({size:.1f} MB, self-contained: open it in any browser)")
 
@@ -525,8 +579,7 @@ def sweep_pretrained(
     try:
         text = run_profile(profile, runs, workers)
     except (FileNotFoundError, ValueError) as err:
-        console.print(f"[red]error:[/] {err}")
-        raise typer.Exit(1) from err
+        raise _fail(err) from err
     console.print(text)
 
 

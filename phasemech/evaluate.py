@@ -9,7 +9,6 @@ set the ``stride`` shifted copies of one content are correlated, so they are res
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -172,12 +171,7 @@ def resolve_checkpoint(path: str | Path) -> tuple[Path, TrainConfig | None]:
         path = ckpts[-1]
     elif path.parent.name == CKPT_DIR and (path.parent.parent / CONFIG_NAME).is_file():
         run_dir = path.parent.parent
-    cfg = None
-    if run_dir is not None:
-        try:
-            cfg = TrainConfig.from_dict(json.loads((run_dir / CONFIG_NAME).read_text()))
-        except (json.JSONDecodeError, TypeError, ValueError) as err:
-            raise ValueError(f"{run_dir / CONFIG_NAME} is not a valid train config: {err}") from err
+    cfg = None if run_dir is None else TrainConfig.load(run_dir / CONFIG_NAME)
     return path, cfg
 
 

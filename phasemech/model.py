@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 from jaxtyping import Int
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+from safetensors.torch import save as safetensors_bytes
 from torch import Tensor
 from transformer_lens import HookedTransformer, HookedTransformerConfig
 
@@ -335,7 +336,10 @@ class PhaseTransformer(HookedTransformer):
         text = json.dumps(self.config_dict(), indent=2, sort_keys=True)
         atomic_write(path / CONFIG_FILE, lambda tmp: Path(tmp).write_text(text))
         state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
-        atomic_write(path / WEIGHTS_FILE, lambda tmp: save_file(state, tmp))
+        # bytes written by Python, not by safetensors' own writer: a full or read-only disk
+        # then raises the OSError it is (with its errno), not an opaque SafetensorError
+        data = safetensors_bytes(state)
+        atomic_write(path / WEIGHTS_FILE, lambda tmp: Path(tmp).write_bytes(data))
         return path
 
     @classmethod

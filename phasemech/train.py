@@ -24,6 +24,7 @@ see :mod:`phasemech.tasks`), ``vocab``, ``phase``.
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import math
 import os
@@ -59,6 +60,8 @@ from phasemech.tasks import (
 from phasemech.tasks import training_batch as task_batch
 
 CONFIG_NAME = "train_config.json"
+DEFAULT_EVAL_SEQUENCES = 512
+TMP_CKPT_PREFIX = ".tmp-step_"  # + step + "-" + pid: a checkpoint being written
 METRICS_NAME = "metrics.jsonl"
 CKPT_DIR = "checkpoints"
 STATE_FILE = "trainer.pt"
@@ -141,7 +144,8 @@ class TrainConfig:
     grad_clip: float = 1.0
     eval_every: int = 100
     checkpoint_every: int | None = None  # None: at every evaluation
-    eval_sequences: int = 512  # phase-balanced held-out set
+    # phase-balanced held-out set; None: 512 rounded up to a multiple of the task's stride
+    eval_sequences: int | None = None
     eval_seed: int = 12345
     target_accuracy: float | None = None  # early stop once held-out accuracy reaches it
     seed: int = 0
@@ -151,6 +155,12 @@ class TrainConfig:
         def need(name: str, ok: bool, allowed: str) -> None:
             if not ok:
                 raise ValueError(f"{name}={getattr(self, name)!r} is invalid: {allowed}")
+
+        if self.eval_sequences is None:  # the smallest phase-balanced set of >= 512
+            stride = getattr(self.task, "stride", 1)
+            object.__setattr__(
+                self, "eval_sequences", -(-DEFAULT_EVAL_SEQUENCES // stride) * stride
+            )
 
         for name in ("steps", "batch_size", "eval_every", "eval_sequences", "threads"):
             need(name, is_int(getattr(self, name)) and getattr(self, name) >= 1, "need int >= 1")
@@ -222,6 +232,23 @@ class TrainConfig:
         if "compression" in d:
             d["compression"] = CompressionConfig.from_dict(d["compression"])
         return cls(**d)
+
+    @classmethod
+    def load(cls, path: str | Path) -> TrainConfig:
+        """Read a ``train_config.json``; every error names the file."""
+        path = Path(path)
+        try:
+            raw = json.loads(path.read_text())
+        except OSError as err:
+            raise ValueError(f"{path} could not be read: {err.strerror or err}") from err
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ValueError(f"{path} is not valid JSON: {err}") from err
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path} must hold a JSON object, got {type(raw).__name__}")
+        try:
+            return cls.from_dict(raw)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"{path} holds an invalid train config: {err}") from err
 
     def build_model(self) -> PhaseTransformer:
         torch.manual_seed(self.seed)
@@ -319,24 +346,66 @@ def checkpoint_dirs(run_dir: str | Path) -> list[Path]:
 def save_checkpoint(
     run_dir: Path, step: int, model: PhaseTransformer, opt, sched, info: dict[str, Any]
 ) -> Path:
+    """Write checkpoint ``step`` under a temporary name, then rename it into place. A write that
+    fails (full or read-only disk) removes its temporary folder and raises one ``OSError`` that
+    names the checkpoints folder and the operating system's error."""
     root = run_dir / CKPT_DIR
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:06d}"
-    tmp = root / f".tmp-step_{step:06d}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save(tmp)
+    tmp = root / f"{TMP_CKPT_PREFIX}{step:06d}-{os.getpid()}"
     state = {
         "optimizer": opt.state_dict(),
         "scheduler": sched.state_dict(),
         "torch_rng": torch.get_rng_state(),
         "step": step,
     }
-    torch.save(state, tmp / STATE_FILE)
-    (tmp / INFO_FILE).write_text(json.dumps({"step": step, **info}, indent=2))
-    if final.exists():  # re-saving the same step (e.g. early stop at a checkpoint step)
-        shutil.rmtree(final)
-    os.replace(tmp, final)  # atomic: readers see no folder or a complete one
+    # serialised in memory, written with plain file writes: a full disk then surfaces as the OS
+    # error it is, not as torch's "unexpected pos" from inside its zip writer
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save(tmp)
+        (tmp / STATE_FILE).write_bytes(buffer.getvalue())
+        (tmp / INFO_FILE).write_text(json.dumps({"step": step, **info}, indent=2))
+        if final.exists():  # re-saving the same step (e.g. early stop at a checkpoint step)
+            shutil.rmtree(final)
+        os.replace(tmp, final)  # atomic: readers see no folder or a complete one
+    except OSError as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise OSError(
+            f"{root}: could not write checkpoint {final.name} ({err.strerror or err})"
+        ) from err
     return final
+
+
+def remove_stale_temporaries(run_dir: str | Path) -> list[Path]:
+    """Remove the temporary folders of checkpoint writes that were killed (``kill -9``, power
+    loss): ``.tmp-step_<step>-<pid>`` whose process is gone, or is this very process (a PID
+    reused after a restart; this process writes none before it trains). A folder of another
+    live process is kept: it may be writing it now. Returns the removed folders."""
+    root = Path(run_dir) / CKPT_DIR
+    if not root.is_dir():
+        return []
+    removed = []
+    for path in root.glob(f"{TMP_CKPT_PREFIX}*"):
+        pid = path.name.rsplit("-", 1)[-1]
+        if path.is_dir() and pid.isdigit() and not _other_live_process(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def _other_live_process(pid: int) -> bool:
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)  # signal 0: existence check only
+    except (ProcessLookupError, OverflowError):  # gone, or no valid PID at all
+        return False
+    except PermissionError:  # alive, owned by someone else
+        return True
+    return True
 
 
 def load_checkpoint(ckpt: Path, model: PhaseTransformer, opt, sched) -> int:
@@ -402,31 +471,50 @@ def train(
     """
     run_dir = Path(run_dir)
     cfg_file = run_dir / CONFIG_NAME
+    _check_run_folder(run_dir)
     if cfg_file.exists() and not resume:
         raise FileExistsError(f"{run_dir} already holds a run: pass resume=True (--resume)")
     if resume and cfg_file.exists():
-        try:
-            saved = json.loads(cfg_file.read_text())
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{cfg_file} is not valid JSON: {err}") from err
-        diffs = _diff(saved, json.loads(json.dumps(cfg.to_dict())))  # tuples -> lists
+        saved = TrainConfig.load(cfg_file)
+        diffs = _diff(
+            json.loads(json.dumps(saved.to_dict())), json.loads(json.dumps(cfg.to_dict()))
+        )
         if diffs:
             raise ValueError(f"{run_dir} was trained with another config: " + "; ".join(diffs))
-    if not resume and checkpoint_dirs(run_dir):
-        raise FileExistsError(
-            f"{run_dir} holds checkpoints but no {CONFIG_NAME}: not a run this trainer can "
-            "resume; use an empty folder"
-        )
     model = cfg.build_model()  # a config that cannot build fails here, before any write
-    run_dir.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(cfg_file, cfg.to_dict())
-
     prev_threads = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
     try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(run_dir)
+        if not cfg_file.exists():  # a resumed run's config was checked equal above
+            write_json_atomic(cfg_file, cfg.to_dict())
         return _train(cfg, model, run_dir, resume, progress, on_step)
+    except OSError as err:
+        if err.errno is None:  # ours: already names the file or folder
+            raise
+        # a full or read-only disk: one line naming the run folder and the OS error
+        where = f" ({err.filename})" if err.filename else ""
+        raise OSError(f"{run_dir}: {err.strerror or err}{where}") from err
     finally:
         torch.set_num_threads(prev_threads)
+
+
+def _check_run_folder(run_dir: Path) -> None:
+    """A run goes into a new folder, an empty one, or one that holds a run: never into a file
+    or a folder of someone else's files (a run replaces its ``metrics.jsonl``)."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise FileExistsError(f"{run_dir} is a file: a run needs a new or empty folder")
+    if not run_dir.is_dir() or (run_dir / CONFIG_NAME).is_file():
+        return
+    # leftovers of an atomic write of the config itself (a run killed at its first write)
+    foreign = [p.name for p in run_dir.iterdir() if not p.name.startswith(f".{CONFIG_NAME}.")]
+    if foreign:
+        shown = ", ".join(sorted(foreign)[:3]) + (", ..." if len(foreign) > 3 else "")
+        raise FileExistsError(
+            f"{run_dir} is not empty ({shown}) and holds no {CONFIG_NAME}: not a phasemech run; "
+            "use a new or empty folder"
+        )
 
 
 def _train(

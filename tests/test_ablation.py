@@ -140,7 +140,7 @@ def test_blocks_need_compressed_layers(ds):
 
 
 def test_blocks_unused_when_window_covers_sequence(ds):
-    wide = _model("mean", window=48)  # every past token raw: no block is ever used
+    wide = _model("mean", window=24)  # sequences of 24: every past token raw, no block used
     res = ablate(wide, ds, components="blocks", modes=("mask", "mean", "resample"), n_boot=0)
     t = res.targets
     for m in ab.METRICS:

@@ -44,13 +44,14 @@ def test_design_none_is_hooked_transformer(variant):
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("design", DESIGNS)
 def test_full_window_equals_hooked_transformer(design, variant):
-    """With ``window >= n_ctx`` every past token is raw and no block is used."""
+    """On sequences no longer than the window every past token is raw and no block is used.
+    (``window >= n_ctx`` itself is refused: such a model could never compress.)"""
     kw = VARIANTS[variant]
     tl_model = make_hooked(**kw)
-    comp = CompressionConfig(design, stride=3, block_len=4, window=N_CTX)
+    comp = CompressionConfig(design, stride=3, block_len=4, window=N_CTX - 1)
     model = PhaseTransformer.from_hooked(tl_model, comp).eval()
     assert all(isinstance(b.attn, CompressedAttentionMixin) for b in model.blocks)
-    x = tokens(2, N_CTX, seed=1)
+    x = tokens(2, N_CTX - 1, seed=1)
     expected = tl_model(x)
     logits, cache = model.run_with_cache(x)
     torch.testing.assert_close(logits, expected, atol=1e-6, rtol=0)

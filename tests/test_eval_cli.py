@@ -321,7 +321,7 @@ def test_resolve_checkpoint(run_dir, tmp_path):
         resolve_checkpoint(empty)
     (empty / "train_config.json").write_text("{not json")
     (empty / "checkpoints" / "step_000001").mkdir(parents=True)
-    with pytest.raises(ValueError, match="train config"):
+    with pytest.raises(ValueError, match="train_config.json is not valid JSON"):
         resolve_checkpoint(empty)
 
 

@@ -58,13 +58,13 @@ def test_block_scope_all_keeps_blocks_inside_the_window(design):
 @pytest.mark.parametrize("design", DESIGNS)
 def test_half_precision_models_run(design, dtype):
     hooked = make_hooked(dtype=dtype)
-    model = PhaseTransformer.from_hooked(hooked, CompressionConfig(design, stride=4, window=48))
+    model = PhaseTransformer.from_hooked(hooked, CompressionConfig(design, stride=4, window=24))
     model.set_use_token_pattern(True)
     x = tokens(seq=24)
     logits, cache = model.run_with_cache(x)
     assert logits.dtype == dtype and torch.isfinite(logits).all()
     assert cache["blocks.1.attn.hook_token_pattern"].dtype == dtype
-    # a window covering the context equals the dense model up to half-precision rounding
+    # a window covering the sequence equals the dense model up to half-precision rounding
     torch.testing.assert_close(logits.float(), hooked(x).float(), atol=3e-2, rtol=3e-2)
     short = PhaseTransformer.from_hooked(hooked, CompressionConfig(design, stride=4, window=4))
     assert torch.isfinite(short(x).float()).all()

@@ -250,5 +250,5 @@ def test_fresh_run_into_a_folder_with_foreign_checkpoints_is_refused(tmp_path):
     cfg = tiny_config(steps=4)
     train(cfg, tmp_path / "r", progress=False)
     (tmp_path / "r" / "train_config.json").unlink()
-    with pytest.raises(FileExistsError, match="holds checkpoints"):
+    with pytest.raises(FileExistsError, match="holds no train_config.json"):
         train(cfg, tmp_path / "r", progress=False)
