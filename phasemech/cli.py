@@ -231,11 +231,10 @@ def _train_config(out: Path, config: Path | None, resume: bool, flags: dict):
     """The run's ``TrainConfig``: the ``--config`` file, else the run's own config when
     resuming, else the defaults; then the flags given on the command line."""
     import dataclasses
-    import json
     import math
 
     from phasemech.config import CompressionConfig
-    from phasemech.train import CONFIG_NAME, TrainConfig
+    from phasemech.train import CONFIG_NAME, TrainConfig, default_eval_sequences
 
     source = config or (out / CONFIG_NAME if resume and (out / CONFIG_NAME).is_file() else None)
     cfg = TrainConfig() if source is None else TrainConfig.load(source)
@@ -266,9 +265,14 @@ def _train_config(out: Path, config: Path | None, resume: bool, flags: dict):
         comp["top_k"] = None
     if comp["design"] != "evict":
         comp["obs_window"] = None
-    written = source is not None and "eval_sequences" in json.loads(source.read_text())
-    if "eval_sequences" not in f and not written and task.stride != cfg.task.stride:
-        # a held-out size the user never set follows the task stride (a multiple of it)
+    default = default_eval_sequences(cfg.task.stride)
+    if (
+        "eval_sequences" not in f
+        and cfg.eval_sequences == default
+        and task.stride != cfg.task.stride
+    ):
+        # the default held-out size (never set, or a run's config that kept it) follows the
+        # new task stride; a size the user chose stays, and an invalid one is an error
         f["eval_sequences"] = None
     keys = ("steps", "batch_size", "lr", "warmup_steps", "eval_every", "eval_sequences",
             "target_accuracy", "seed", "threads")  # fmt: skip

@@ -259,20 +259,35 @@ class CompressionConfig:
         return cls(**d)
 
 
-def _check_compression_acts(c: CompressionConfig, n_ctx: int) -> None:
-    """Refuse a compression that could never compress anything in ``n_ctx`` positions (the
-    model would silently be the dense one)."""
-    if n_ctx < c.stride:
-        raise ValueError(
-            f"CompressionConfig.stride={c.stride} is invalid with n_ctx={n_ctx}: no chunk of "
-            f"{c.stride} tokens fits in the context, so nothing would be compressed; allowed "
-            f"stride <= n_ctx"
-        )
+def _check_compression_acts(c: CompressionConfig, n_ctx: int, offsets: set[int]) -> None:
+    """Refuse a compression that could never change the model in ``n_ctx`` positions: no
+    query ever reads a block, or ``route``/``evict`` always keep every block. Such a model
+    would silently be the dense one. ``offsets``: the grid offsets the layers can have."""
+    from phasemech.grid import last_query_blocks
+
     if c.window >= n_ctx and c.block_scope == "outside_window":
         raise ValueError(
             f"CompressionConfig.window={c.window} is invalid with n_ctx={n_ctx}: the raw window "
             "already holds every past token of every query, so nothing would be compressed; "
-            f"allowed window < n_ctx (or block_scope='all')"
+            "allowed window < n_ctx (or block_scope='all')"
+        )
+    reach = [
+        last_query_blocks(n_ctx, c.stride, c.block_len, c.window, c.visibility, o, c.block_scope)
+        for o in sorted(offsets)
+    ]
+    if max(used for used, _ in reach) == 0:
+        raise ValueError(
+            f"CompressionConfig.stride={c.stride} is invalid with n_ctx={n_ctx} "
+            f"(visibility={c.visibility!r}, offsets={c.offsets!r}): no chunk closes early "
+            "enough for any query to read it, so nothing would be compressed; use a stride "
+            f"below n_ctx"
+        )
+    ranked = max(r for _, r in reach)
+    if c.design in SELECTING_DESIGNS and c.top_k >= ranked:
+        raise ValueError(
+            f"CompressionConfig.top_k={c.top_k} is invalid with n_ctx={n_ctx}: a query has at "
+            f"most {ranked} blocks to choose from, so {c.design!r} would keep them all (the "
+            f"dense model); allowed top_k < {ranked}"
         )
 
 
@@ -318,7 +333,12 @@ class PhaseTransformerConfig(HookedTransformerConfig):
                     f"[kv_head]=({g},) or [layer, kv_head]=({self.n_layers}, {g})"
                 )
         if c.enabled:
-            _check_compression_acts(c, self.n_ctx)
+            base = c.base_offsets(self.n_layers, self.n_kv_heads)[
+                c.compressed_layers(self.n_layers)
+            ]
+            # random offsets: training draws every offset of the stride
+            offsets = set(range(c.stride)) if c.offsets == "random" else set(base.ravel().tolist())
+            _check_compression_acts(c, self.n_ctx, offsets)
         if c.enabled and self.attention_dir != "causal":
             raise ValueError(
                 f"attention_dir={self.attention_dir!r} is invalid with compression: chunked KV "

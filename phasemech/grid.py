@@ -77,6 +77,33 @@ def n_blocks(seq_len: int, stride: int) -> int:
     return seq_len // stride + 1
 
 
+def last_query_blocks(
+    seq_len: int,
+    stride: int,
+    block_len: int,
+    window: int,
+    visibility: str,
+    offset: int,
+    block_scope: str = "outside_window",
+) -> tuple[int, int]:
+    """``(used, ranked)`` at the last query ``t = seq_len - 1`` of an unpadded sequence: the
+    blocks it uses (the coverage rule above) and those ``route``/``evict`` may rank (used, less
+    the block it closes, which is forced). Both only grow with ``t`` (the ranked count at the
+    last query is the maximum too), so ``used == 0`` means no query ever reads a block and
+    ``ranked <= top_k`` means no selection ever drops one: the layer is dense attention."""
+    d, t = stride, seq_len - 1
+    newest = t if visibility == "inclusive" else t - 1
+    latest_end = newest - (newest + 1 - offset) % d
+    raw_start = min(t - window + 1, latest_end + 1)
+    ends = np.arange(n_blocks(seq_len, d)) * d + offset - 1
+    first = np.maximum(ends - block_len + 1, 0)
+    used = (ends >= 0) & (ends <= latest_end)
+    if block_scope == "outside_window":
+        used &= first < raw_start
+    forced = used & (ends == t)  # only under inclusive visibility can a block end at t
+    return int(used.sum()), int(used.sum() - forced.sum())
+
+
 def raw_band_width(seq_len: int, stride: int, window: int) -> int:
     """``Wr``: the longest raw span ``t - r_t + 1`` a query can have, capped at the sequence."""
     return max(1, min(max(window, stride), seq_len))

@@ -257,11 +257,12 @@ class PhaseTransformer(HookedTransformer):
             bad = sorted({int(v) for v in mask.unique().tolist()} - {0, 1})
             raise ValueError(f"attention_mask holds {bad[:5]}: allowed values are 0 and 1")
         if isinstance(tokens, Tensor):
-            shapes = {tuple(tokens.shape), (1, *tokens.shape) if tokens.ndim == 1 else ()}
-            if tuple(mask.shape) not in shapes:
+            # TransformerLens runs 1-D tokens as one sequence [1, pos]; its mask must say so
+            want = (1, *tokens.shape) if tokens.ndim == 1 else tuple(tokens.shape)
+            if tuple(mask.shape) != want:
                 raise ValueError(
-                    f"attention_mask has shape {tuple(mask.shape)}: expected the tokens' shape "
-                    f"{tuple(tokens.shape)}"
+                    f"attention_mask has shape {tuple(mask.shape)}: expected {want} for tokens "
+                    f"of shape {tuple(tokens.shape)}"
                 )
 
     def forward(self, input: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: A002

@@ -128,6 +128,12 @@ class ModelSpec:
         )
 
 
+def default_eval_sequences(task_stride: int) -> int:
+    """The default held-out size: the smallest phase-balanced set (a multiple of the task's
+    stride) of at least 512 sequences."""
+    return -(-DEFAULT_EVAL_SEQUENCES // task_stride) * task_stride
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """Everything that decides a run's result. Defaults: the paper-scale toy of the sweep."""
@@ -156,11 +162,9 @@ class TrainConfig:
             if not ok:
                 raise ValueError(f"{name}={getattr(self, name)!r} is invalid: {allowed}")
 
-        if self.eval_sequences is None:  # the smallest phase-balanced set of >= 512
+        if self.eval_sequences is None:
             stride = getattr(self.task, "stride", 1)
-            object.__setattr__(
-                self, "eval_sequences", -(-DEFAULT_EVAL_SEQUENCES // stride) * stride
-            )
+            object.__setattr__(self, "eval_sequences", default_eval_sequences(stride))
 
         for name in ("steps", "batch_size", "eval_every", "eval_sequences", "threads"):
             need(name, is_int(getattr(self, name)) and getattr(self, name) >= 1, "need int >= 1")
@@ -199,7 +203,8 @@ class TrainConfig:
         need(
             "eval_sequences",
             self.eval_sequences % self.task.stride == 0,
-            f"need a multiple of the task stride {self.task.stride} (phase-balanced set)",
+            f"need a multiple of the task stride {self.task.stride} (phase-balanced set), e.g. "
+            f"{-(-self.eval_sequences // self.task.stride) * self.task.stride}",
         )
         need("seed", is_int(self.seed), "need an int")
 
@@ -399,6 +404,8 @@ def remove_stale_temporaries(run_dir: str | Path) -> list[Path]:
 def _other_live_process(pid: int) -> bool:
     if pid == os.getpid():
         return False
+    if os.name != "posix":  # os.kill(pid, 0) would send a signal there: keep the folder
+        return True
     try:
         os.kill(pid, 0)  # signal 0: existence check only
     except (ProcessLookupError, OverflowError):  # gone, or no valid PID at all
@@ -493,9 +500,10 @@ def train(
     except OSError as err:
         if err.errno is None:  # ours: already names the file or folder
             raise
-        # a full or read-only disk: one line naming the run folder and the OS error
+        # a full or read-only disk: one line naming the run folder and the OS error (same
+        # exception type, so callers catching PermissionError and the like still do)
         where = f" ({err.filename})" if err.filename else ""
-        raise OSError(f"{run_dir}: {err.strerror or err}{where}") from err
+        raise type(err)(f"{run_dir}: {err.strerror or err}{where}") from err
     finally:
         torch.set_num_threads(prev_threads)
 
@@ -507,8 +515,9 @@ def _check_run_folder(run_dir: Path) -> None:
         raise FileExistsError(f"{run_dir} is a file: a run needs a new or empty folder")
     if not run_dir.is_dir() or (run_dir / CONFIG_NAME).is_file():
         return
-    # leftovers of an atomic write of the config itself (a run killed at its first write)
-    foreign = [p.name for p in run_dir.iterdir() if not p.name.startswith(f".{CONFIG_NAME}.")]
+    # hidden files are not someone's work: OS litter (.DS_Store, .gitkeep) or the leftover of
+    # an atomic write of the config itself (a run killed at its first write)
+    foreign = [p.name for p in run_dir.iterdir() if not p.name.startswith(".")]
     if foreign:
         shown = ", ".join(sorted(foreign)[:3]) + (", ..." if len(foreign) > 3 else "")
         raise FileExistsError(

@@ -103,8 +103,8 @@ def test_causality_sanity_future_does_change_future():
     assert not torch.allclose(a[:, 10:], b[:, 10:], atol=1e-5)
 
 
-@settings(max_examples=60, deadline=None)
-@given(cfg=configs(), dense=st.booleans(), data=st.data())
+@settings(max_examples=80, deadline=None)
+@given(cfg=configs(), dense=st.integers(0, 5).map(lambda i: i == 0), data=st.data())
 def test_masked_tokens_never_change_unmasked_positions(cfg, dense, data):
     """Tokens hidden by ``attention_mask`` anywhere in the sequence (the middle, the start, the
     end, runs of them) change no logit at an unmasked position, for every design and the dense

@@ -202,9 +202,18 @@ def test_compression_dict_accepted_and_bad_type_rejected():
     [
         (CompressionConfig("mean", stride=8, window=2), 6, r"stride=8.*n_ctx=6.*no chunk"),
         (CompressionConfig("route", stride=8, window=0), 7, r"stride=8.*n_ctx=7"),
+        # strict: the chunk closing at the last position is never visible to a later query
+        (CompressionConfig("mean", stride=16, window=0, visibility="strict"), 16, "no chunk"),
         (CompressionConfig("mean", stride=4, window=16), 16, r"window=16.*n_ctx=16.*raw window"),
         (CompressionConfig("evict", stride=2, window=40), 24, r"window=40.*n_ctx=24"),
         (CompressionConfig("gated", stride=4), 8, r"window=8.*n_ctx=8"),  # default 2*stride
+        # the last query has blocks ending 3 and 7 to rank: top_k = 2 keeps every one
+        (CompressionConfig("route", stride=4, window=8), 16, r"top_k=2.*at most 2 blocks"),
+        (
+            CompressionConfig("evict", stride=4, window=4, top_k=3),
+            16,
+            r"top_k=3.*allowed top_k < 3",
+        ),
     ],
 )
 def test_compression_that_cannot_act_is_refused(comp, n_ctx, pattern):
@@ -213,19 +222,27 @@ def test_compression_that_cannot_act_is_refused(comp, n_ctx, pattern):
         make_config(comp, n_ctx=n_ctx)
 
 
-def test_compression_guard_is_tight():
-    """Just inside the guard the compressed model really differs from the dense one; with
-    ``block_scope='all'`` a window over the whole context still adds compressed entries."""
+@pytest.mark.parametrize(
+    "comp",
+    [
+        CompressionConfig("mean", stride=4, window=15),
+        CompressionConfig("mean", stride=16, window=0),  # inclusive: query 15 reads its chunk
+        CompressionConfig("mean", stride=4, window=16, block_scope="all"),
+        CompressionConfig("mean", stride=15, window=0, visibility="strict"),
+        CompressionConfig("mean", stride=20, window=0, offsets=(0, 0, 0, 5)),  # a partial chunk
+        CompressionConfig("mean", stride=20, window=0, offsets="random", eval_offset=6),
+        CompressionConfig("route", stride=4, window=8, top_k=1),
+        CompressionConfig("evict", stride=4, window=4, top_k=2),
+    ],
+    ids=str,
+)
+def test_compression_guard_is_tight(comp):
+    """Just inside the guard the compressed model really differs from the dense one."""
     x = torch.randint(0, D_VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
     dense = make_model("none", n_ctx=16)
-    for comp in (
-        CompressionConfig("mean", stride=4, window=15),
-        CompressionConfig("mean", stride=16, window=0),
-        CompressionConfig("mean", stride=4, window=16, block_scope="all"),
-    ):
-        model = make_model(compression=comp, n_ctx=16)
-        model.load_state_dict(dense.state_dict(), strict=False)
-        assert not torch.allclose(model(x), dense(x), atol=1e-4), comp
+    model = make_model(compression=comp, n_ctx=16)
+    model.load_state_dict(dense.state_dict(), strict=False)
+    assert not torch.allclose(model(x), dense(x), atol=1e-4)
 
 
 @pytest.mark.parametrize(
@@ -286,6 +303,7 @@ def test_bad_tokens_raise_before_work(model, monkeypatch, bad, pattern):
         (torch.tensor([[1, 1, -1, 1, 1]] * 2), r"\[-1\]"),
         (torch.ones(2, 4, dtype=torch.long), r"\(2, 4\).*\(2, 5\)"),
         ([[1] * 5] * 2, "list"),
+        (torch.tensor(1), r"shape \(\)"),
     ],
 )
 def test_bad_attention_mask_raises_before_work(model, monkeypatch, mask, pattern):
@@ -300,6 +318,8 @@ def test_good_attention_masks(model):
     ints = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 0, 1, 1]])
     torch.testing.assert_close(model(x, attention_mask=ints), model(x, attention_mask=ints.bool()))
     assert model(x[0], attention_mask=ints[:1]).shape == (1, 6, D_VOCAB)
+    with pytest.raises(ValueError, match=r"shape \(6,\): expected \(1, 6\)"):
+        model(x[0], attention_mask=ints[0])  # 1-D tokens run as [1, pos]
 
 
 def test_good_tokens_1d_and_full_context(model):

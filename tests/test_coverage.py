@@ -15,7 +15,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from phasemech.grid import build_geometry, n_blocks, phase_of, raw_band_width
+from phasemech.grid import (
+    build_geometry,
+    last_query_blocks,
+    n_blocks,
+    phase_of,
+    raw_band_width,
+)
 
 VIS = ("inclusive", "strict")
 
@@ -215,3 +221,25 @@ def test_raw_band_is_wide_enough_and_never_past_t():
         assert (bp <= torch.arange(seq)[:, None]).all()
         assert (bp[:, -1] == torch.arange(seq)).all()  # last band slot is the query itself
         assert not geo.band_valid[..., bp < 0].any()
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    seq=st.integers(1, 30),
+    d=st.integers(1, 6),
+    extra=st.integers(0, 3),
+    w=st.integers(0, 34),
+    vis=st.sampled_from(VIS),
+    scope=st.sampled_from(["outside_window", "all"]),
+    data=st.data(),
+)
+def test_last_query_blocks_is_the_maximum_over_every_query(seq, d, extra, w, vis, scope, data):
+    """The closed form the config guard uses (``last_query_blocks``) against the full geometry:
+    the most blocks any query uses, and the most it may rank (used less the forced block)."""
+    o = data.draw(st.integers(0, d - 1))
+    geo = build_geometry(torch.tensor([[o]]), seq, d, d + extra, w, vis, None, scope)
+    used = geo.block_used[0, 0]  # [pos, block]
+    t = torch.arange(seq)[:, None]
+    forced = used & (geo.block_last[0, 0][None, :] == t)
+    want = (int(used.sum(-1).max()), int((used & ~forced).sum(-1).max()))
+    assert last_query_blocks(seq, d, d + extra, w, vis, o, scope) == want

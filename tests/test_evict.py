@@ -58,10 +58,12 @@ VARIANTS = {
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_keeping_every_chunk_is_dense(variant):
-    """``top_k`` >= the number of candidates: nothing is evicted, so the model is TL's."""
+    """``top_k`` >= the number of candidates of every query of the sequence: nothing is
+    evicted, so the model is TL's. (At ``n_ctx`` = 48 the last queries have 11 candidates, so
+    ``top_k`` = 10 is allowed; a ``top_k`` that keeps everything at ``n_ctx`` is refused.)"""
     tl_model = make_hooked(**VARIANTS[variant])
-    seq = 40
-    comp = dict(stride=4, window=6, obs_window=5, top_k=n_blocks(seq, 4))
+    seq = 40  # the last query has 9 candidate blocks
+    comp = dict(stride=4, window=6, obs_window=5, top_k=10)
     model = _evict(tl_model, **comp)
     x = tokens(2, seq, seed=2)
     logits, cache = model.run_with_cache(x)
@@ -76,8 +78,8 @@ def test_keeping_every_chunk_is_dense(variant):
 
 def test_keeping_every_chunk_is_dense_with_left_padding():
     tl_model = make_hooked(**RG)
-    model = _evict(tl_model, stride=4, window=4, obs_window=3, top_k=20)
-    x = tokens(2, 30, seed=5)
+    model = _evict(tl_model, stride=4, window=4, obs_window=3, top_k=8)  # 11 at n_ctx = 48
+    x = tokens(2, 30, seed=5)  # at most 7 candidates
     mask = torch.ones_like(x)
     mask[0, :7] = 0
     ours, theirs = model(x, attention_mask=mask), tl_model(x, attention_mask=mask)
@@ -210,7 +212,7 @@ def test_matches_brute_force(comp):
 # ---------------------------------------------------------------------------- from_hooked
 def test_from_hooked_rotary_gqa():
     tl_model = make_hooked(**RG, attn_only=False)
-    comp = CompressionConfig("evict", stride=4, window=32, top_k=4, obs_window=8)
+    comp = CompressionConfig("evict", stride=4, window=16, top_k=4, obs_window=8)
     model = PhaseTransformer.from_hooked(tl_model, comp).eval()
     assert model.cfg.compression == comp and model.compressor_keys == set()
     assert all(isinstance(b.attn, ChunkEvictAttention) for b in model.blocks)

@@ -82,13 +82,20 @@ def test_cli_train_stride_3_and_eval_sequences_flag(tmp_path):
     assert not (tmp_path / "c").exists()
 
 
-def test_eval_sequences_from_a_config_file_is_kept(tmp_path):
-    """A held-out size the user wrote down is the user's: a new stride that breaks it is an
-    error, not a silent change."""
-    (tmp_path / "c.json").write_text(json.dumps({"eval_sequences": 512}))
+def test_eval_sequences_from_a_config_file(tmp_path):
+    """A run's own config keeps the default held-out size, which follows a new stride; a size
+    the user chose stays theirs, so a stride that breaks it is an error naming a valid one."""
+    train(tiny_config(task=MQARTask(), eval_sequences=None), tmp_path / "old", progress=False)
+    assert TrainConfig.load(tmp_path / "old" / "train_config.json").eval_sequences == 512
+    args = ["train", "--config", str(tmp_path / "old" / "train_config.json"), "--stride", "3"]
+    result = runner.invoke(app, [*args, "-o", str(tmp_path / "a")])
+    assert result.exit_code == 0, result.output
+    assert TrainConfig.load(tmp_path / "a" / "train_config.json").eval_sequences == 528
+    (tmp_path / "c.json").write_text(json.dumps({"eval_sequences": 256}))
     args = ["train", "-o", str(tmp_path / "r"), "--config", str(tmp_path / "c.json")]
     result = runner.invoke(app, [*args, "--stride", "3", "--steps", "1", *SMALL])
-    assert result.exit_code == 2 and "eval_sequences=512" in _flat(result.output)
+    assert result.exit_code == 2, result.output
+    assert "eval_sequences=256" in _flat(result.output) and "e.g.264" in _flat(result.output)
 
 
 # ------------------------------------------------------------------- flags (case 5)
@@ -115,8 +122,9 @@ def test_cli_ablate_bad_metric_is_refused_before_any_forward(tmp_path, monkeypat
     def boom(*a, **k):
         raise AssertionError("the ablation ran before --metric was checked")
 
+    train(tiny_config(), tmp_path / "r", progress=False)
     monkeypatch.setattr(phasemech.ablation, "ablate", boom)
-    result = runner.invoke(app, ["ablate", str(tmp_path / "anything"), "--metric", "bogus"])
+    result = runner.invoke(app, ["ablate", str(tmp_path / "r"), "--metric", "bogus"])
     assert result.exit_code == 2, result.output
     assert "'bogus' is not one of" in result.output and "accuracy" in result.output
 
@@ -141,6 +149,7 @@ def test_foreign_folder_is_refused_and_left_untouched(tmp_path):
 
 def test_empty_folder_is_a_fine_run_folder(tmp_path):
     (tmp_path / "r").mkdir()
+    (tmp_path / "r" / ".DS_Store").write_bytes(b"")  # hidden OS litter is no one's work
     assert train(tiny_config(), tmp_path / "r", progress=False).step == 4
 
 
@@ -193,7 +202,7 @@ def _fail_writes_under(monkeypatch, folder: Path, code: int) -> None:
     real_bytes, real_text, real_mkstemp = Path.write_bytes, Path.write_text, tempfile.mkstemp
 
     def refuse(path) -> None:
-        if str(path).startswith(str(folder)):
+        if str(path).startswith(str(folder)):  # OSError(EACCES, ...) is a PermissionError
             raise OSError(code, os.strerror(code), str(path))
 
     def write_bytes(self, data):
@@ -232,10 +241,13 @@ def test_disk_error_during_checkpointing_is_one_line(tmp_path, monkeypatch, code
     _one_line_error(result, str(tmp_path / "d" / "checkpoints"), os.strerror(code))
 
 
-def test_disk_error_on_the_run_folder_names_it(tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    ("code", "kind"), [(errno.EROFS, OSError), (errno.EACCES, PermissionError)]
+)
+def test_disk_error_on_the_run_folder_names_it(tmp_path, monkeypatch, code, kind):
     run = tmp_path / "r"
-    _fail_writes_under(monkeypatch, run, errno.EROFS)
-    with pytest.raises(OSError, match=f"^{run}: Read-only file system"):
+    _fail_writes_under(monkeypatch, run, code)
+    with pytest.raises(kind, match=f"^{run}: {os.strerror(code)}"):
         train(tiny_config(), run, progress=False)
 
 

@@ -85,8 +85,7 @@ class ChunkEvictAttention(BlockRouteAttention):
             keys = torch.arange(seq, device=q.device)
             visible = (keys[None, None, :] <= u[:, :, None]) & (u[:, :, None] >= 0)
             if geo.key_valid is not None:
-                observer = geo.key_valid.gather(1, u.clamp(min=0))  # [batch, obs]: unmasked u
-                visible = visible & geo.key_valid[:, None, :] & observer[:, :, None]
+                visible = visible & geo.key_valid[:, None, :]
             visible = visible[:, None].expand(-1, scores.shape[1], -1, -1)  # [b, h, obs, key]
             dense = self._row_pattern(scores, visible)
             member = self._members(geo, seq, dense.dtype)  # [batch, head, block, key_pos]
