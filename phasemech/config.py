@@ -284,10 +284,11 @@ def _check_compression_acts(c: CompressionConfig, n_ctx: int, offsets: set[int])
         )
     ranked = max(r for _, r in reach)
     if c.design in SELECTING_DESIGNS and c.top_k >= ranked:
+        fix = f"allowed top_k < {ranked}" if ranked > 1 else "use a smaller window or stride"
         raise ValueError(
             f"CompressionConfig.top_k={c.top_k} is invalid with n_ctx={n_ctx}: a query has at "
-            f"most {ranked} blocks to choose from, so {c.design!r} would keep them all (the "
-            f"dense model); allowed top_k < {ranked}"
+            f"most {ranked} block(s) to choose from, so {c.design!r} would keep them all (the "
+            f"dense model); {fix}"
         )
 
 

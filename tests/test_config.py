@@ -208,7 +208,8 @@ def test_compression_dict_accepted_and_bad_type_rejected():
         (CompressionConfig("evict", stride=2, window=40), 24, r"window=40.*n_ctx=24"),
         (CompressionConfig("gated", stride=4), 8, r"window=8.*n_ctx=8"),  # default 2*stride
         # the last query has blocks ending 3 and 7 to rank: top_k = 2 keeps every one
-        (CompressionConfig("route", stride=4, window=8), 16, r"top_k=2.*at most 2 blocks"),
+        (CompressionConfig("route", stride=4, window=8), 16, r"top_k=2.*at most 2 block"),
+        (CompressionConfig("route", stride=4, window=12, top_k=1), 16, r"smaller window"),
         (
             CompressionConfig("evict", stride=4, window=4, top_k=3),
             16,
