@@ -280,7 +280,7 @@ def _check_compression_acts(c: CompressionConfig, n_ctx: int, offsets: set[int])
             f"CompressionConfig.stride={c.stride} is invalid with n_ctx={n_ctx} "
             f"(visibility={c.visibility!r}, offsets={c.offsets!r}): no chunk closes early "
             "enough for any query to read it, so nothing would be compressed; use a stride "
-            f"below n_ctx"
+            "below n_ctx"
         )
     ranked = max(r for _, r in reach)
     if c.design in SELECTING_DESIGNS and c.top_k >= ranked:
