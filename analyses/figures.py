@@ -626,7 +626,7 @@ def main() -> None:
     from phasemech.theory import predictions
 
     entries = []
-    with console.status("theory: re-deriving THEORY.md's predictions"):
+    with console.status("theory: re-deriving the theory model's predictions"):
         theory = predictions(scale=fp.theory_scale)
     write_json_atomic(sweep_dir / "theory_predictions.json", json.loads(json.dumps(theory)))
     figs = make_figures(table, panel_list, sweep_dir, fp) + report.analysis_figures(theory)

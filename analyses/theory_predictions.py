@@ -1,10 +1,10 @@
-"""Re-derive THEORY.md's predictions with ``phasemech.theory`` (about 40 s; no training).
+"""Re-derive the theory model's predictions with ``phasemech.theory`` (about 40 s; no training).
 
 Critical beta/d (uniform pooling turns stable) vs log(N-1), and the stability eigenvalue's sign
 against what the flow does; the plateau length vs N; capacity H vs d; the shared slot handicap
 under aligned / staggered / random offsets; training concentrated on one phase; the causal
-signature of ablating a head. alpha 8, V 64 (THEORY.md leaves them open), side by side with the
-numbers THEORY.md quotes.
+signature of ablating a head. alpha 8, V 64 (the model leaves them open), side by side with the
+reference numbers of the model's original check (docs/theory.md).
 
 Writes ``--out`` (JSON, default ``runs/theory/predictions.json``); ``--record`` also copies it to
 ``analyses/results/theory_predictions.json``. ``make figures`` runs it.

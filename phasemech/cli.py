@@ -594,7 +594,7 @@ def theory(
         float, typer.Option(min=0.001, max=1.0, help="simulation length (< 1: a quick look)")
     ] = 1.0,
 ) -> None:
-    """Re-derive THEORY.md's predictions with the idealized gradient-flow model (~40 s)."""
+    """Re-derive the theory model's predictions (idealized gradient flow, docs/theory.md; ~40 s)."""
     from phasemech.io import write_json_atomic
     from phasemech.theory import predictions, predictions_text
 

@@ -30,8 +30,9 @@ Coverage rule (one rule for every design; tested in ``tests/test_coverage.py``):
 * ``route`` uses the same candidates but attends only the raw tokens of its top-k blocks (plus
   the block the query closes, forced): tokens of unselected blocks are dropped on purpose.
 
-Block numbering: block ``i`` ends at ``i*d + o - 1``, so it is COMPRESSION.md's block ``i - 1``;
-block 0 lies before the grid offset (all padding, never used, when ``o = 0``).
+Block numbering: block ``i`` ends at ``i*d + o - 1`` (block ``i - 1`` when counting from the
+first block after the offset); block 0 lies before the grid offset (all padding, never used, when
+``o = 0``).
 """
 
 from __future__ import annotations

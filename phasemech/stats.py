@@ -1,4 +1,4 @@
-"""Honest per-phase retrieval statistics (the reporting template of ``STATISTICS.md``).
+"""Honest per-phase retrieval statistics (the reporting template of ``docs/statistics.md``).
 
 Input: one tidy row per evaluated **target** with columns
 
@@ -576,9 +576,9 @@ def _harmonics(t: _Targets, alpha: float) -> pd.DataFrame:
     else:
         # z = (sum_phi (p_phi - p_bar) cos, ... sin) has covariance var * [[a, b], [b, e]]
         # with a = sum cos^2 / n_phi etc.; T_k = z' Cov^-1 z. With equal n this is exactly
-        # STATISTICS.md's 2|S_k|^2 / (d p_bar (1 - p_bar) / n) for k < d/2. At k = d/2 the sine
+        # the usual 2|S_k|^2 / (d p_bar (1 - p_bar) / n) for k < d/2. At k = d/2 the sine
         # part vanishes and Var(S) = d p_bar (1 - p_bar) / n, so T = |S|^2 / that (half the
-        # STATISTICS.md expression, which would be 2 chi2_1, not chi2_1).
+        # usual expression, which would be 2 chi2_1, not chi2_1).
         cos, sin = np.cos(angle), np.sin(angle)
         dev = p - p_bar
         zc, zs = (dev * cos).sum(1), (dev * sin).sum(1)
@@ -611,10 +611,10 @@ def harmonics(df: pd.DataFrame, stride: int, alpha: float = 0.05) -> pd.DataFram
     ``significant`` is ``p_holm < alpha``. k = 1 tests period d, k = d/2 parity.
 
     ``T_k`` uses the exact variance of the Fourier sum for the observed per-phase counts
-    (``var(p_phi) = p_bar (1 - p_bar) / n_phi``, ``p_bar`` pooled), which equals STATISTICS.md's
+    (``var(p_phi) = p_bar (1 - p_bar) / n_phi``, ``p_bar`` pooled), which equals the usual
     formula with equal counts. Replacing ``n`` by the per-phase *mean* count when counts are
     unequal would overstate ``T_k`` (its mean would be ``2 * mean(n) / harmonic_mean(n)``).
-    At ``k = d/2`` this is half STATISTICS.md's expression, which is ``2 chi2_1`` there. A phase
+    At ``k = d/2`` this is half the usual expression, which is ``2 chi2_1`` there. A phase
     with no target makes every row NaN except ``k`` and ``dof``.
     """
     t = _load(df, stride, "harmonics")
@@ -1011,7 +1011,7 @@ def _fmt(x: Any, spec: str = ".3f") -> str:
 
 @dataclass(frozen=True, eq=False)  # eq=False: DataFrame fields have no truth value
 class PhaseReport:
-    """The STATISTICS.md reporting template for one (model, design, stride, length).
+    """The reporting template (docs/statistics.md) for one (model, design, stride, length).
 
     ``per_phase``, ``by_depth``, ``harmonics`` are the frames of the functions of those names;
     ``chi2``, ``logistic``, ``gap``, ``guard`` the dicts of :func:`chi2_phase`,
@@ -1118,7 +1118,7 @@ def phase_report(
     alpha: float = 0.05,
     n_depth_bins: int = 5,
 ) -> PhaseReport:
-    """Everything in the STATISTICS.md template, deterministic given ``seed``.
+    """Everything in the reporting template (docs/statistics.md), deterministic given ``seed``.
 
     ``n_depth_bins`` sets the depth bins of ``by_depth``, the design guard and the permutation
     strata. The logistic test uses its default spline (``depth_df=4``), the gap 20 splits.

@@ -1,4 +1,4 @@
-"""The idealized retrieval model of ``THEORY.md``: per-head pooling weights over the slots of a
+"""The idealized retrieval model (``docs/theory.md``): per-head pooling weights over the slots of a
 window, trained by gradient flow, predict which heads specialise on which phases.
 
 Axes: ``head`` (H), ``slot`` (d, the local position in a window), ``phase`` (d, the target's
@@ -249,7 +249,7 @@ def head_ablation(theta, cfg: TheoryConfig) -> Float[np.ndarray, "head phase"]:
     return (_sigmoid(full - log_v) - _sigmoid(full - per_head - log_v)).mean(0)
 
 
-#: the numbers THEORY.md quotes from its own numerical check, for side-by-side comparison
+#: the reference numbers of the model's original numerical check (docs/theory.md), side by side
 THEORY_MD = {
     "plateau": {16: 100, 64: 225, 256: 725, 1024: 2725},
     "capacity_h2_accuracy": 0.57,
@@ -269,10 +269,10 @@ def _setup(cfg: TheoryConfig, **extra: str) -> str:
 
 
 def predictions(scale: float = 1.0) -> dict:
-    """Re-derive every prediction of THEORY.md (about 40 s at ``scale=1``; ``scale`` < 1
-    shortens the simulations, for tests). alpha 8, V 64 (THEORY.md leaves them open). Each
+    """Re-derive every prediction of the model (about 40 s at ``scale=1``; ``scale`` < 1
+    shortens the simulations, for tests). alpha 8, V 64 (the model leaves them open). Each
     section carries its ``setup`` (the parameters, read off the configs) and ``checks`` holds
-    THEORY.md's qualitative predictions as booleans computed from the numbers."""
+    the model's qualitative predictions as booleans computed from the numbers."""
     steps = max(int(6000 * scale), 50)
     base = TheoryConfig(d=8, heads=8, n_windows=64, beta=8.0)
     out: dict = {"alpha": base.alpha, "vocab": base.vocab, "steps": steps, "dt": 0.5}
@@ -303,7 +303,7 @@ def predictions(scale: float = 1.0) -> dict:
         )
     out["stability_setup"] = _setup(base, beta="2d, 4d, 6d")
     # plateau vs N; N = 1024 needs a longer horizon. The gap at a fixed budget (the first
-    # sixth of the horizon) is THEORY.md's "at a fixed budget the gap grows with N".
+    # sixth of the horizon) is the prediction "at a fixed budget the gap grows with N".
     out["plateau"], out["plateau_curves"] = [], []
     budget = steps // 6
     for n in ns:
@@ -346,7 +346,7 @@ def predictions(scale: float = 1.0) -> dict:
             }
         )
     out["capacity_setup"] = _setup(base, H="2..12")
-    # the level a covered phase reaches is set by alpha: THEORY.md's ~0.57 at H = 2
+    # the level a covered phase reaches is set by alpha: the reference ~0.57 at H = 2
     low = replace(base, heads=2, alpha=4.5)
     tr = simulate(low, steps=steps)
     out["capacity_low_alpha"] = {
@@ -421,7 +421,7 @@ def fmt_num(x: float | None) -> str:
 
 
 def predictions_text(p: dict) -> str:
-    """:func:`predictions` as lines of plain text, THEORY.md's numbers beside ours."""
+    """:func:`predictions` as lines of plain text, the reference numbers beside ours."""
     lines = ["critical beta/d vs log(N-1):"]
     for r in p["critical"]:
         lines.append(
@@ -438,7 +438,7 @@ def predictions_text(p: dict) -> str:
     lines.append(f"plateau (flow time to mean max weight > 0.5; {p['plateau_setup']}):")
     for r in p["plateau"]:
         lines.append(
-            f"  N={r['n_windows']:5d}: {fmt_time(r['time'])} (THEORY.md {r['theory_md']}); "
+            f"  N={r['n_windows']:5d}: {fmt_time(r['time'])} (reference {r['theory_md']}); "
             f"at the budget: gap {r['gap_at_budget']:.2f}, mean {r['mean_at_budget']:.2f}"
         )
     lines.append(f"  log-log slope {fmt_num(p['plateau_loglog_slope'])}")
@@ -448,20 +448,20 @@ def predictions_text(p: dict) -> str:
     low = p["capacity_low_alpha"]
     lines.append(
         f"  covered level {max(p['capacity'][0]['accuracy']):.2f}; at {low['setup']}: "
-        f"{low['covered_level']:.2f} (THEORY.md {p['theory_md']['capacity_h2_accuracy']})"
+        f"{low['covered_level']:.2f} (reference {p['theory_md']['capacity_h2_accuracy']})"
     )
     lines.append(f"slot handicap ({p['handicap_setup']}):")
     for r in p["handicap"]:
         md = r["theory_md"]
         lines.append(
             f"  {r['offsets']:9s}: gap {r['gap']:.2f}, mean {r['mean']:.2f} "
-            f"(THEORY.md {md['gap']:.2f} / {md['mean']:.2f})"
+            f"(reference {md['gap']:.2f} / {md['mean']:.2f})"
         )
     for r in p["concentrated"]:
         lines.append(f"training {r['share']:.0%} on phase 0: covered {r['covered']}")
     a = p["ablation"]
     lines.append(f"ablation: {a['matches']}/{a['heads']} heads hurt most the phase they weigh most")
-    lines.append("THEORY.md's qualitative predictions:")
+    lines.append("The model's qualitative predictions:")
     lines += [f"  [{'x' if ok else ' '}] {name}" for name, ok in p["checks"].items()]
     return "\n".join(lines)
 

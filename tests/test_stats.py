@@ -142,7 +142,7 @@ def test_flat_profile_is_not_flagged():
     for test in ("chi2", "logistic", "perm", "holm_min"):
         assert (res[test] > 0.05).mean() >= 0.8, (test, res[test].tolist())
     assert res["covers_0"].mean() >= 0.8
-    # STATISTICS.md: null gap mean 0.051 at d=8, n=500, p=0.8; the raw gap is that biased.
+    # the null gap mean is 0.051 at d=8, n=500, p=0.8; the raw gap is that biased.
     assert res["null_median"].between(0.035, 0.065).all()
     assert 0.040 < res["raw_gap"].mean() < 0.062
     # ... and the split-sample gap is not.
@@ -153,7 +153,7 @@ def test_flat_profile_is_not_flagged():
 def test_harmonic_statistics_are_calibrated(weights):
     """T_k is chi2_2 (chi2_1 at k=d/2) without a phase effect, also with unequal counts.
 
-    Fails if T_{d/2} carries STATISTICS.md's factor 2 (mean 2, size ~17%) or if unequal
+    Fails if T_{d/2} carries the usual formula's factor 2 (mean 2, size ~17%) or if unequal
     counts are replaced by their mean (mean of T_1 ~3 with these weights).
     """
     stat, pval = [], []

@@ -1,4 +1,4 @@
-"""The idealized gradient-flow model (THEORY.md): exact gradient, stability, the predictions
+"""The idealized gradient-flow model (docs/theory.md): exact gradient, stability, the predictions
 that hold at small sizes."""
 
 import json
@@ -45,7 +45,7 @@ def test_uniform_pooling_is_unstable_below_the_critical_gain():
     n = 64
     crit = critical_beta_over_d(n, d=8)
     assert g_second(1 / 8, 0.99 * crit * 8, 1.0, n) > 0 > g_second(1 / 8, 1.01 * crit * 8, 1.0, n)
-    # the critical beta/d grows with log(N - 1), as THEORY.md predicts (roughly equal to it)
+    # the critical beta/d grows with log(N - 1), as the model predicts (roughly equal to it)
     crits = [critical_beta_over_d(n) for n in (16, 64, 256, 1024)]
     assert np.all(np.diff(crits) > 0)
     slope = np.polyfit([math.log(n - 1) for n in (16, 64, 256, 1024)], crits, 1)[0]
@@ -110,7 +110,7 @@ def test_cli_theory_prints_and_writes_the_predictions(tmp_path):
     out = tmp_path / "theory.json"
     res = CliRunner().invoke(app, ["theory", "--scale", "0.02", "--out", str(out)])
     assert res.exit_code == 0, res.output
-    assert "critical beta/d" in res.output and "THEORY.md 2725" in res.output
+    assert "critical beta/d" in res.output and "reference 2725" in res.output
     assert json.loads(out.read_text())["steps"] == 120
     bad = CliRunner().invoke(app, ["theory", "--scale", "2"])
     assert bad.exit_code != 0 and "scale" in bad.output
