@@ -599,7 +599,7 @@ def theory(
     from phasemech.theory import predictions, predictions_text
 
     pred = predictions(scale=scale)
-    console.print(predictions_text(pred), highlight=False)
+    console.print(predictions_text(pred), highlight=False, markup=False)  # "[x]" is text
     if out is not None:
         write_json_atomic(out, pred)
         console.print(f"wrote {out}")
