@@ -1,6 +1,6 @@
 """Head-by-source-phase attention of a small compressed model trained on a copy task.
 
-What it does (``make figures`` runs it):
+What it does (a standalone analysis; ``make figures`` draws its own head-phase heatmap):
 
 1. trains (only if ``RUNS/<name>/model.safetensors`` is missing) a 2-layer attention-only
    ``PhaseTransformer`` whose layers use ``gated`` compression (stride 4, raw window 8) on a

@@ -7,7 +7,8 @@ signature of ablating a head. alpha 8, V 64 (the model leaves them open), side b
 reference numbers of the model's original check (docs/theory.md).
 
 Writes ``--out`` (JSON, default ``runs/theory/predictions.json``); ``--record`` also copies it to
-``analyses/results/theory_predictions.json``. ``make figures`` runs it.
+``analyses/results/theory_predictions.json``. ``make figures`` computes the same predictions
+itself (``phasemech.theory.predictions``).
 
 Usage: ``python analyses/theory_predictions.py [--out PATH] [--record]``.
 """
