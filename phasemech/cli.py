@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -585,6 +586,52 @@ def sweep_pretrained(
     except (FileNotFoundError, ValueError) as err:
         raise _fail(err) from err
     console.print(text)
+
+
+@app.command("run")
+def run_experiment(
+    name: Annotated[str, typer.Argument(metavar="EXPERIMENT", help="e.g. phase_sweep")],
+    profile: Annotated[str, typer.Option(help="the experiment's profile (tiny: seconds)")] = "tiny",
+    runs: Annotated[Path, typer.Option(help="results go to RUNS/<experiment>_<profile>/")] = Path(
+        "runs"
+    ),
+    address: Annotated[
+        str | None, typer.Option(help="join this Ray cluster (default: an embedded local Ray)")
+    ] = None,
+    num_cpus: Annotated[int | None, typer.Option(min=1, help="embedded Ray's CPUs")] = None,
+    cpus_per_job: Annotated[int, typer.Option(min=1, help="CPUs (torch threads) per job")] = 1,
+    gpus_per_job: Annotated[float, typer.Option(min=0, help="GPUs per job")] = 0,
+) -> None:
+    """Run an experiment's jobs on Ray; finished jobs are cached, a rerun runs what is missing."""
+    from phasemech.experiments import experiment, launch
+
+    try:
+        jobs = experiment(name, profile)
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from err
+    dest = runs / f"{name}_{profile}"
+    out = launch(
+        jobs,
+        dest,
+        address=address,
+        num_cpus=num_cpus,
+        cpus_per_job=cpus_per_job,
+        gpus_per_job=gpus_per_job,
+    )
+    frame = out.frame(jobs)
+    if len(frame):
+        cols = [c for c in frame.columns if not isinstance(frame[c].iloc[0], list)]
+        _print_frame(
+            frame[cols], f"{name} ({profile}): {len(out.ran)} run, {len(out.cached)} cached"
+        )
+    for failure in out.failures:
+        console.print(
+            f"[red]failed[/] {escape(failure.label)}: {escape(json.dumps(failure.config))}"
+        )
+        console.print(escape(failure.error), highlight=False)
+    console.print(f"results in {dest} ({out.seconds:.1f} s)")
+    if out.failures:
+        raise typer.Exit(1)
 
 
 @app.command()

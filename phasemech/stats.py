@@ -615,7 +615,8 @@ def harmonics(df: pd.DataFrame, stride: int, alpha: float = 0.05) -> pd.DataFram
     formula with equal counts. Replacing ``n`` by the per-phase *mean* count when counts are
     unequal would overstate ``T_k`` (its mean would be ``2 * mean(n) / harmonic_mean(n)``).
     At ``k = d/2`` this is half the usual expression, which is ``2 chi2_1`` there. A phase
-    with no target makes every row NaN except ``k`` and ``dof``.
+    with no target makes ``amplitude``, ``statistic``, ``p`` and ``p_holm`` NaN and
+    ``significant`` False.
     """
     t = _load(df, stride, "harmonics")
     return _harmonics(t, _check_alpha("harmonics", alpha))

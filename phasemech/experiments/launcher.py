@@ -1,0 +1,223 @@
+"""One launcher for every experiment: jobs run as Ray tasks, results cached on disk by key.
+
+With no ``address`` the launcher starts an embedded local Ray (``ray.init(num_cpus=...)``, no
+dashboard) and shuts it down afterwards, so a user starts nothing; ``address`` joins a running
+Ray cluster (``ray start --head`` on one machine, ``ray start --address=HEAD`` on the others),
+which is how an experiment outgrows one machine. Each job holds ``cpus_per_job`` CPUs (and
+torch uses that many threads) and ``gpus_per_job`` GPUs.
+
+A results folder holds ``<key>.json`` per finished job (``{"key", "config", "result"}``, written
+atomically by the launcher as each job returns) and ``work/<key>/``, the job's own folder
+(checkpoints of a training job: a killed job resumes there). A crash, Ctrl-C or a killed worker
+loses only the jobs in flight; rerunning the same experiment runs only what is missing. A job
+that fails is reported with its config and traceback at the end; the others finish.
+
+On a multi-machine cluster ``work/`` is written on the node that ran the job: point the results
+folder at a shared filesystem to keep checkpoints in one place. The results themselves travel
+back through Ray, so the cache is complete either way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+from phasemech.experiments.jobs import Job
+from phasemech.io import write_json_atomic
+
+WORK_DIR = "work"
+ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours its tracebacks
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A job that raised: its config and the worker's traceback."""
+
+    key: str
+    label: str
+    config: dict[str, Any]
+    error: str
+
+
+@dataclass
+class Launch:
+    """What a launch produced: every job's result (cached or new) and the failures."""
+
+    results: dict[str, dict[str, Any]] = field(default_factory=dict)  # key -> result
+    failures: list[Failure] = field(default_factory=list)
+    ran: list[str] = field(default_factory=list)  # keys computed by this launch
+    cached: list[str] = field(default_factory=list)  # keys read from the results folder
+    seconds: float = 0.0
+
+    def frame(self, jobs: Sequence[Job]) -> pd.DataFrame:
+        """One row per finished job: its label, key and result fields."""
+        rows = [
+            {"label": j.label, "key": j.key, **self.results[j.key]}
+            for j in jobs
+            if j.key in self.results
+        ]
+        return pd.DataFrame(rows)
+
+
+def _check(jobs: Sequence[Job], cpus_per_job: int, gpus_per_job: float) -> list[Job]:
+    if not all(isinstance(j, Job) for j in jobs):
+        bad = next(j for j in jobs if not isinstance(j, Job))
+        raise ValueError(f"jobs must be phasemech Job instances, got {type(bad).__name__}")
+    if not isinstance(cpus_per_job, int) or cpus_per_job < 1:
+        raise ValueError(f"cpus_per_job={cpus_per_job!r} is invalid: need an int >= 1")
+    if not isinstance(gpus_per_job, int | float) or gpus_per_job < 0:
+        raise ValueError(f"gpus_per_job={gpus_per_job!r} is invalid: need a number >= 0")
+    unique: dict[str, Job] = {}
+    for job in jobs:  # equal configs are one job
+        unique.setdefault(job.key, job)
+    return list(unique.values())
+
+
+def read_cached(results: Path, job: Job) -> dict[str, Any] | None:
+    """The cached result of ``job``, or None (missing, unreadable or another job's file)."""
+    path = results / f"{job.key}.json"
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    if not isinstance(saved, dict) or saved.get("config") != json.loads(json.dumps(job.config)):
+        return None
+    return saved.get("result")
+
+
+def _finite(value: Any) -> Any:
+    """NaN and infinities become None: the cache is strict JSON."""
+    if isinstance(value, float) and (value != value or value in (float("inf"), float("-inf"))):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _run_job(job: Job, workdir: str, threads: int) -> dict[str, Any]:
+    """Ray task body: one torch thread per CPU the job holds, then the job itself."""
+    import torch
+
+    torch.set_num_threads(threads)
+    path = Path(workdir)
+    path.mkdir(parents=True, exist_ok=True)
+    return job.run(path)
+
+
+def _connect(address: str | None, num_cpus: int | None) -> bool:
+    """Join ``address`` or start an embedded local Ray; True if we started it."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    if address is not None:
+        ray.init(address=address, log_to_driver=False)
+        return False
+    ray.init(
+        num_cpus=num_cpus or os.cpu_count(),
+        include_dashboard=False,
+        log_to_driver=False,
+        # workers import phasemech from the driver's environment; keep it light
+        object_store_memory=200 * 1024**2,
+    )
+    return True
+
+
+def _progress(total: int, enabled: bool) -> Progress:
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[last]}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+        disable=not enabled,
+    )
+
+
+def launch(
+    jobs: Sequence[Job],
+    results: str | Path,
+    *,
+    address: str | None = None,
+    num_cpus: int | None = None,
+    cpus_per_job: int = 1,
+    gpus_per_job: float = 0,
+    progress: bool = True,
+) -> Launch:
+    """Run every job of ``jobs`` not yet cached in ``results``; return all their results.
+
+    ``address``: a Ray cluster to join (``"auto"`` or ``HOST:PORT``); ``None`` starts an
+    embedded local Ray with ``num_cpus`` CPUs (default: all) for this call only.
+    """
+    t0 = time.perf_counter()
+    todo_all = _check(jobs, cpus_per_job, gpus_per_job)
+    results = Path(results)
+    results.mkdir(parents=True, exist_ok=True)
+    out = Launch()
+    todo = []
+    for job in todo_all:
+        cached = read_cached(results, job)
+        if cached is None:
+            todo.append(job)
+        else:
+            out.results[job.key] = cached
+            out.cached.append(job.key)
+    if todo:
+        _run_all(todo, results, out, address, num_cpus, cpus_per_job, gpus_per_job, progress)
+    out.seconds = time.perf_counter() - t0
+    return out
+
+
+def _run_all(todo, results, out, address, num_cpus, cpus_per_job, gpus_per_job, progress):
+    import ray
+
+    started = _connect(address, num_cpus)
+    try:
+        task = ray.remote(num_cpus=cpus_per_job, num_gpus=gpus_per_job, max_retries=0)(_run_job)
+        pending = {
+            task.remote(job, str(results / WORK_DIR / job.key), cpus_per_job): job for job in todo
+        }
+        with _progress(len(todo), progress) as bar:
+            bar_id = bar.add_task(f"{len(todo)} jobs", total=len(todo), last="")
+            while pending:
+                done, _ = ray.wait(list(pending), num_returns=1)
+                job = pending.pop(done[0])
+                try:
+                    result = ray.get(done[0])
+                except Exception as err:  # the worker's exception, with its traceback
+                    error = ANSI.sub("", str(err))
+                    out.failures.append(Failure(job.key, job.label, job.config, error))
+                    bar.update(bar_id, advance=1, last=f"[red]failed {job.label}")
+                    continue
+                payload = {"key": job.key, "config": job.config, "result": _finite(result)}
+                write_json_atomic(results / f"{job.key}.json", payload)
+                out.results[job.key] = payload["result"]
+                out.ran.append(job.key)
+                bar.update(bar_id, advance=1, last=f"done {job.label}")
+    finally:
+        if started:
+            ray.shutdown()
+
+
+__all__ = ["Failure", "Launch", "launch", "read_cached"]

@@ -1,0 +1,124 @@
+"""The experiment launcher on Ray: job keys, the on-disk cache, failures reported while the
+other jobs finish, the same numbers on an embedded local Ray and on a two-node cluster, and a
+launcher interrupted mid-sweep whose rerun completes only the missing jobs.
+
+Ray's worker start-up costs seconds on 2 cores: each test launches few, small jobs."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+
+ray = pytest.importorskip("ray")
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from phasemech.experiments import Job, experiment, launch  # noqa: E402
+from phasemech.experiments.launcher import read_cached  # noqa: E402
+
+# jobs defined here travel to the workers by value (the workers cannot import tests/)
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class EchoJob(Job):
+    kind: ClassVar[str] = "echo"
+    value: int
+    fail: bool = False
+
+    def run(self, workdir: Path) -> dict:
+        import torch
+
+        if self.fail:
+            raise RuntimeError(f"boom {self.value}")
+        (workdir / "touched").write_text("x")
+        return {"double": 2 * self.value, "threads": torch.get_num_threads(), "nan": float("nan")}
+
+
+def test_job_keys_are_stable_and_name_the_config():
+    a, b, c = EchoJob(1), EchoJob(1), EchoJob(2)
+    assert a.key == b.key != c.key and len(a.key) == 16
+    assert a.config == {"kind": "echo", "value": 1, "fail": False}
+    sweep = experiment("phase_sweep", "tiny")
+    assert len({j.key for j in sweep}) == len(sweep) == 3
+    assert [j.key for j in sweep] == [j.key for j in experiment("phase_sweep", "tiny")]
+    with pytest.raises(ValueError, match="'nope' is unknown: allowed"):
+        experiment("nope", "tiny")
+    with pytest.raises(ValueError, match="profile 'huge'"):
+        experiment("phase_sweep", "huge")
+    with pytest.raises(ValueError, match="cpus_per_job=0"):
+        launch([a], "unused", cpus_per_job=0)
+
+
+def test_launch_caches_results_and_reports_failures(tmp_path):
+    jobs = [EchoJob(1), EchoJob(2), EchoJob(3, fail=True), EchoJob(1)]  # a duplicate
+    out = launch(jobs, tmp_path, num_cpus=2, progress=False)
+    assert {out.results[j.key]["double"] for j in jobs[:2]} == {2, 4}
+    assert out.results[jobs[0].key]["threads"] == 1 and out.results[jobs[0].key]["nan"] is None
+    assert len(out.ran) == 2 and not out.cached
+    [failure] = out.failures
+    assert failure.config == {"kind": "echo", "value": 3, "fail": True}
+    assert "RuntimeError: boom 3" in failure.error and 'test_launcher.py", line' in failure.error
+    assert "\x1b" not in failure.error  # plain text, no terminal colours
+    assert (tmp_path / "work" / jobs[0].key / "touched").is_file()
+    saved = json.loads((tmp_path / f"{jobs[1].key}.json").read_text())
+    assert saved["config"] == jobs[1].config and saved["result"]["double"] == 4
+    # a rerun computes only what is missing (the failed job), and reads the rest
+    again = launch(jobs, tmp_path, num_cpus=2, progress=False)
+    assert sorted(again.cached) == sorted({j.key for j in jobs[:2]}) and not again.ran
+    assert len(again.failures) == 1
+    # a corrupt cache file is recomputed, not trusted
+    (tmp_path / f"{jobs[0].key}.json").write_text("{half")
+    assert read_cached(tmp_path, jobs[0]) is None
+
+
+def test_tiny_sweep_same_numbers_on_a_two_node_cluster(tmp_path):
+    jobs = experiment("phase_sweep", "tiny")
+    local = launch(jobs, tmp_path / "local", num_cpus=2, progress=False)
+    assert not local.failures and len(local.ran) == len(jobs)
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    cluster.add_node(num_cpus=1)
+    try:
+        cluster.wait_for_nodes()
+        remote = launch(jobs, tmp_path / "cluster", address=cluster.address, progress=False)
+        nodes = len(ray.nodes())
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    assert nodes == 2 and not remote.failures
+    for job in jobs:
+        a, b = local.results[job.key], remote.results[job.key]
+        assert {k: v for k, v in a.items() if k != "seconds"} == {
+            k: v for k, v in b.items() if k != "seconds"
+        }, job.label
+
+
+def test_interrupted_launcher_rerun_runs_only_the_missing_jobs(tmp_path):
+    runs = tmp_path / "runs"
+    dest = runs / "phase_sweep_tiny"
+    cmd = [sys.executable, "-m", "phasemech.cli", "run", "phase_sweep", "--runs", str(runs)]
+    proc = subprocess.Popen([*cmd, "--num-cpus", "1"], cwd=ROOT, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 240
+        while not list(dest.glob("*.json")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert list(dest.glob("*.json")), "no job finished in time"
+        proc.send_signal(signal.SIGINT)  # Ctrl-C mid-sweep
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    jobs = experiment("phase_sweep", "tiny")
+    finished = {p.stem for p in dest.glob("*.json")}
+    assert 1 <= len(finished) < len(jobs)
+    out = launch(jobs, dest, num_cpus=2, progress=False)
+    assert set(out.cached) == finished and set(out.ran) == {j.key for j in jobs} - finished
+    assert not out.failures
