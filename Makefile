@@ -44,6 +44,7 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/attention_scaling.py
 	$(PY) bench/patching.py
+	$(PY) bench/launcher.py
 
 pretrained: $(STAMP)
 	$(PY) analyses/pretrained_phase.py --runs runs $(if $(filter 1,$(FULL)),--profile full,)
