@@ -610,14 +610,17 @@ def run_experiment(
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err
     dest = runs / f"{name}_{profile}"
-    out = launch(
-        jobs,
-        dest,
-        address=address,
-        num_cpus=num_cpus,
-        cpus_per_job=cpus_per_job,
-        gpus_per_job=gpus_per_job,
-    )
+    try:
+        out = launch(
+            jobs,
+            dest,
+            address=address,
+            num_cpus=num_cpus,
+            cpus_per_job=cpus_per_job,
+            gpus_per_job=gpus_per_job,
+        )
+    except (ConnectionError, OSError, ValueError) as err:
+        raise _fail(err) from err
     frame = out.frame(jobs)
     if len(frame):
         cols = [c for c in frame.columns if not isinstance(frame[c].iloc[0], list)]

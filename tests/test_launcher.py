@@ -122,3 +122,10 @@ def test_interrupted_launcher_rerun_runs_only_the_missing_jobs(tmp_path):
     out = launch(jobs, dest, num_cpus=2, progress=False)
     assert set(out.cached) == finished and set(out.ran) == {j.key for j in jobs} - finished
     assert not out.failures
+
+
+def test_an_unreachable_cluster_fails_fast_and_names_the_address(tmp_path):
+    # checked before ray.init, which would retry for minutes
+    with pytest.raises(ConnectionError, match=r"'127.0.0.1:1'.*ray start --head"):
+        launch([EchoJob(1)], tmp_path, address="127.0.0.1:1", progress=False)
+    assert not list(tmp_path.glob("*.json"))

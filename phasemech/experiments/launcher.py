@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -68,11 +69,8 @@ class Launch:
 
     def frame(self, jobs: Sequence[Job]) -> pd.DataFrame:
         """One row per finished job: its label, key and result fields."""
-        rows = [
-            {"label": j.label, "key": j.key, **self.results[j.key]}
-            for j in jobs
-            if j.key in self.results
-        ]
+        unique = {j.key: j for j in jobs if j.key in self.results}  # equal configs: one row
+        rows = [{"label": j.label, "key": k, **self.results[k]} for k, j in unique.items()]
         return pd.DataFrame(rows)
 
 
@@ -123,6 +121,20 @@ def _run_job(job: Job, workdir: str, threads: int) -> dict[str, Any]:
     return job.run(path)
 
 
+def _reachable(address: str, timeout: float = 5.0) -> None:
+    """Fail fast on a ``HOST:PORT`` nobody listens on (Ray itself retries for minutes)."""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        return  # "auto" and other forms: Ray resolves them
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+    except OSError as err:
+        raise ConnectionError(
+            f"could not join the Ray cluster at {address!r}: {err.strerror or err} (start one "
+            "with `ray start --head`, or leave --address out for a local Ray)"
+        ) from err
+
+
 def _connect(address: str | None, num_cpus: int | None) -> bool:
     """Join ``address`` or start an embedded local Ray; True if we started it."""
     import ray
@@ -130,7 +142,11 @@ def _connect(address: str | None, num_cpus: int | None) -> bool:
     if ray.is_initialized():
         return False
     if address is not None:
-        ray.init(address=address, log_to_driver=False)
+        _reachable(address)
+        try:
+            ray.init(address=address, log_to_driver=False)
+        except Exception as err:  # Ray raises several types for an unreachable cluster
+            raise ConnectionError(f"could not join the Ray cluster at {address!r}: {err}") from err
         return False
     ray.init(
         num_cpus=num_cpus or os.cpu_count(),
