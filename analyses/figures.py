@@ -272,9 +272,9 @@ def pick_showcase(panel_list: list[dict]) -> dict:
 def patch_grid(run: Path, fp: FigureProfile) -> pd.DataFrame | None:
     """Grid-contrast head patching of the showcase (cached); ``None`` for a dense model."""
     from phasemech.evaluate import balanced_test_set, load_trained
+    from phasemech.grid import reference_grid
     from phasemech.io import write_json_atomic
     from phasemech.patching import make_contrast, patch_heads
-    from phasemech.train import reference_grid
 
     # cached beside the panel, valid for the weights the panel was computed on
     dest = panel_dir(run, fp.panel) / "patch_grid"

@@ -71,6 +71,7 @@ def analyse(run_dir: str, out_dir: str, sequences: int, pairs: int, seed: int) -
 
     from phasemech.ablation import ablate
     from phasemech.evaluate import balanced_test_set, load_trained
+    from phasemech.grid import reference_grid
     from phasemech.patching import (
         attribution_by_position,
         attribution_patch,
@@ -81,7 +82,6 @@ def analyse(run_dir: str, out_dir: str, sequences: int, pairs: int, seed: int) -
     )
     from phasemech.probes import phase_probe
     from phasemech.tasks import to_tensors
-    from phasemech.train import reference_grid
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

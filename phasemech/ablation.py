@@ -62,12 +62,13 @@ from torch import Tensor
 
 from phasemech.attention import CompressedAttentionMixin
 from phasemech.config import SELECTING_DESIGNS, is_int
-from phasemech.grid import n_blocks
+from phasemech.grid import n_blocks, reference_grid
 from phasemech.io import atomic_write, write_json_atomic
 from phasemech.model import PhaseTransformer
 from phasemech.stats import _holm
 from phasemech.tasks import generate, targets_frame, task_of, to_tensors
-from phasemech.train import answer_logits, reference_grid
+from phasemech.train import answer_logits
+from phasemech.validation import check_int
 
 COMPONENTS = ("head", "blocks", "raw", "phase_bias")
 MODES = ("zero", "mean", "resample", "mask")
@@ -102,12 +103,6 @@ def _names(where: str, name: str, value: Any, allowed: Sequence[str]) -> tuple[s
     if bad:
         raise ValueError(f"{where}: {name} {bad[0]!r} is unknown: allowed {list(allowed)}")
     return tuple(dict.fromkeys(items))
-
-
-def _check_int(where: str, name: str, value: Any, low: int) -> int:
-    if not is_int(value) or value < low:
-        raise ValueError(f"{where}: {name}={value!r} is invalid: must be an int >= {low}")
-    return int(value)
 
 
 def _design(model: PhaseTransformer) -> str:
@@ -573,7 +568,7 @@ def _default_reference(ds: Dataset) -> Dataset:
 def _grid(model: PhaseTransformer, stride: Any, grid_offset: Any, where: str) -> tuple[int, int]:
     m_stride, m_offset = reference_grid(model.cfg.compression)
     if stride is not None:
-        stride = _check_int(where, "stride", stride, 2)
+        stride = check_int(where, "stride", stride, 2)
     if grid_offset is not None and not is_int(grid_offset):
         raise ValueError(f"{where}: grid_offset={grid_offset!r} is invalid: must be an int")
     out_stride = m_stride if stride is None else stride
@@ -611,7 +606,7 @@ def ablate(
             does not have are skipped; explicitly given ones must all apply.
         layers: layers to ablate (default: all for ``head``, compressed ones otherwise).
         stride, grid_offset: the grid phases are read on (default: the model's reference grid,
-            :func:`phasemech.train.reference_grid`).
+            :func:`phasemech.grid.reference_grid`).
         n_boot: cluster-bootstrap replicates for the effect intervals (0: no intervals).
         seed: seeds the resampling donors and the bootstrap.
     """
@@ -620,9 +615,9 @@ def ablate(
         raise ValueError(f"{where}: model is a {type(model).__name__}: expected a PhaseTransformer")
     runs = _plan(model, components, modes, layers, where)
     stride, grid_offset = _grid(model, stride, grid_offset, where)
-    n_boot = _check_int(where, "n_boot", n_boot, 0)
-    seed = _check_int(where, "seed", seed, 0)
-    batch_size = _check_int(where, "batch_size", batch_size, 1)
+    n_boot = check_int(where, "n_boot", n_boot, 0)
+    seed = check_int(where, "seed", seed, 0)
+    batch_size = check_int(where, "batch_size", batch_size, 1)
     if not isinstance(progress, bool):
         raise ValueError(f"{where}: progress={progress!r} is invalid: must be a bool")
     columns = ("input_ids", "query_pos", "source_pos", "answer", "depth", "group_id", "seq_id")
@@ -943,8 +938,8 @@ def specialization(
             "targets DataFrame"
         )
     _names(where, "metric", metric, METRICS)
-    n_perm = _check_int(where, "n_perm", n_perm, 1)
-    seed = _check_int(where, "seed", seed, 0)
+    n_perm = check_int(where, "n_perm", n_perm, 1)
+    seed = check_int(where, "seed", seed, 0)
     need = [*UNIT_KEYS, "group_id", "target", "phase", "depth", f"{metric}_base", metric]
     missing = [c for c in need if c not in df.columns]
     if missing:
@@ -956,7 +951,7 @@ def specialization(
         raise ValueError(f"{where}: column 'phase' must hold ints >= 0")
     if stride is None:
         stride = df.attrs.get("stride", int(phase_all.max()) + 1)
-    d = _check_int(where, "stride", stride, 2)
+    d = check_int(where, "stride", stride, 2)
     if phase_all.max() >= d:
         raise ValueError(
             f"{where}: column 'phase' has value {int(phase_all.max())} outside [0, stride={d})"

@@ -470,7 +470,7 @@ def patch(
     """Activation patching by phase contrast: per (layer, head) effect per target phase."""
     from phasemech import patching as P
     from phasemech.evaluate import resolve_checkpoint
-    from phasemech.train import reference_grid
+    from phasemech.grid import reference_grid
 
     torch.set_num_threads(1)
     try:

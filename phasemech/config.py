@@ -21,6 +21,8 @@ from typing import Any, Literal
 import numpy as np
 from transformer_lens import HookedTransformerConfig
 
+from phasemech.validation import is_int
+
 DESIGNS = ("none", "mean", "gated", "mlp", "route", "evict")
 VISIBILITY = ("inclusive", "strict")
 OFFSET_MODES = ("aligned", "per_layer", "per_head", "random")
@@ -38,11 +40,6 @@ SELECTING_DESIGNS = ("route", "evict")
 
 def _bad(field_name: str, value: Any, allowed: str) -> ValueError:
     return ValueError(f"CompressionConfig.{field_name}={value!r} is invalid: {allowed}")
-
-
-def is_int(x: Any) -> bool:
-    """A Python or numpy integer (not a bool)."""
-    return isinstance(x, int | np.integer) and not isinstance(x, bool)
 
 
 def _freeze_offsets(value: Any) -> OffsetSpec:

@@ -237,7 +237,7 @@ def model_panel(
 
     from phasemech.ablation import ablate
     from phasemech.evaluate import balanced_test_set, evaluate, load_trained
-    from phasemech.train import reference_grid
+    from phasemech.grid import reference_grid
 
     run = Path(run)
     model, cfg, model_dir = load_trained(run)

@@ -17,7 +17,7 @@ import torch
 from datasets import Dataset
 
 from phasemech.config import is_int
-from phasemech.grid import phase_of
+from phasemech.grid import phase_of, reference_grid
 from phasemech.io import atomic_write, write_json_atomic
 from phasemech.model import PhaseTransformer
 from phasemech.stats import PhaseReport, phase_report
@@ -28,7 +28,6 @@ from phasemech.train import (
     TrainConfig,
     answer_logits,
     checkpoint_dirs,
-    reference_grid,
 )
 
 

@@ -44,7 +44,7 @@ import torch
 from jaxtyping import Bool, Int
 from torch import Tensor
 
-from phasemech.config import is_int
+from phasemech.config import CompressionConfig, is_int
 
 
 def phase_of(pos, stride: int, offset=0):
@@ -66,6 +66,22 @@ def phase_of(pos, stride: int, offset=0):
     if not is_int(pos):
         raise ValueError(f"phase_of: pos={pos!r} is invalid: must be an int, array or tensor")
     return int((pos - offset) % stride)
+
+
+def reference_grid(compression: CompressionConfig) -> tuple[int, int]:
+    """``(stride, offset)`` of the grid phases are reported on.
+
+    Aligned or one explicit offset: the model's own grid. Staggered, random or per-head offsets
+    have no single grid; phases are then reported on the aligned reference grid (offset 0,
+    or ``eval_offset`` for random offsets, the grid the model is evaluated with). A dense model
+    uses the grid of its matched compressed models (its ``stride`` field).
+    """
+    spec = compression.offsets
+    if isinstance(spec, int):
+        return compression.stride, spec
+    if spec == "random":
+        return compression.stride, compression.eval_offset
+    return compression.stride, 0
 
 
 def left_padding(attention_mask: Int[Tensor, "batch pos"]) -> Int[Tensor, "batch"]:

@@ -42,8 +42,9 @@ from torch import Tensor
 from transformer_lens import HookedTransformer
 
 from phasemech.config import is_int
+from phasemech.grid import reference_grid
 from phasemech.io import atomic_write
-from phasemech.train import reference_grid
+from phasemech.validation import check_int
 
 __all__ = ["HeadClusters", "ProbeResult", "cluster_heads", "phase_probe"]
 
@@ -362,12 +363,6 @@ class ProbeResult:
         return path
 
 
-def _check_int(name: str, value: Any, low: int) -> int:
-    if not is_int(value) or value < low:
-        raise ValueError(f"phase_probe: {name}={value!r} is invalid: must be an int >= {low}")
-    return int(value)
-
-
 def _probe_grid(model: HookedTransformer, stride: Any, grid_offset: Any) -> tuple[int, int]:
     """``(stride, offset)`` of the labels: the model's reference grid unless stated."""
     comp = getattr(model.cfg, "compression", None)
@@ -379,7 +374,7 @@ def _probe_grid(model: HookedTransformer, stride: Any, grid_offset: Any) -> tupl
                 "pass stride= (e.g. the stride of its matched compressed models)"
             )
         stride = comp.stride
-    stride = _check_int("stride", stride, 2)
+    stride = check_int("phase_probe", "stride", stride, 2)
     if grid_offset is None:
         # a stated stride keeps the model's reference offset, reduced onto that grid
         grid_offset = reference_grid(comp)[1] % stride if comp is not None else 0
@@ -473,7 +468,7 @@ def phase_probe(
         stride: ``d`` of the phase label; default the model's compression stride (a dense model
             must state it).
         grid_offset: offset of the label grid; default the model's reference grid
-            (:func:`phasemech.train.reference_grid`).
+            (:func:`phasemech.grid.reference_grid`).
         random_grid: shift sequence ``b``'s grid by a seeded ``s_b`` in ``[0, d)`` (via
             ``model.shift_grid``), so the phase label ``(pos - grid_offset - s_b) mod d`` is
             independent of absolute position. ``False``: ``s_b = 0``, phase is a relabelled
@@ -493,13 +488,13 @@ def phase_probe(
     test treats rows as independent; rows of one sequence are not quite, so read small
     p-values as "clearly above chance", not as exact error rates.
     """
-    cv = _check_int("cv", cv, 2)
+    cv = check_int("phase_probe", "cv", cv, 2)
     stride, grid_offset = _probe_grid(model, stride, grid_offset)
     if not isinstance(random_grid, bool):
         raise ValueError(f"phase_probe: random_grid={random_grid!r} is invalid: True or False")
-    seed = _check_int("seed", seed, 0)
-    max_rows = _check_int("max_rows", max_rows, 1)
-    batch_size = _check_int("batch_size", batch_size, 1)
+    seed = check_int("phase_probe", "seed", seed, 0)
+    max_rows = check_int("phase_probe", "max_rows", max_rows, 1)
+    batch_size = check_int("phase_probe", "batch_size", batch_size, 1)
     tokens = _check_tokens(model, tokens, cv)
     n_layers = model.cfg.n_layers
     layers = _check_index_list("layers", layers, n_layers, "layers")

@@ -48,8 +48,8 @@ from statsmodels.genmod.generalized_linear_model import GLM
 from statsmodels.stats.contingency_tables import cochrans_q
 from statsmodels.stats.proportion import confint_proportions_2indep, proportion_confint
 
-from phasemech.config import is_int
 from phasemech.io import atomic_write
+from phasemech.validation import check_int
 
 __all__ = [
     "PhaseReport",
@@ -71,12 +71,6 @@ REQUIRED = ("correct", "phase", "depth", "seq_id")
 
 
 # --------------------------------------------------------------------------- input checking
-
-
-def _check_int(where: str, name: str, value: Any, low: int) -> int:
-    if not is_int(value) or value < low:
-        raise ValueError(f"{where}: {name}={value!r} is invalid: must be an int >= {low}")
-    return int(value)
 
 
 def _check_alpha(where: str, alpha: Any) -> float:
@@ -136,7 +130,7 @@ class _Targets:
 def _load(df: Any, stride: Any, where: str, columns: tuple[str, ...] = REQUIRED) -> _Targets:
     """Check ``df`` (only the listed ``columns``; ``stride`` unless it is None) and flatten it."""
     if stride is not None:
-        stride = _check_int(where, "stride", stride, 2)
+        stride = check_int(where, "stride", stride, 2)
     if not isinstance(df, pd.DataFrame):
         raise ValueError(f"{where}: expected a pandas DataFrame, got {type(df).__name__}")
     missing = [c for c in columns if c not in df.columns]
@@ -329,7 +323,7 @@ def newcombe_diff(
     """
     alpha = _check_alpha("newcombe_diff", alpha)
     for name, v in (("n1", n1), ("n2", n2)):
-        _check_int("newcombe_diff", name, v, 1)
+        check_int("newcombe_diff", name, v, 1)
     if not (0 <= k1 <= n1 and 0 <= k2 <= n2):
         raise ValueError(f"newcombe_diff: need 0 <= k <= n, got {k1}/{n1} and {k2}/{n2}")
     lo, hi = confint_proportions_2indep(
@@ -375,7 +369,7 @@ def per_phase(
     correlated. ``n_boot=0`` skips the bootstrap (NaN columns).
     """
     t = _load(df, stride, "per_phase")
-    n_boot = _check_int("per_phase", "n_boot", n_boot, 0)
+    n_boot = check_int("per_phase", "n_boot", n_boot, 0)
     alpha = _check_alpha("per_phase", alpha)
     return _per_phase(t, n_boot, np.random.default_rng(seed), alpha)
 
@@ -407,7 +401,7 @@ def by_depth(df: pd.DataFrame, n_bins: int = 5, alpha: float = 0.05) -> pd.DataF
     lower edge belongs to it, depth 1 to the last bin. Needs only ``correct`` and ``depth``.
     """
     t = _load(df, None, "by_depth", ("correct", "depth"))
-    n_bins = _check_int("by_depth", "n_bins", n_bins, 1)
+    n_bins = check_int("by_depth", "n_bins", n_bins, 1)
     return _by_depth(t, n_bins, _check_alpha("by_depth", alpha))
 
 
@@ -542,7 +536,7 @@ def logistic_phase_test(df: pd.DataFrame, stride: int, depth_df: int = 4) -> dic
     fails too, the unadjusted :func:`chi2_phase` result is returned with a note.
     """
     t = _load(df, stride, "logistic_phase_test")
-    return _logistic(t, _check_int("logistic_phase_test", "depth_df", depth_df, 0))
+    return _logistic(t, check_int("logistic_phase_test", "depth_df", depth_df, 0))
 
 
 # --------------------------------------------------------------------------- harmonics
@@ -760,10 +754,10 @@ def phase_gap(
     """
     where = "phase_gap"
     t = _load(df, stride, where)
-    n_perm = _check_int(where, "n_perm", n_perm, 0)
-    n_boot = _check_int(where, "n_boot", n_boot, 0)
-    n_splits = _check_int(where, "n_splits", n_splits, 1)
-    n_depth_bins = _check_int(where, "n_depth_bins", n_depth_bins, 1)
+    n_perm = check_int(where, "n_perm", n_perm, 0)
+    n_boot = check_int(where, "n_boot", n_boot, 0)
+    n_splits = check_int(where, "n_splits", n_splits, 1)
+    n_depth_bins = check_int(where, "n_depth_bins", n_depth_bins, 1)
     alpha = _check_alpha(where, alpha)
     return _phase_gap(t, n_perm, n_boot, n_splits, seed, alpha, n_depth_bins)
 
@@ -802,7 +796,7 @@ def design_guard(df: pd.DataFrame, stride: int, n_bins: int = 5) -> dict:
     With tens of thousands of targets even harmless imbalances give small p: read the counts.
     """
     t = _load(df, stride, "design_guard", ("phase", "depth"))
-    return _design_guard(t, _check_int("design_guard", "n_bins", n_bins, 1))
+    return _design_guard(t, check_int("design_guard", "n_bins", n_bins, 1))
 
 
 def _content_seed_counts(t: _Targets, contents: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -839,9 +833,9 @@ def compare_gaps(
     interval is over the rest); the interval is NaN when the point estimate is.
     """
     where = "compare_gaps"
-    stride = _check_int(where, "stride", stride, 2)
-    n_boot = _check_int(where, "n_boot", n_boot, 0)
-    n_splits = _check_int(where, "n_splits", n_splits, 1)
+    stride = check_int(where, "stride", stride, 2)
+    n_boot = check_int(where, "n_boot", n_boot, 0)
+    n_splits = check_int(where, "n_splits", n_splits, 1)
     alpha = _check_alpha(where, alpha)
     cols = ("correct", "phase", "seq_id")
     ta = _load(baseline, stride, f"{where} (baseline)", cols)
@@ -1126,9 +1120,9 @@ def phase_report(
     """
     where = "phase_report"
     t = _load(df, stride, where)
-    n_boot = _check_int(where, "n_boot", n_boot, 0)
-    n_perm = _check_int(where, "n_perm", n_perm, 0)
-    n_depth_bins = _check_int(where, "n_depth_bins", n_depth_bins, 1)
+    n_boot = check_int(where, "n_boot", n_boot, 0)
+    n_perm = check_int(where, "n_perm", n_perm, 0)
+    n_depth_bins = check_int(where, "n_depth_bins", n_depth_bins, 1)
     alpha = _check_alpha(where, alpha)
     return PhaseReport(
         stride=t.stride,

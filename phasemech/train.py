@@ -45,7 +45,7 @@ from torch import Tensor
 from transformer_lens.utilities import apply_softcap
 
 from phasemech.config import CompressionConfig, PhaseTransformerConfig, is_int
-from phasemech.grid import phase_of
+from phasemech.grid import phase_of, reference_grid  # reference_grid: re-exported
 from phasemech.io import write_json_atomic, write_text_atomic
 from phasemech.model import PhaseTransformer
 from phasemech.tasks import (
@@ -299,22 +299,6 @@ def held_out_set(cfg: TrainConfig) -> HeldOut:
     source = np.asarray(ds["source_pos"])
     stride, offset = reference_grid(cfg.compression)
     return HeldOut(tokens, qp, ans, phase_of(source, stride, offset))
-
-
-def reference_grid(compression: CompressionConfig) -> tuple[int, int]:
-    """``(stride, offset)`` of the grid phases are reported on.
-
-    Aligned or one explicit offset: the model's own grid. Staggered, random or per-head offsets
-    have no single grid; phases are then reported on the aligned reference grid (offset 0,
-    or ``eval_offset`` for random offsets, the grid the model is evaluated with). A dense model
-    uses the grid of its matched compressed models (its ``stride`` field).
-    """
-    spec = compression.offsets
-    if isinstance(spec, int):
-        return compression.stride, spec
-    if spec == "random":
-        return compression.stride, compression.eval_offset
-    return compression.stride, 0
 
 
 @torch.no_grad()

@@ -76,9 +76,9 @@ class TrainJob(Job):
 
     def run(self, workdir: Path) -> dict[str, Any]:
         from phasemech.evaluate import balanced_test_set, predict
-        from phasemech.grid import phase_of
+        from phasemech.grid import phase_of, reference_grid
         from phasemech.model import PhaseTransformer
-        from phasemech.train import reference_grid, train
+        from phasemech.train import train
 
         t0 = time.perf_counter()
         result = train(self.train, workdir / "run", resume=True, progress=False)
