@@ -65,9 +65,9 @@ from phasemech.config import SELECTING_DESIGNS, is_int
 from phasemech.grid import n_blocks, reference_grid
 from phasemech.io import atomic_write, write_json_atomic
 from phasemech.model import PhaseTransformer
+from phasemech.readout import answer_logits
 from phasemech.stats import _holm
 from phasemech.tasks import generate, targets_frame, task_of, to_tensors
-from phasemech.train import answer_logits
 from phasemech.validation import check_int
 
 COMPONENTS = ("head", "blocks", "raw", "phase_bias")

@@ -20,13 +20,13 @@ from phasemech.config import is_int
 from phasemech.grid import phase_of, reference_grid
 from phasemech.io import atomic_write, write_json_atomic
 from phasemech.model import PhaseTransformer
+from phasemech.readout import answer_logits
 from phasemech.stats import PhaseReport, phase_report
 from phasemech.tasks import Task, generate, targets_frame, task_of, to_tensors
 from phasemech.train import (
     CKPT_DIR,
     CONFIG_NAME,
     TrainConfig,
-    answer_logits,
     checkpoint_dirs,
 )
 

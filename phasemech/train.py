@@ -38,16 +38,16 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from jaxtyping import Float, Int
+from jaxtyping import Int
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from torch import Tensor
-from transformer_lens.utilities import apply_softcap
 
 from phasemech.config import CompressionConfig, PhaseTransformerConfig, is_int
 from phasemech.grid import phase_of, reference_grid  # reference_grid: re-exported
 from phasemech.io import write_json_atomic, write_text_atomic
 from phasemech.model import PhaseTransformer
+from phasemech.readout import answer_logits  # re-exported: phasemech.train.answer_logits
 from phasemech.tasks import (
     MQARTask,
     NeedleTask,
@@ -267,19 +267,6 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
     span = max(cfg.steps - cfg.warmup_steps, 1)
     progress = min((step - cfg.warmup_steps) / span, 1.0)
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def answer_logits(
-    model: PhaseTransformer,
-    tokens: Int[Tensor, "batch pos"],
-    query_pos: Int[Tensor, "batch target"],
-) -> Float[Tensor, "batch target vocab"]:
-    """Logits at the answer positions only (the unembedding runs on those rows alone)."""
-    resid = model(tokens, return_type=None, stop_at_layer=model.cfg.n_layers)
-    picked = resid.gather(1, query_pos[..., None].expand(-1, -1, resid.shape[-1]))
-    if model.cfg.normalization_type is not None:  # per-position norms: same as on all positions
-        picked = model.ln_final(picked)
-    return apply_softcap(model.unembed(picked), model.cfg.output_logits_soft_cap)
 
 
 # ------------------------------------------------------------------------------- held-out eval
