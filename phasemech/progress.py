@@ -13,9 +13,9 @@ from rich.progress import (
 )
 
 
-def progress_bar(console: Console | None = None) -> Progress:
+def progress_bar(console: Console | None = None, disable: bool = False) -> Progress:
     """A ``rich`` progress display; tasks carry an ``item`` field (the model or setting now
-    running): ``bar.add_task("what", total=n, item="")``."""
+    running): ``bar.add_task("what", total=n, item="")``. ``disable``: show nothing."""
     return Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
@@ -25,4 +25,5 @@ def progress_bar(console: Console | None = None) -> Progress:
         TextColumn("ETA"),
         TimeRemainingColumn(),
         console=console,
+        disable=disable,
     )

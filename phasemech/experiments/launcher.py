@@ -31,17 +31,10 @@ from typing import Any
 
 import pandas as pd
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
 
 from phasemech.experiments.jobs import Job
 from phasemech.io import write_json_atomic
+from phasemech.progress import progress_bar
 
 WORK_DIR = "work"
 ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours its tracebacks
@@ -158,19 +151,6 @@ def _connect(address: str | None, num_cpus: int | None) -> bool:
     return True
 
 
-def _progress(total: int, enabled: bool) -> Progress:
-    return Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[last]}"),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-        console=Console(stderr=True),
-        disable=not enabled,
-    )
-
-
 def launch(
     jobs: Sequence[Job],
     results: str | Path,
@@ -214,8 +194,8 @@ def _run_all(todo, results, out, address, num_cpus, cpus_per_job, gpus_per_job, 
         pending = {
             task.remote(job, str(results / WORK_DIR / job.key), cpus_per_job): job for job in todo
         }
-        with _progress(len(todo), progress) as bar:
-            bar_id = bar.add_task(f"{len(todo)} jobs", total=len(todo), last="")
+        with progress_bar(Console(stderr=True), disable=not progress) as bar:
+            bar_id = bar.add_task(f"{len(todo)} jobs", total=len(todo), item="")
             while pending:
                 done, _ = ray.wait(list(pending), num_returns=1)
                 job = pending.pop(done[0])
@@ -224,13 +204,13 @@ def _run_all(todo, results, out, address, num_cpus, cpus_per_job, gpus_per_job, 
                 except Exception as err:  # the worker's exception, with its traceback
                     error = ANSI.sub("", str(err))
                     out.failures.append(Failure(job.key, job.label, job.config, error))
-                    bar.update(bar_id, advance=1, last=f"[red]failed {job.label}")
+                    bar.update(bar_id, advance=1, item=f"[red]failed {job.label}")
                     continue
                 payload = {"key": job.key, "config": job.config, "result": _finite(result)}
                 write_json_atomic(results / f"{job.key}.json", payload)
                 out.results[job.key] = payload["result"]
                 out.ran.append(job.key)
-                bar.update(bar_id, advance=1, last=f"done {job.label}")
+                bar.update(bar_id, advance=1, item=f"done {job.label}")
     finally:
         if started:
             ray.shutdown()
