@@ -145,7 +145,7 @@ def _connect(address: str | None, num_cpus: int | None) -> bool:
         num_cpus=num_cpus or os.cpu_count(),
         include_dashboard=False,
         log_to_driver=False,
-        # workers import phasemech from the driver's environment; keep it light
+        # results are small JSON: a small object store keeps the embedded Ray light
         object_store_memory=200 * 1024**2,
     )
     return True
