@@ -33,7 +33,7 @@ chromium:
 test: $(STAMP) chromium
 	$(PY) -m pytest -q
 
-# default: 5 models, <= 20 min on a fresh 2-core machine; FULL=1: the 60-model sweep (3 seeds)
+# default: 5 models, <= 20 min on a fresh 2-core machine; FULL=1: the 72-model sweep (3 seeds)
 figures: $(STAMP) chromium
 	$(PY) analyses/figures.py --runs runs --out figures $(if $(filter 1,$(FULL)),--profile full,)
 

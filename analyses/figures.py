@@ -22,7 +22,7 @@ the compressed model whose most phase-specialised compressed-layer head ranks fi
 ablation effect), among models with test-set accuracy >= 0.9 when any.
 
 Profiles: ``tiny`` (seconds; the end-to-end test), ``default`` (five 2-head models, T = 64,
-one seed each: ``make figures``), ``full`` (``FULL=1``: the 60 models of the
+one seed each: ``make figures``), ``full`` (``FULL=1``: the 72 models of the
 phase sweep's default profile, three seeds, 4096 test sequences; shares ``make sweep``'s cache).
 
 Usage: ``python analyses/figures.py [--profile tiny|default|full] [--runs runs] [--out figures]

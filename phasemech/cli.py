@@ -309,7 +309,10 @@ def eval_cmd(
     n_boot: int = 1000,
     n_perm: int = 1000,
     seed: int = 0,
-    out: Annotated[Path | None, typer.Option(help="default: CHECKPOINT/eval")] = None,
+    out: Annotated[
+        Path | None,
+        typer.Option(help="default: eval/ in the model folder (a run: its last checkpoint)"),
+    ] = None,
 ) -> None:
     """Per-phase accuracy with the full statistics template (parquet + JSON)."""
     from phasemech.evaluate import balanced_test_set, evaluate, load_trained
