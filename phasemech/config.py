@@ -21,6 +21,7 @@ from typing import Any, Literal
 import numpy as np
 from transformer_lens import HookedTransformerConfig
 
+from phasemech.grid import last_query_blocks
 from phasemech.validation import is_int
 
 DESIGNS = ("none", "mean", "gated", "mlp", "route", "evict")
@@ -260,8 +261,6 @@ def _check_compression_acts(c: CompressionConfig, n_ctx: int, offsets: set[int])
     """Refuse a compression that could never change the model in ``n_ctx`` positions: no
     query ever reads a block, or ``route``/``evict`` always keep every block. Such a model
     would silently be the dense one. ``offsets``: the grid offsets the layers can have."""
-    from phasemech.grid import last_query_blocks
-
     if c.window >= n_ctx and c.block_scope == "outside_window":
         raise ValueError(
             f"CompressionConfig.window={c.window} is invalid with n_ctx={n_ctx}: the raw window "

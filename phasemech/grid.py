@@ -38,13 +38,17 @@ first block after the offset); block 0 lies before the grid offset (all padding,
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from jaxtyping import Bool, Int
 from torch import Tensor
 
-from phasemech.config import CompressionConfig, is_int
+from phasemech.validation import is_int
+
+if TYPE_CHECKING:  # annotations only: phasemech.config builds on this module
+    from phasemech.config import CompressionConfig
 
 
 def phase_of(pos, stride: int, offset=0):

@@ -131,7 +131,11 @@ class ModelSpec:
 def default_eval_sequences(task_stride: int) -> int:
     """The default held-out size: the smallest phase-balanced set (a multiple of the task's
     stride) of at least 512 sequences."""
-    return -(-DEFAULT_EVAL_SEQUENCES // task_stride) * task_stride
+    return _round_up(DEFAULT_EVAL_SEQUENCES, task_stride)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 @dataclass(frozen=True)
@@ -204,7 +208,7 @@ class TrainConfig:
             "eval_sequences",
             self.eval_sequences % self.task.stride == 0,
             f"need a multiple of the task stride {self.task.stride} (phase-balanced set), e.g. "
-            f"{-(-self.eval_sequences // self.task.stride) * self.task.stride}",
+            f"{_round_up(self.eval_sequences, self.task.stride)}",
         )
         need("seed", is_int(self.seed), "need an int")
 

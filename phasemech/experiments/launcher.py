@@ -88,7 +88,7 @@ def read_cached(results: Path, job: Job) -> dict[str, Any] | None:
         saved = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         return None
-    if not isinstance(saved, dict) or saved.get("config") != json.loads(json.dumps(job.config)):
+    if not isinstance(saved, dict) or saved.get("config") != job.config:
         return None
     return saved.get("result")
 
