@@ -7,7 +7,7 @@ Stages (each cached under ``RUNS/<sweep folder>/``; rerunning skips finished wor
    checkpoints on the phase-balanced test set (``targets_step_*.parquet``);
 2. **tables**: per-phase accuracy with cluster-bootstrap 95% CIs per (design, stride, heads,
    T), seeds pooled, at the final checkpoint (``per_phase.parquet``);
-3. **model panels** (:func:`phasemech.dashboard.model_panel`, cached in
+3. **model panels** (:func:`phasemech.experiments.panels.model_panel`, cached in
    ``<run>/dashboard/<setting>/``):
    per-phase accuracy and debiased gap, head attention mass on the needle by phase, head
    zero-ablation effects by phase with CIs and specialisation tests, an example pattern; and
@@ -18,7 +18,7 @@ Stages (each cached under ``RUNS/<sweep folder>/``; rerunning skips finished wor
 
 The *showcase* model (heatmaps, patching, dynamics, example pattern) is picked from the data:
 the compressed model whose most phase-specialised compressed-layer head ranks first
-(:func:`phasemech.dashboard.head_rank_key`: Holm p < 0.05, then the range of its per-phase
+(:func:`phasemech.viz.dashboard.head_rank_key`: Holm p < 0.05, then the range of its per-phase
 ablation effect), among models with test-set accuracy >= 0.9 when any.
 
 Profiles: ``tiny`` (seconds; the end-to-end test), ``default`` (five 2-head models, T = 64,
@@ -49,8 +49,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import phase_sweep as ps  # noqa: E402  (the sweep's profiles, specs and worker)
 import report  # noqa: E402  (REPORT.md and the analyses' figures)
 
-from phasemech.dashboard import PanelConfig, example_target, head_rank_key, panel_dir  # noqa: E402
-from phasemech.progress import progress_bar  # noqa: E402
+from phasemech.core.progress import progress_bar  # noqa: E402
+from phasemech.experiments.panels import PanelConfig, panel_dir
+from phasemech.viz.dashboard import example_target, head_rank_key
 
 console = Console()
 CHROMIUM = "/usr/bin/chromium"
@@ -63,7 +64,7 @@ class FigureProfile:
     panel: PanelConfig
     models: tuple[str, ...] | None = None  # only these runs of the sweep (None: all)
     patch_pairs: int = 256
-    theory_scale: float = 1.0  # phasemech.theory.predictions(scale): < 1 only for tests
+    theory_scale: float = 1.0  # phasemech.theory.dynamics.predictions(scale): < 1 only for tests
 
 
 PROFILES = {
@@ -178,7 +179,7 @@ def _last_eval(run: Path) -> tuple[int, float]:
 
 def _scored(run: Path) -> bool:
     """Trained to the end (the ``done`` line) and every checkpoint scored."""
-    from phasemech.train import checkpoint_dirs
+    from phasemech.training.checkpoints import checkpoint_dirs
 
     metrics = run / "metrics.jsonl"
     if not metrics.is_file() or '"event": "done"' not in metrics.read_text():
@@ -192,8 +193,8 @@ def _scored(run: Path) -> bool:
 def per_phase_table(specs: list[ps.RunSpec], fp: FigureProfile, sweep_dir: Path) -> pd.DataFrame:
     """Per-phase accuracy with CIs per (design, stride, heads, T) and phase grid, seeds pooled,
     final checkpoint of each run."""
-    from phasemech.grid import phase_of
-    from phasemech.stats import per_phase, phase_gap
+    from phasemech.core.grid import phase_of
+    from phasemech.measure.stats import per_phase, phase_gap
 
     targets = ps.load_targets(sweep_dir, specs)
     final = targets.groupby("run")["step"].transform("max")
@@ -236,7 +237,7 @@ def _panel_job(run: str, config: PanelConfig) -> dict:
     import torch
 
     torch.set_num_threads(1)
-    from phasemech.dashboard import model_panel
+    from phasemech.experiments.panels import model_panel
 
     return model_panel(run, config)
 
@@ -256,7 +257,7 @@ def panels(specs: list[ps.RunSpec], fp: FigureProfile, sweep_dir: Path, workers:
 
 
 def best_head(panel: dict) -> dict:
-    """A panel's most phase-specialised head (:func:`phasemech.dashboard.head_rank_key`),
+    """A panel's most phase-specialised head (:func:`phasemech.viz.dashboard.head_rank_key`),
     among its compressed layers' heads when it has any."""
     return max([h for h in panel["heads"] if h["compressed"]] or panel["heads"], key=head_rank_key)
 
@@ -271,10 +272,12 @@ def pick_showcase(panel_list: list[dict]) -> dict:
 
 def patch_grid(run: Path, fp: FigureProfile) -> pd.DataFrame | None:
     """Grid-contrast head patching of the showcase (cached); ``None`` for a dense model."""
-    from phasemech.evaluate import balanced_test_set, load_trained
-    from phasemech.grid import reference_grid
-    from phasemech.io import write_json_atomic
-    from phasemech.patching import make_contrast, patch_heads
+    from phasemech.core.grid import reference_grid
+    from phasemech.core.io import write_json_atomic
+    from phasemech.data.tasks import balanced_test_set
+    from phasemech.interventions.contrasts import make_contrast
+    from phasemech.interventions.patching_fast import patch_heads
+    from phasemech.training.checkpoints import load_trained
 
     # cached beside the panel, valid for the weights the panel was computed on
     dest = panel_dir(run, fp.panel) / "patch_grid"
@@ -346,9 +349,9 @@ def make_figures(
 ) -> list[dict]:
     """``[{name, figure, caption}]``, every figure built from the tables and panels."""
     from phasemech import viz
-    from phasemech.ablation import AblationResult
-    from phasemech.probes import cluster_heads
-    from phasemech.train import read_metrics
+    from phasemech.interventions.ablation import AblationResult
+    from phasemech.interventions.clustering import cluster_heads
+    from phasemech.training.checkpoints import read_metrics
 
     figs: list[dict] = []
     n_seeds = int(table["seeds"].max())
@@ -621,9 +624,9 @@ def main() -> None:
     table = per_phase_table(specs, fp, sweep_dir)
     panel_list = panels(specs, fp, sweep_dir, args.workers)
     console.print("[bold]4/4 figures[/]")
-    from phasemech.dashboard import render_dashboard
-    from phasemech.io import write_json_atomic, write_text_atomic
-    from phasemech.theory import predictions
+    from phasemech.core.io import write_json_atomic, write_text_atomic
+    from phasemech.theory.dynamics import predictions
+    from phasemech.viz.dashboard import render_dashboard
 
     entries = []
     with console.status("theory: re-deriving the theory model's predictions"):

@@ -16,8 +16,9 @@ Layer 2 is compressed; the per-layer pair uses 3-layer models with layers 2 and 
 phase a user of the deployed model would see.
 
 Per fix, seeds pooled: per-phase accuracy, mean accuracy and debiased gap with CIs
-(``phasemech.stats.phase_report``); against ``aligned``: the gap reduction and the change of mean
-accuracy with paired cluster-bootstrap CIs (``phasemech.stats.compare_gaps``). The goal tested:
+(``phasemech.measure.stats.phase_report``); against ``aligned``: the gap reduction and the
+change of mean accuracy with paired cluster-bootstrap CIs
+(``phasemech.measure.stats.compare_gaps``). The goal tested:
 a fix that cuts the debiased gap by >= 70% (point estimate, with a CI excluding 0) with no loss
 of mean accuracy (the CI of the change excludes a loss larger than ``NONINFERIORITY`` = 1
 point), every seed of the fix off the MQAR loss plateau (``PLATEAU_EXIT``).
@@ -49,7 +50,7 @@ from rich.console import Console
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import phase_sweep as ps  # noqa: E402  (the sweep's statistics row)
 
-from phasemech.progress import progress_bar  # noqa: E402
+from phasemech.core.progress import progress_bar  # noqa: E402
 
 console = Console()
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -154,9 +155,9 @@ def run_name(fix: str, seed: int) -> str:
 
 
 def train_config(fix: str, seed: int, p: Profile):
-    from phasemech.config import CompressionConfig
-    from phasemech.tasks import MQARTask
-    from phasemech.train import ModelSpec, TrainConfig
+    from phasemech.core.config import CompressionConfig
+    from phasemech.data.tasks import MQARTask
+    from phasemech.training.config import ModelSpec, TrainConfig
 
     if fix not in VARIANTS:
         raise ValueError(f"fix={fix!r} is invalid: allowed {FIXES}")
@@ -184,7 +185,7 @@ def train_config(fix: str, seed: int, p: Profile):
 
 def test_task(p: Profile):
     """The one held-out task every fix is scored on (never jittered)."""
-    from phasemech.tasks import MQARTask
+    from phasemech.data.tasks import MQARTask
 
     return MQARTask(vocab_size=64, seq_len=p.seq_len, n_pairs=p.n_pairs, stride=p.stride)
 
@@ -195,9 +196,11 @@ def train_and_score(name: str, cfg, task, sequences: int, out_dir: str) -> dict:
     import torch
 
     torch.set_num_threads(1)
-    from phasemech.evaluate import balanced_test_set, predict
-    from phasemech.model import PhaseTransformer
-    from phasemech.train import checkpoint_dirs, train
+    from phasemech.data.tasks import balanced_test_set
+    from phasemech.measure.evaluate import predict
+    from phasemech.model.transformer import PhaseTransformer
+    from phasemech.training.checkpoints import checkpoint_dirs
+    from phasemech.training.trainer import train
 
     run_dir = Path(out_dir) / name
     t0 = time.perf_counter()
@@ -239,7 +242,7 @@ def load_targets(out_dir: Path, p: Profile) -> pd.DataFrame:
 
 def aggregate(out_dir: Path, p: Profile, workers: int) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Per fix (pooled and per seed) the statistics row; against ``aligned`` the comparison."""
-    from phasemech.stats import compare_gaps
+    from phasemech.measure.stats import compare_gaps
 
     targets = load_targets(out_dir, p).rename(columns={"fix": "design"})
     jobs = []

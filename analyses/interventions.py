@@ -4,17 +4,17 @@ For each trained model of the phase sweep (``analyses/phase_sweep.py``; default:
 control and the compressed models that learned MQAR or show a phase gap), on its
 phase-balanced test set:
 
-1. **ablation** (``phasemech.ablation``): zero / mean / resample of every head, and of the
-   compressed layer's parts (block entries: mask / mean / resample; raw window: mask; gated
-   phase bias: zero); accuracy effect per target phase with cluster-bootstrap CIs; the
+1. **ablation** (``phasemech.interventions.ablation``): zero / mean / resample of every head,
+   and of the compressed layer's parts (block entries: mask / mean / resample; raw window:
+   mask; gated phase bias: zero); accuracy effect per target phase with cluster-bootstrap CIs; the
    specialization index and the within-content permutation test per unit;
 2. **do ablations open the weak spots?**: for every unit whose effect depends on phase
    (Holm-corrected p < 0.05), the phase it serves (largest drop), the weakest phase of the
    ablated model, and whether the intact model is already weak there;
-3. **activation patching** (``phasemech.patching``): the grid contrast (same tokens, grid
-   shifted by d/2: the cleanest phase contrast) and the corrupted-answer contrast for head
-   outputs at every position and by position; compressed entries and patterns under the answer
-   contrast (the only one where entry i covers the same tokens in both runs);
+3. **activation patching** (``phasemech.interventions.patching``): the grid contrast (same
+   tokens, grid shifted by d/2: the cleanest phase contrast) and the corrupted-answer contrast
+   for head outputs at every position and by position; compressed entries and patterns under
+   the answer contrast (the only one where entry i covers the same tokens in both runs);
 4. **attribution patching** vs exact patching on the answer contrast (overall, by layer, and
    split by saturated last-layer attention);
 5. **linear probes** for the token's phase on a randomly shifted grid (phase decoupled from
@@ -53,7 +53,7 @@ DEFAULT_MODELS = (
 
 
 def components_for(design: str) -> tuple[str, ...]:
-    from phasemech.config import SELECTING_DESIGNS
+    from phasemech.core.config import SELECTING_DESIGNS
 
     comps = ["head"]
     if design != "none":
@@ -69,19 +69,19 @@ def analyse(run_dir: str, out_dir: str, sequences: int, pairs: int, seed: int) -
     torch.set_num_threads(1)
     from threadpoolctl import threadpool_limits
 
-    from phasemech.ablation import ablate
-    from phasemech.evaluate import balanced_test_set, load_trained
-    from phasemech.grid import reference_grid
-    from phasemech.patching import (
+    from phasemech.core.grid import reference_grid
+    from phasemech.data.tasks import balanced_test_set, to_tensors
+    from phasemech.interventions.ablation import ablate
+    from phasemech.interventions.attribution import (
         attribution_by_position,
         attribution_patch,
         compare_attribution,
-        make_contrast,
-        patch_heads,
-        patch_sites,
     )
-    from phasemech.probes import phase_probe
-    from phasemech.tasks import to_tensors
+    from phasemech.interventions.contrasts import make_contrast
+    from phasemech.interventions.patching import patch_sites
+    from phasemech.interventions.patching_fast import patch_heads
+    from phasemech.interventions.probes import phase_probe
+    from phasemech.training.checkpoints import load_trained
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -259,7 +259,7 @@ def _collect_profiles(profiles: list[dict], name: str, info: dict, d: Path) -> N
 
 
 def summarise(out: Path, infos: list[dict], detail: set[str]) -> str:
-    from phasemech.probes import cluster_heads
+    from phasemech.interventions.clustering import cluster_heads
 
     lines = [
         "# Interventions on trained models",

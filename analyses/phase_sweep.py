@@ -5,7 +5,7 @@ Same-size 2-layer attention-only models (d_model 64), trained on phase-uniform M
 ``mean``, ``gated``, ``mlp``, ``route``; stride 4 and 8; 2 and 4 heads; T = 64 (and 128 for a
 subset); 3 seeds each. Every model is scored on one shared phase-balanced test set per length
 (4096 sequences: 512 contents at each of 8 shifts) at its final checkpoint and at
-intermediate ones, with the full statistics template of ``phasemech.stats``.
+intermediate ones, with the full statistics template of ``phasemech.measure.stats``.
 
 Stages (each cached under ``RUNS/phase_sweep_<profile>/``; rerunning skips finished work):
 
@@ -39,8 +39,8 @@ import pandas as pd
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from phasemech.config import DESIGNS
-from phasemech.grid import phase_of
+from phasemech.core.config import DESIGNS
+from phasemech.core.grid import phase_of
 
 console = Console()
 
@@ -153,9 +153,9 @@ def run_specs(p: Profile) -> list[RunSpec]:
 
 
 def train_config(spec: RunSpec, p: Profile):
-    from phasemech.config import CompressionConfig
-    from phasemech.tasks import MQARTask
-    from phasemech.train import ModelSpec, TrainConfig
+    from phasemech.core.config import CompressionConfig
+    from phasemech.data.tasks import MQARTask
+    from phasemech.training.config import ModelSpec, TrainConfig
 
     # one task stride for all runs: the same data stream and test set for every design
     task = MQARTask(vocab_size=64, seq_len=spec.seq_len, n_pairs=p.n_pairs, stride=max(p.strides))
@@ -183,9 +183,11 @@ def run_one(spec: RunSpec, p: Profile, sweep_dir: str) -> dict:
     import torch
 
     torch.set_num_threads(1)
-    from phasemech.evaluate import balanced_test_set, predict
-    from phasemech.model import PhaseTransformer
-    from phasemech.train import checkpoint_dirs, train
+    from phasemech.data.tasks import balanced_test_set
+    from phasemech.measure.evaluate import predict
+    from phasemech.model.transformer import PhaseTransformer
+    from phasemech.training.checkpoints import checkpoint_dirs
+    from phasemech.training.trainer import train
 
     run_dir = Path(sweep_dir) / spec.name
     cfg = train_config(spec, p)
@@ -245,7 +247,7 @@ def _grids(design: str, stride: int, p: Profile) -> list[int]:
 
 
 def report_row(key: dict, df: pd.DataFrame, stride: int, n_boot: int, n_perm: int) -> dict:
-    from phasemech.stats import phase_report
+    from phasemech.measure.stats import phase_report
 
     if key["targets"] == "far":
         # sources at least W + d - 1 = 3d - 1 back are read only through blocks (W = 2d)
@@ -294,7 +296,7 @@ def _report_job(args):
 
 
 def aggregate(sweep_dir: Path, specs: list[RunSpec], p: Profile, workers: int) -> pd.DataFrame:
-    from phasemech.train import read_metrics
+    from phasemech.training.checkpoints import read_metrics
 
     targets = load_targets(sweep_dir, specs)
     final_steps = targets.groupby("run")["step"].max().to_dict()

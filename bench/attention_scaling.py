@@ -72,8 +72,8 @@ from typing import Any
 
 import torch
 
-from phasemech.config import CompressionConfig, PhaseTransformerConfig
-from phasemech.model import PhaseTransformer
+from phasemech.core.config import CompressionConfig, PhaseTransformerConfig
+from phasemech.model.transformer import PhaseTransformer
 
 FULL_SEQ_LENS = (512, 1024, 2048, 4096)
 QUICK_SEQ_LENS = (512, 1024)
@@ -276,7 +276,7 @@ def _context() -> mp.context.BaseContext:
         ctx = mp.get_context("forkserver")
         # Children fork with these already imported. (Not "__main__": CPython 3.11's forkserver
         # drops the main path, so that preload silently does nothing.)
-        ctx.set_forkserver_preload(["torch", "torch.profiler", "phasemech.model"])
+        ctx.set_forkserver_preload(["torch", "torch.profiler", "phasemech.model.transformer"])
         return ctx
     return mp.get_context("spawn")
 

@@ -27,8 +27,8 @@ from typing import ClassVar
 import ray
 import ray.cloudpickle
 
+from phasemech.core.io import write_json_atomic
 from phasemech.experiments import Job, launch
-from phasemech.io import write_json_atomic
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers can't import bench/
 

@@ -39,11 +39,13 @@ from pathlib import Path
 import torch
 from transformer_lens import patching as tl_patching
 
-from phasemech.config import CompressionConfig
-from phasemech.evaluate import load_trained
-from phasemech.patching import make_contrast, metric_values, patch_heads
-from phasemech.tasks import MQARTask, generate
-from phasemech.train import ModelSpec, TrainConfig, checkpoint_dirs, train
+from phasemech.core.config import CompressionConfig
+from phasemech.data.tasks import MQARTask, generate
+from phasemech.interventions.contrasts import make_contrast, metric_values
+from phasemech.interventions.patching_fast import patch_heads
+from phasemech.training.checkpoints import checkpoint_dirs, load_trained
+from phasemech.training.config import ModelSpec, TrainConfig
+from phasemech.training.trainer import train
 
 ROOT = Path(__file__).resolve().parents[1]
 

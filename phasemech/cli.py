@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from importlib.metadata import version
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -13,12 +14,12 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from phasemech import __version__
-from phasemech.ablation import METRICS as ABLATION_METRICS
-from phasemech.config import DESIGNS, OFFSET_MODES, SELECTING_DESIGNS
-from phasemech.patching import CONTRASTS, SITES
-from phasemech.patching import METRICS as PATCH_METRICS
-from phasemech.phase import phase_attention
+from phasemech.core.config import DESIGNS, OFFSET_MODES, SELECTING_DESIGNS
+from phasemech.interventions.ablation import METRICS as ABLATION_METRICS
+from phasemech.interventions.contrasts import CONTRASTS
+from phasemech.interventions.contrasts import METRICS as PATCH_METRICS
+from phasemech.interventions.patching import SITES
+from phasemech.model.phase import phase_attention
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.splitlines()[0])
 console = Console()
@@ -33,7 +34,7 @@ def _fail(err: Exception | str) -> typer.Exit:
 @app.command()
 def info() -> None:
     """Version and available compression designs."""
-    console.print(f"phasemech {__version__}; designs: {', '.join(DESIGNS)}")
+    console.print(f"phasemech {version('phasemech')}; designs: {', '.join(DESIGNS)}")
 
 
 @app.command("phase-attention")
@@ -45,7 +46,7 @@ def phase_attention_cmd(
     out: Annotated[Path | None, typer.Option(help="write the tidy table (.parquet/.csv)")] = None,
 ) -> None:
     """Attention mass per (layer, head, source phase) on seeded random tokens."""
-    from phasemech.evaluate import load_trained
+    from phasemech.training.checkpoints import load_trained
 
     torch.set_num_threads(1)
     try:
@@ -101,7 +102,7 @@ def _check_data_out(out: Path) -> None:
 
 
 def _write_dataset(task, sequences: int, seed: int, balanced: bool, out: Path) -> None:
-    from phasemech.tasks import generate, save_dataset, targets_frame
+    from phasemech.data.tasks import generate, save_dataset, targets_frame
 
     _check_data_out(out)
     try:
@@ -134,7 +135,7 @@ def data_mqar(
     jitter: Annotated[int, typer.Option(help="0..jitter fillers before each pair")] = 0,
 ) -> None:
     """Multi-query associative recall (Zoology conventions) with a random or balanced prefix."""
-    from phasemech.tasks import MQARTask
+    from phasemech.data.tasks import MQARTask
 
     try:
         task = MQARTask(vocab_size, seq_len, pairs, queries, stride, grid_offset, jitter)
@@ -158,7 +159,7 @@ def data_needle(
     grid_offset: int = 0,
 ) -> None:
     """Single- or multi-needle retrieval among distractor pairs, every phase at every depth."""
-    from phasemech.tasks import NeedleTask
+    from phasemech.data.tasks import NeedleTask
 
     try:
         fractions = tuple(float(x) for x in depths.split(","))
@@ -204,7 +205,7 @@ def train(
     threads: PosInt = None,
 ) -> None:
     """Train a model from scratch on MQAR (progress shows held-out accuracy per phase)."""
-    from phasemech.train import train as run_train
+    from phasemech.training.trainer import train as run_train
 
     flags = dict(
         design=design, stride=stride, window=window, layers=layers, offsets=offsets, heads=heads,
@@ -234,8 +235,9 @@ def _train_config(out: Path, config: Path | None, resume: bool, flags: dict):
     import dataclasses
     import math
 
-    from phasemech.config import CompressionConfig
-    from phasemech.train import CONFIG_NAME, TrainConfig, default_eval_sequences
+    from phasemech.core.config import CompressionConfig
+    from phasemech.training.checkpoints import CONFIG_NAME
+    from phasemech.training.config import TrainConfig, default_eval_sequences
 
     source = config or (out / CONFIG_NAME if resume and (out / CONFIG_NAME).is_file() else None)
     cfg = TrainConfig() if source is None else TrainConfig.load(source)
@@ -315,8 +317,9 @@ def eval_cmd(
     ] = None,
 ) -> None:
     """Per-phase accuracy with the full statistics template (parquet + JSON)."""
-    from phasemech.evaluate import balanced_test_set, evaluate, load_trained
-    from phasemech.tasks import load_dataset, task_of
+    from phasemech.data.tasks import balanced_test_set, load_dataset, task_of
+    from phasemech.measure.evaluate import evaluate
+    from phasemech.training.checkpoints import load_trained
 
     torch.set_num_threads(1)
     try:
@@ -354,8 +357,8 @@ def eval_cmd(
 def _load_for_intervention(checkpoint: Path, data: Path | None, sequences: int, data_seed: int):
     """``(model, dataset, model folder)``; the dataset is the run's phase-balanced test set
     unless ``--data`` is given."""
-    from phasemech.evaluate import balanced_test_set, load_trained
-    from phasemech.tasks import load_dataset
+    from phasemech.data.tasks import balanced_test_set, load_dataset
+    from phasemech.training.checkpoints import load_trained
 
     model, cfg, model_dir = load_trained(checkpoint)
     if data is not None:
@@ -415,7 +418,7 @@ def ablate(
     out: Annotated[Path | None, typer.Option(help="default: CHECKPOINT/ablate")] = None,
 ) -> None:
     """Zero/mean/resample ablation of heads and compressor parts, effect per target phase."""
-    from phasemech.ablation import ablate as run_ablation
+    from phasemech.interventions.ablation import ablate as run_ablation
 
     torch.set_num_threads(1)
     try:
@@ -453,7 +456,9 @@ def patch(
     shift: Annotated[
         int | None, typer.Option(help="grid/content shift (default: stride // 2)")
     ] = None,
-    site: Annotated[Literal[SITES], typer.Option(help="z: head outputs")] = "z",
+    site: Annotated[
+        Literal[tuple(SITES)], typer.Option(help="z: head outputs; q; k, v: per KV head")
+    ] = "z",
     by_pos: Annotated[bool, typer.Option(help="one position at a time")] = False,
     metric: Annotated[Literal[PATCH_METRICS], typer.Option()] = "logit_diff",
     pairs: Annotated[int, typer.Option(min=1, help="clean/corrupted pairs")] = 256,
@@ -471,9 +476,12 @@ def patch(
     ] = None,
 ) -> None:
     """Activation patching by phase contrast: per (layer, head) effect per target phase."""
-    from phasemech import patching as P
-    from phasemech.evaluate import resolve_checkpoint
-    from phasemech.grid import reference_grid
+    from phasemech.core.grid import reference_grid
+    from phasemech.interventions.attribution import attribution_patch, compare_attribution
+    from phasemech.interventions.contrasts import make_contrast
+    from phasemech.interventions.patching import patch_sites
+    from phasemech.interventions.patching_fast import patch_heads
+    from phasemech.training.checkpoints import resolve_checkpoint
 
     torch.set_num_threads(1)
     try:
@@ -484,7 +492,7 @@ def patch(
         model, ds, model_dir = _load_for_intervention(checkpoint, data, n_seq, data_seed)
         stride, offset = reference_grid(model.cfg.compression)
         ds = ds.shuffle(seed=seed)  # balanced sets come in blocks of one content
-        pairs_ = P.make_contrast(
+        pairs_ = make_contrast(
             ds,
             contrast,
             stride=stride,
@@ -495,7 +503,7 @@ def patch(
         )
         exact_pos = attribution or by_pos
         if site == "z":
-            result = P.patch_heads(
+            result = patch_heads(
                 model,
                 pairs_,
                 metric=metric,
@@ -504,7 +512,7 @@ def patch(
                 progress=True,
             )
         else:
-            result = P.patch_sites(
+            result = patch_sites(
                 model,
                 pairs_,
                 site=site,
@@ -517,8 +525,8 @@ def patch(
         if attribution:
             if site != "z":
                 raise ValueError("--attribution needs --site z")
-            atp = P.attribution_patch(model, pairs_, metric=metric, progress=True)
-            comparison = P.compare_attribution(atp, result)
+            atp = attribution_patch(model, pairs_, metric=metric, progress=True)
+            comparison = compare_attribution(atp, result)
     except (FileNotFoundError, ValueError) as err:
         raise _fail(err) from err
     dest = result.save(out or model_dir / f"patch_{contrast}_{site}")
@@ -555,7 +563,7 @@ def dashboard(
     force: Annotated[bool, typer.Option(help="recompute cached panels")] = False,
 ) -> None:
     """One self-contained HTML dashboard (plotly.js inlined) for head-attribution exploration."""
-    from phasemech.dashboard import PanelConfig, build_dashboard
+    from phasemech.experiments.panels import PanelConfig, build_dashboard
 
     try:
         config = PanelConfig(
@@ -579,7 +587,7 @@ def sweep_pretrained(
     workers: Annotated[int, typer.Option(min=1, help="processes (each loads the model)")] = 2,
 ) -> None:
     """Passkey accuracy by needle phase on SmolLM2-135M, uncompressed and post-hoc compressed."""
-    from phasemech.pretrained_sweep import PROFILES, run_profile
+    from phasemech.experiments.pretrained import PROFILES, run_profile
 
     if profile not in PROFILES:
         console.print(f"[red]error:[/] --profile {profile!r} is invalid: one of {sorted(PROFILES)}")
@@ -648,8 +656,8 @@ def theory(
     ] = 1.0,
 ) -> None:
     """Re-derive the theory model's predictions (idealized gradient flow, docs/theory.md; ~40 s)."""
-    from phasemech.io import write_json_atomic
-    from phasemech.theory import predictions, predictions_text
+    from phasemech.core.io import write_json_atomic
+    from phasemech.theory.dynamics import predictions, predictions_text
 
     pred = predictions(scale=scale)
     console.print(predictions_text(pred), highlight=False, markup=False)  # "[x]" is text

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from phasemech import CompressionConfig, PhaseTransformer, PhaseTransformerConfig
-from phasemech.model import quiet_tl_deprecation
+from phasemech.model.transformer import quiet_tl_deprecation
 
 torch.set_num_threads(1)
 warnings.filterwarnings("ignore", message="HookedTransformer is deprecated")

@@ -1,5 +1,6 @@
-"""Phase-resolved ablation (``phasemech.ablation``) on tiny random models: exactness of each
-ablation against hand-written hooks, cleanup, the effects table and the specialization test."""
+"""Phase-resolved ablation (``phasemech.interventions.ablation``) on tiny random models: exactness
+of each ablation against hand-written hooks, cleanup, the effects table and the specialization
+test."""
 
 from __future__ import annotations
 
@@ -10,11 +11,13 @@ import torch
 from conftest import make_model, randomize_compressors
 from datasets import Dataset
 
-import phasemech.ablation as ab
-from phasemech.ablation import ablate, ablation, rank_heads, specialization
-from phasemech.grid import n_blocks
-from phasemech.tasks import MQARTask, generate, to_tensors
-from phasemech.train import answer_logits
+import phasemech.interventions.ablation as ab
+import phasemech.interventions.specialization as sp
+from phasemech.core.grid import n_blocks
+from phasemech.data.tasks import MQARTask, generate, to_tensors
+from phasemech.interventions.ablation import ablate, ablation
+from phasemech.interventions.specialization import rank_heads, specialization
+from phasemech.measure.readout import answer_logits
 
 torch.set_num_threads(1)
 
@@ -396,7 +399,7 @@ def test_block_permutations_keep_each_blocks_phases():
     rng = np.random.default_rng(0)
     strata = np.repeat(np.arange(10), 4)[rng.permutation(40)]
     labels = rng.integers(0, STRIDE, 40)
-    perm = ab._permuted_labels(labels, strata, 50, rng)
+    perm = sp._permuted_labels(labels, strata, 50, rng)
     assert perm.shape == (50, 40)
     for row in perm:
         for s in range(10):

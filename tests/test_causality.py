@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from phasemech import CompressionConfig
-from phasemech.config import SELECTING_DESIGNS
+from phasemech.core.config import SELECTING_DESIGNS
 
 N_LAYERS = 2
 

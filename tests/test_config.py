@@ -11,7 +11,7 @@ from conftest import D_VOCAB, N_CTX, make_config, make_model
 from conftest import raises_naming as _raises
 
 from phasemech import CompressionConfig, phase_of
-from phasemech.config import DEFAULT_TOP_K
+from phasemech.core.config import DEFAULT_TOP_K
 
 
 @pytest.mark.parametrize("stride", [0, -1, 2.0, "4", True, None])

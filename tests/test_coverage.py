@@ -1,4 +1,4 @@
-"""The coverage rule of ``phasemech.grid`` against a brute-force Python reference.
+"""The coverage rule of ``phasemech.core.grid`` against a brute-force Python reference.
 
 For every query ``t`` the geometry gives a raw set (band slots with ``band_valid``, mapped to
 absolute positions by ``geo.band_pos``) and a block set (``slot_pos`` of used blocks'
@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from phasemech.grid import (
+from phasemech.core.grid import (
     build_geometry,
     last_query_blocks,
     n_blocks,

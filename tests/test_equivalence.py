@@ -9,7 +9,7 @@ from transformer_lens import HookedTransformer, HookedTransformerConfig
 
 from phasemech import CompressionConfig, PhaseTransformer
 from phasemech.attention import CompressedAttentionMixin
-from phasemech.model import quiet_tl_deprecation
+from phasemech.model.transformer import quiet_tl_deprecation
 
 VARIANTS = {
     "plain": {},

@@ -15,12 +15,8 @@ from datasets import load_from_disk
 from typer.testing import CliRunner
 
 from phasemech.cli import app
-from phasemech.evaluate import (
-    evaluate,
-    predict,
-    resolve_checkpoint,
-)
-from phasemech.tasks import (
+from phasemech.core.grid import reference_grid
+from phasemech.data.tasks import (
     MQARTask,
     NeedleTask,
     generate,
@@ -29,7 +25,10 @@ from phasemech.tasks import (
     task_of,
     to_tensors,
 )
-from phasemech.train import ModelSpec, TrainConfig, answer_logits, read_metrics, reference_grid
+from phasemech.measure.evaluate import evaluate, predict
+from phasemech.measure.readout import answer_logits
+from phasemech.training.checkpoints import read_metrics, resolve_checkpoint
+from phasemech.training.config import ModelSpec, TrainConfig
 
 VOCAB, CTX = 64, 32
 TASK = MQARTask(vocab_size=VOCAB, seq_len=CTX, n_pairs=4, stride=8)

@@ -13,8 +13,8 @@ from conftest import raises_naming as _raises
 
 from phasemech import CompressionConfig, PhaseTransformer
 from phasemech.attention import ChunkEvictAttention, CompressedAttentionMixin
-from phasemech.config import DEFAULT_OBS_WINDOW, DEFAULT_TOP_K
-from phasemech.grid import n_blocks
+from phasemech.core.config import DEFAULT_OBS_WINDOW, DEFAULT_TOP_K
+from phasemech.core.grid import n_blocks
 
 torch.set_num_threads(1)
 

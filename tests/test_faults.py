@@ -17,8 +17,10 @@ from typer.testing import CliRunner
 
 from phasemech import CompressionConfig
 from phasemech.cli import app
-from phasemech.tasks import MQARTask
-from phasemech.train import ModelSpec, TrainConfig, checkpoint_dirs, remove_stale_temporaries, train
+from phasemech.data.tasks import MQARTask
+from phasemech.training.checkpoints import checkpoint_dirs, remove_stale_temporaries
+from phasemech.training.config import ModelSpec, TrainConfig
+from phasemech.training.trainer import train
 
 runner = CliRunner()
 SMALL = ["--d-model", "16", "--heads", "2", "--batch-size", "4"]  # the default task
@@ -117,13 +119,13 @@ def test_cli_train_out_of_range_flag_is_a_usage_error(tmp_path, flag, value):
 
 
 def test_cli_ablate_bad_metric_is_refused_before_any_forward(tmp_path, monkeypatch):
-    import phasemech.ablation
+    import phasemech.interventions.ablation
 
     def boom(*a, **k):
         raise AssertionError("the ablation ran before --metric was checked")
 
     train(tiny_config(), tmp_path / "r", progress=False)
-    monkeypatch.setattr(phasemech.ablation, "ablate", boom)
+    monkeypatch.setattr(phasemech.interventions.ablation, "ablate", boom)
     result = runner.invoke(app, ["ablate", str(tmp_path / "r"), "--metric", "bogus"])
     assert result.exit_code == 2, result.output
     assert "'bogus' is not one of" in result.output and "accuracy" in result.output

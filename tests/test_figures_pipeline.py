@@ -18,15 +18,14 @@ import pytest
 from typer.testing import CliRunner
 
 from phasemech.cli import app
-from phasemech.dashboard import (
+from phasemech.experiments.panels import (
     PanelConfig,
     collect_panels,
-    example_target,
     find_runs,
     model_panel,
     panel_dir,
-    render_dashboard,
 )
+from phasemech.viz.dashboard import example_target, render_dashboard
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = Path("/usr/bin/chromium")
@@ -129,8 +128,10 @@ def test_tiny_profile_reuses_its_cache(tiny_figures, tmp_path):
 
 
 def test_panel_numbers_come_from_the_library(tiny_figures):
-    from phasemech.ablation import AblationResult
-    from phasemech.evaluate import balanced_test_set, evaluate, load_trained
+    from phasemech.data.tasks import balanced_test_set
+    from phasemech.interventions.ablation import AblationResult
+    from phasemech.measure.evaluate import evaluate
+    from phasemech.training.checkpoints import load_trained
 
     sweep, _, _ = tiny_figures
     run = sweep / "gated_d4_h2_T32_s0"
@@ -164,7 +165,7 @@ def test_panel_cache_is_keyed_by_config(tiny_figures, tmp_path, monkeypatch):
     sweep, _, _ = tiny_figures
     run = tmp_path / "run"
     shutil.copytree(sweep / "none_d4_h2_T32_s0", run)
-    import phasemech.ablation as ablation
+    import phasemech.interventions.ablation as ablation
 
     calls = []
     real = ablation.ablate

@@ -13,9 +13,10 @@ import pytest
 from typer.testing import CliRunner
 
 from phasemech.cli import app
-from phasemech.config import CompressionConfig
-from phasemech.tasks import MQARTask
-from phasemech.train import ModelSpec, TrainConfig, train
+from phasemech.core.config import CompressionConfig
+from phasemech.data.tasks import MQARTask
+from phasemech.training.config import ModelSpec, TrainConfig
+from phasemech.training.trainer import train
 
 ROOT = Path(__file__).resolve().parents[1]
 runner = CliRunner()

@@ -9,7 +9,7 @@ import torch
 from conftest import DESIGNS, make_model, randomize_compressors, tokens
 
 from phasemech import CompressionConfig, PhaseTransformer
-from phasemech.model import CONFIG_FILE, WEIGHTS_FILE
+from phasemech.model.transformer import CONFIG_FILE, WEIGHTS_FILE
 
 ROUND_TRIP = {
     "plain": dict(stride=3, window=2),

@@ -25,6 +25,7 @@ DOCS = (
     "pretrained",
     "experiments",
     "figures",
+    "layout",
 )
 
 

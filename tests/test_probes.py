@@ -9,13 +9,8 @@ import torch
 from conftest import N_CTX, make_model, tokens
 from threadpoolctl import threadpool_limits
 
-from phasemech.probes import (
-    HeadClusters,
-    ProbeResult,
-    _cross_validate,
-    cluster_heads,
-    phase_probe,
-)
+from phasemech.interventions.clustering import HeadClusters, cluster_heads
+from phasemech.interventions.probes import ProbeResult, _cross_validate, phase_probe
 
 STRIDE = 4
 

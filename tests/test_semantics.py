@@ -7,7 +7,7 @@ import torch
 from conftest import DESIGNS, make_hooked, make_model, randomize_compressors, tokens
 
 from phasemech import CompressionConfig, PhaseTransformer, phase_attention
-from phasemech.grid import build_geometry
+from phasemech.core.grid import build_geometry
 
 
 @pytest.mark.parametrize("design", ["mean", "gated", "mlp"])

@@ -1,4 +1,4 @@
-"""phasemech.stats on simulated evaluations with a known truth.
+"""phasemech.measure.stats on simulated evaluations with a known truth.
 
 Every simulation has a fixed seed, so the tests are deterministic; the thresholds are set so
 that a correct implementation passes with a wide margin and a wrong one (no cluster resampling,
@@ -15,8 +15,8 @@ import pytest
 from scipy.special import expit, logit
 from scipy.stats import binomtest
 
-from phasemech import stats
-from phasemech.stats import (
+from phasemech.measure import stats
+from phasemech.measure.stats import (
     PhaseReport,
     by_depth,
     chi2_phase,
@@ -24,6 +24,7 @@ from phasemech.stats import (
     harmonics,
     logistic_phase_test,
     newcombe_diff,
+    omnibus,
     per_phase,
     phase_gap,
     phase_report,
@@ -114,7 +115,7 @@ def test_holm_matches_statsmodels():
 
     for p in ([0.01, 0.04, 0.03, 0.5], [0.3, 0.3, 0.001], [0.9, 0.8, 0.95, 0.99], [0.2]):
         p = np.array(p)
-        np.testing.assert_allclose(stats._holm(p), multipletests(p, method="holm")[1])
+        np.testing.assert_allclose(stats.holm(p), multipletests(p, method="holm")[1])
 
 
 # --------------------------------------------------------------------------- no phase effect
@@ -283,13 +284,13 @@ def test_logistic_fallbacks(monkeypatch):
     def broken(self, *args, **kwargs):
         raise np.linalg.LinAlgError("singular")
 
-    monkeypatch.setattr(stats.GLM, "fit", broken)
+    monkeypatch.setattr(omnibus.GLM, "fit", broken)
     ridge = logistic_phase_test(df, D)
     assert "ridge" in ridge["note"]
     assert ridge["dof"] == mle["dof"]
     assert ridge["statistic"] == pytest.approx(mle["statistic"], rel=0.05)
 
-    monkeypatch.setattr(stats.GLM, "fit_regularized", broken)
+    monkeypatch.setattr(omnibus.GLM, "fit_regularized", broken)
     last = logistic_phase_test(df, D)
     assert "chi-square" in last["note"]
     assert last["p"] == chi2_phase(df, D)["p"]

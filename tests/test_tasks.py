@@ -12,7 +12,7 @@ import torch
 from datasets import Dataset, load_from_disk
 from scipy import stats
 
-from phasemech.tasks import (
+from phasemech.data.tasks import (
     MQARTask,
     NeedleTask,
     generate,

@@ -7,10 +7,9 @@ import math
 import numpy as np
 import pytest
 
-from phasemech.theory import (
+from phasemech.theory.dynamics import (
     TheoryConfig,
     critical_beta_over_d,
-    figure_curves,
     flow,
     g_second,
     head_ablation,
@@ -19,6 +18,7 @@ from phasemech.theory import (
     simulate,
     uniform_eigenvalue,
 )
+from phasemech.viz.theory import theory_plateau
 
 
 @pytest.mark.parametrize("offsets", ["aligned", "staggered", "random", (0, 3, 1)])
@@ -97,7 +97,7 @@ def test_predictions_are_json_ready_and_draw_a_figure():
     assert {r["offsets"] for r in pred["handicap"]} == {"aligned", "staggered", "random"}
     # the stability eigenvalue's sign is the analytic one, whatever the horizon
     assert pred["stability"][0]["eigenvalue"] > 0 > pred["stability"][-1]["eigenvalue"]
-    fig = figure_curves(pred)
+    fig = theory_plateau(pred)
     assert fig["name"] == "theory_plateau" and "N=16" in fig["caption"]
     assert [t.name for t in fig["figure"].data] == ["N = 16", "N = 64", "N = 256", "N = 1024"]
 

@@ -7,18 +7,18 @@ import numpy as np
 import pytest
 import torch
 
-from phasemech.config import CompressionConfig
-from phasemech.grid import build_geometry
-from phasemech.tasks import MQARTask, generate, to_tensors
-from phasemech.theory import TheoryConfig
-from phasemech.theory_fit import (
+from phasemech.core.config import CompressionConfig
+from phasemech.core.grid import build_geometry
+from phasemech.data.tasks import MQARTask, generate, to_tensors
+from phasemech.theory.dynamics import TheoryConfig
+from phasemech.theory.fit import (
     compare,
     effective_weights,
     pooled_rank_test,
     theory_accuracy,
     weight_matrix,
 )
-from phasemech.train import ModelSpec, TrainConfig
+from phasemech.training.config import ModelSpec, TrainConfig
 
 TASK = MQARTask(seq_len=32, n_pairs=4, stride=4)
 

@@ -10,15 +10,10 @@ import pytest
 import torch
 
 from phasemech import CompressionConfig, PhaseTransformer
-from phasemech.tasks import MQARTask
-from phasemech.train import (
-    ModelSpec,
-    TrainConfig,
-    checkpoint_dirs,
-    lr_factor,
-    read_metrics,
-    train,
-)
+from phasemech.data.tasks import MQARTask
+from phasemech.training.checkpoints import checkpoint_dirs, read_metrics
+from phasemech.training.config import ModelSpec, TrainConfig
+from phasemech.training.trainer import lr_factor, train
 
 
 class Interrupt(Exception):

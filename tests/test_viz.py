@@ -9,15 +9,17 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import plotly.colors as pcolors
 import plotly.graph_objects as go
 import pytest
 import torch
 from conftest import make_model
 
 from phasemech import viz
-from phasemech.ablation import ablate, specialization
-from phasemech.stats import per_phase
-from phasemech.tasks import MQARTask, generate
+from phasemech.data.tasks import MQARTask, generate
+from phasemech.interventions.ablation import ablate
+from phasemech.interventions.specialization import specialization
+from phasemech.measure.stats import per_phase
 
 torch.set_num_threads(1)
 
@@ -91,7 +93,7 @@ def test_apply_template_and_design_styles():
     # greyscale: the luminances of the colours differ pairwise
     lum = sorted(
         0.299 * r + 0.587 * g + 0.114 * b
-        for r, g, b in (viz.pcolors.hex_to_rgb(c) for c in viz.DESIGN_COLORS.values())
+        for r, g, b in (pcolors.hex_to_rgb(c) for c in viz.DESIGN_COLORS.values())
     )
     assert min(np.diff(lum)) > 10
     assert viz.PHASE_SCALE == "Cividis"
@@ -211,7 +213,7 @@ def test_effect_heatmap_ablation_frame():
     assert hm.zmid == 0 and hm.zmin == -hm.zmax
     assert hm.zmax == pytest.approx(df.effect.abs().max())
     # negative effects are red: the low end of the scale
-    r, g, b = viz.pcolors.unlabel_rgb(hm.colorscale[0][1])
+    r, g, b = pcolors.unlabel_rgb(hm.colorscale[0][1])
     assert r > b
     cd = np.asarray(hm.customdata, float)
     ci_low = df.pivot(index=["layer", "unit"], columns="phase", values="ci_low").to_numpy()
@@ -366,7 +368,7 @@ def test_training_dynamics_lines():
     np.testing.assert_allclose(overall.y, [0.25, 0.5, 0.75])
     assert overall.line.width > max(t.line.width for t in fig.data[:-1])
     # Cividis: phase 0 darkest, last phase lightest; all phase colours distinct
-    cols = [viz.pcolors.unlabel_rgb(t.line.color) for t in fig.data[:-1]]
+    cols = [pcolors.unlabel_rgb(t.line.color) for t in fig.data[:-1]]
     assert len(set(cols)) == D and sum(cols[0]) < sum(cols[-1])
     # a DataFrame of the same rows gives the same figure data
     fig2 = viz.training_dynamics(pd.DataFrame(rows[:-1]), stride=D)

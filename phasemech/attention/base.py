@@ -10,7 +10,7 @@ models, ``GroupedQueryAttention``: the concrete class is built by ``make_attenti
 activations and the stock patching tools keep working.
 
 Pooled designs (``mean``, ``gated``, ``mlp``) attend, in ONE softmax, over a key axis made of the
-``block`` compressed entries followed by a raw band of ``Wr`` tokens (``phasemech.grid``
+``block`` compressed entries followed by a raw band of ``Wr`` tokens (``phasemech.core.grid``
 fixes which entries are visible). The raw band is computed in query chunks, so the default
 forward holds ``O(T * (T/d + Wr))`` scores, not ``O(T^2)``.
 
@@ -41,7 +41,7 @@ from transformer_lens.components import Attention, GroupedQueryAttention
 from transformer_lens.hook_points import HookPoint
 from transformer_lens.utilities.activation_functions import apply_softcap
 
-from phasemech.grid import Geometry, build_geometry, left_padding
+from phasemech.core.grid import Geometry, build_geometry, left_padding
 
 
 def _masked_softmax(

@@ -2,7 +2,7 @@
 
 Axes: ``batch, head, kv_head, pos, key_pos, block``. The KV cache is kept in chunks (the grid's
 blocks). For query ``t`` and KV head ``g``, each candidate block (exactly ``route``'s: the pooled
-designs' used blocks outside the raw window, see ``phasemech.grid``) is scored by the attention
+designs' used blocks outside the raw window, see ``phasemech.core.grid``) is scored by the attention
 that the observation queries ``u in [max(0, t - obs_window + 1), t]`` of all query heads of KV
 group ``g`` pay to its tokens, where each ``u`` attends as ordinary dense causal attention over
 raw post-RoPE keys ``j <= u`` (the attention before any eviction; padding keys hidden). Only

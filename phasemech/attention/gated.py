@@ -22,7 +22,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from phasemech.attention.base import CompressedAttentionMixin
-from phasemech.grid import Geometry
+from phasemech.core.grid import Geometry
 
 
 class GatedPoolAttention(CompressedAttentionMixin):

@@ -11,7 +11,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from phasemech.attention.base import CompressedAttentionMixin
-from phasemech.grid import Geometry
+from phasemech.core.grid import Geometry
 
 
 def mean_weights(geo: Geometry) -> Float[Tensor, "batch kv_head block slot"]:

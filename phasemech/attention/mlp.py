@@ -23,7 +23,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from phasemech.attention.base import CompressedAttentionMixin
-from phasemech.grid import Geometry
+from phasemech.core.grid import Geometry
 
 
 def _compressor(width: int, d_head: int, gen: torch.Generator, dtype: torch.dtype) -> nn.Sequential:

@@ -1,7 +1,7 @@
 """``route``: block routing over raw tokens (MoBA).
 
 Axes: ``batch, head, pos, key_pos, block``. Each candidate block (same candidates as the pooled
-designs' used blocks, see ``phasemech.grid``) is scored per query head by the parameter-free
+designs' used blocks, see ``phasemech.core.grid``) is scored per query head by the parameter-free
 MoBA gate ``q_t . mean_j(k_j)`` (post-RoPE keys); the query attends, in one softmax over raw
 tokens, the tokens of its ``top_k`` best blocks plus its current block (the raw window / tail,
 or, when the query closes its block, that whole block, forced as in MoBA). Nothing is

@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from phasemech.config import CompressionConfig
+from phasemech.core.config import CompressionConfig
+from phasemech.data.tasks import MQARTask
 from phasemech.experiments.jobs import Job, TrainJob
-from phasemech.tasks import MQARTask
-from phasemech.train import ModelSpec, TrainConfig
+from phasemech.training.config import ModelSpec, TrainConfig
 
 
 @dataclass(frozen=True)

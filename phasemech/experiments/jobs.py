@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from phasemech.train import TrainConfig
+from phasemech.training.config import TrainConfig
 
 
 def _canonical(value: Any) -> Any:
@@ -75,10 +75,11 @@ class TrainJob(Job):
         return self.name or super().label
 
     def run(self, workdir: Path) -> dict[str, Any]:
-        from phasemech.evaluate import balanced_test_set, predict
-        from phasemech.grid import phase_of, reference_grid
-        from phasemech.model import PhaseTransformer
-        from phasemech.train import train
+        from phasemech.core.grid import phase_of, reference_grid
+        from phasemech.data.tasks import balanced_test_set
+        from phasemech.measure.evaluate import predict
+        from phasemech.model.transformer import PhaseTransformer
+        from phasemech.training.trainer import train
 
         t0 = time.perf_counter()
         result = train(self.train, workdir / "run", resume=True, progress=False)

@@ -32,9 +32,9 @@ from typing import Any
 import pandas as pd
 from rich.console import Console
 
+from phasemech.core.io import write_json_atomic
+from phasemech.core.progress import progress_bar
 from phasemech.experiments.jobs import Job
-from phasemech.io import write_json_atomic
-from phasemech.progress import progress_bar
 
 WORK_DIR = "work"
 ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours its tracebacks

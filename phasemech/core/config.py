@@ -1,0 +1,372 @@
+"""Configuration of chunked KV compression, and the model config that carries it.
+
+Axis names used throughout phasemech: ``batch``, ``pos`` (token position), ``head`` (query
+head), ``kv_head`` (key/value head; equals ``head`` without grouped-query attention),
+``block`` (one compressed cache entry), ``slot`` (a token's index inside its block, ``0..l-1``)
+and ``phase`` (a token's offset inside its stride segment, ``(pos - offset) mod stride``).
+
+Geometry (see ``phasemech.core.grid``): block ``i`` of a head with grid offset ``o`` covers
+positions ``[i*d + o - l, i*d + o - 1]`` (``d`` the stride, ``l >= d`` the block length; ``l > d``
+means neighbouring blocks overlap by ``l - d`` tokens). Block 0 may start before position 0;
+its missing slots count as padding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+from transformer_lens import HookedTransformerConfig
+
+from phasemech.core.grid import last_query_blocks
+from phasemech.core.validation import is_int
+
+DESIGNS = ("none", "mean", "gated", "mlp", "route", "evict")
+VISIBILITY = ("inclusive", "strict")
+OFFSET_MODES = ("aligned", "per_layer", "per_head", "random")
+GATES = ("scalar", "channel")
+BLOCK_SCOPES = ("outside_window", "all")
+
+Design = Literal["none", "mean", "gated", "mlp", "route", "evict"]
+OffsetSpec = str | int | tuple[int, ...] | tuple[tuple[int, ...], ...]
+
+DEFAULT_TOP_K = 2
+DEFAULT_OBS_WINDOW = 8
+#: designs that attend raw tokens of selected blocks (top-k over the pooled designs' candidates)
+SELECTING_DESIGNS = ("route", "evict")
+
+
+def _bad(field_name: str, value: Any, allowed: str) -> ValueError:
+    return ValueError(f"CompressionConfig.{field_name}={value!r} is invalid: {allowed}")
+
+
+def _freeze_offsets(value: Any) -> OffsetSpec:
+    """Turn a tensor / array / list of explicit offsets into nested tuples of ints."""
+    if isinstance(value, str):
+        return value
+    if hasattr(value, "tolist"):  # torch.Tensor or numpy array
+        value = value.tolist()
+    if is_int(value):
+        return int(value)
+    if isinstance(value, Sequence) and len(value) > 0:
+        if all(is_int(v) for v in value):
+            return tuple(int(v) for v in value)
+        if all(isinstance(v, Sequence) and len(v) > 0 and all(is_int(x) for x in v) for v in value):
+            rows = tuple(tuple(int(x) for x in v) for v in value)
+            if len({len(r) for r in rows}) != 1:
+                raise _bad("offsets", value, "explicit offset rows must all have the same length")
+            return rows
+    raise _bad(
+        "offsets",
+        value,
+        f"use one of {OFFSET_MODES}, an int, a [kv_head] or [layer, kv_head] sequence/tensor "
+        "of ints",
+    )
+
+
+@dataclass(frozen=True)
+class CompressionConfig:
+    """How (and whether) a model compresses its KV cache in fixed-stride chunks.
+
+    Args:
+        design: ``"none"`` (dense attention), ``"mean"`` (mean-pooled K/V per block),
+            ``"gated"`` (softmax-gated pooling with a learned intra-block position bias),
+            ``"mlp"`` (NSA compressor MLP over the flattened block), ``"route"`` (MoBA block
+            routing over raw tokens) or ``"evict"`` (ChunkKV chunk eviction: raw tokens of the
+            chunks that recent queries attended most).
+        stride: ``d``, the distance between consecutive block starts.
+        block_len: ``l >= d``; ``None`` means ``l = d`` (no overlap).
+        window: ``W``, the raw sliding window in tokens (query included); ``None`` means ``2d``.
+            ``0`` leaves only the query's own incomplete block raw (MoBA/Quest "current block",
+            GLM-5.3 tail); under ``inclusive`` a query in the last slot of its block then has
+            no raw token and reads that block compressed (``route`` forces it instead).
+        visibility: ``"inclusive"`` (a block is visible to query ``t`` once its last token is
+            ``<= t``; NSA, DeepSeek-V4) or ``"strict"`` (last token ``< t``; lucidrains NSA).
+        offsets: the grid offset ``o``: ``"aligned"`` (0 everywhere), ``"per_layer"``
+            (compressed layer ``r`` of ``n`` gets ``(r*d)//n``), ``"per_head"`` (KV head ``g`` of
+            ``G`` gets ``(g*d)//G``), ``"random"`` (a fresh offset per sequence at every training
+            forward, ``eval_offset`` in eval mode), or explicit ints: one int, one per KV head
+            ``[kv_head]``, or one per layer and KV head ``[layer, kv_head]`` (a tensor works).
+        layers: indices of compressed layers; ``None`` means all layers.
+        top_k: blocks selected per query by ``route`` / kept per query and KV head by
+            ``evict``; ``None`` means 2 for them. Only ``route`` and ``evict`` accept it.
+        gate: ``gated`` only: ``"scalar"`` (one gate per KV head and token: pooling weights are
+            an exact convex mass, so token attribution is exact) or ``"channel"`` (DeepSeek-V4
+            style, one gate per channel).
+        eval_offset: the offset that ``offsets="random"`` uses in eval mode.
+        block_scope: ``"outside_window"`` (default: blocks wholly inside the raw window are not
+            used, so at most ``l - 1`` tokens are reached both raw and compressed) or ``"all"``
+            (DeepSeek-V4: every complete block plus the raw window, in one softmax).
+            ``route`` and ``evict`` refuse ``"all"``.
+        obs_window: ``evict`` only: how many recent queries (the query included) score the
+            chunks by the dense attention they pay to them; ``None`` means 8.
+
+    The exact coverage rule (which past token is reached raw, which through a block) is in
+    ``phasemech.core.grid``.
+    """
+
+    design: Design
+    stride: int = 4
+    block_len: int | None = None
+    window: int | None = None
+    visibility: Literal["inclusive", "strict"] = "inclusive"
+    offsets: OffsetSpec = "aligned"
+    layers: tuple[int, ...] | None = None
+    top_k: int | None = None
+    gate: Literal["scalar", "channel"] = "scalar"
+    eval_offset: int = 0
+    block_scope: Literal["outside_window", "all"] = "outside_window"
+    obs_window: int | None = None
+
+    def __post_init__(self) -> None:
+        # Frozen dataclass: normalise with object.__setattr__, validate before any work starts.
+        set_ = object.__setattr__
+        if self.design not in DESIGNS:
+            raise _bad("design", self.design, f"allowed: {DESIGNS}")
+        if not is_int(self.stride) or self.stride < 1:
+            raise _bad("stride", self.stride, "must be an int >= 1")
+        set_(self, "stride", int(self.stride))
+        if self.block_len is None:
+            set_(self, "block_len", self.stride)
+        if not is_int(self.block_len) or self.block_len < self.stride:
+            raise _bad("block_len", self.block_len, f"must be an int >= stride ({self.stride})")
+        set_(self, "block_len", int(self.block_len))
+        if self.window is None:
+            set_(self, "window", 2 * self.stride)
+        if not is_int(self.window) or self.window < 0:
+            raise _bad("window", self.window, "must be an int >= 0 (raw tokens per query)")
+        set_(self, "window", int(self.window))
+        if self.visibility not in VISIBILITY:
+            raise _bad("visibility", self.visibility, f"allowed: {VISIBILITY}")
+        offsets = _freeze_offsets(self.offsets)
+        if isinstance(offsets, str) and offsets not in OFFSET_MODES:
+            raise _bad("offsets", offsets, f"allowed modes: {OFFSET_MODES}, or explicit ints")
+        if not isinstance(offsets, str):
+            flat = [offsets] if isinstance(offsets, int) else list(np.ravel(offsets))
+            bad = [o for o in flat if not 0 <= o < self.stride]
+            if bad:
+                raise _bad(
+                    "offsets",
+                    self.offsets,
+                    f"explicit offsets must lie in [0, stride={self.stride})",
+                )
+        set_(self, "offsets", offsets)
+        if self.layers is not None:
+            if isinstance(self.layers, str) or not isinstance(self.layers, Sequence):
+                raise _bad("layers", self.layers, "must be None or a non-empty tuple of ints >= 0")
+            layers = tuple(self.layers)
+            if not layers or not all(is_int(i) and i >= 0 for i in layers):
+                raise _bad("layers", self.layers, "must be None or a non-empty tuple of ints >= 0")
+            if len(set(layers)) != len(layers):
+                raise _bad("layers", self.layers, "layer indices must be unique")
+            set_(self, "layers", tuple(sorted(int(i) for i in layers)))
+        if self.design in SELECTING_DESIGNS:
+            if self.top_k is None:
+                set_(self, "top_k", DEFAULT_TOP_K)
+            if not is_int(self.top_k) or self.top_k < 1:
+                raise _bad("top_k", self.top_k, f"must be an int >= 1 for design={self.design!r}")
+            set_(self, "top_k", int(self.top_k))
+        elif self.top_k is not None:
+            raise _bad(
+                "top_k",
+                self.top_k,
+                f"only designs {SELECTING_DESIGNS} select blocks, not {self.design!r}",
+            )
+        if self.design == "evict":
+            if self.obs_window is None:
+                set_(self, "obs_window", DEFAULT_OBS_WINDOW)
+            if not is_int(self.obs_window) or self.obs_window < 1:
+                raise _bad(
+                    "obs_window", self.obs_window, "must be an int >= 1 (observation queries)"
+                )
+            set_(self, "obs_window", int(self.obs_window))
+        elif self.obs_window is not None:
+            raise _bad(
+                "obs_window",
+                self.obs_window,
+                f"only design='evict' scores chunks by observation queries, not {self.design!r}",
+            )
+        if self.gate not in GATES:
+            raise _bad("gate", self.gate, f"allowed: {GATES}")
+        if self.gate != "scalar" and self.design != "gated":
+            raise _bad("gate", self.gate, f"only design='gated' has a gate, not {self.design!r}")
+        if not is_int(self.eval_offset) or not 0 <= self.eval_offset < self.stride:
+            raise _bad(
+                "eval_offset", self.eval_offset, f"must be an int in [0, stride={self.stride})"
+            )
+        if self.block_scope not in BLOCK_SCOPES:
+            raise _bad("block_scope", self.block_scope, f"allowed: {BLOCK_SCOPES}")
+        if self.block_scope == "all" and self.design in SELECTING_DESIGNS:
+            raise _bad(
+                "block_scope",
+                self.block_scope,
+                f"design={self.design!r} reads blocks raw, so its candidates must lie outside "
+                "the window",
+            )
+        if self.eval_offset != 0 and self.offsets != "random":
+            raise _bad("eval_offset", self.eval_offset, "only offsets='random' uses eval_offset")
+
+    @property
+    def enabled(self) -> bool:
+        return self.design != "none"
+
+    def is_compressed(self, layer: int) -> bool:
+        return self.enabled and (self.layers is None or layer in self.layers)
+
+    def compressed_layers(self, n_layers: int) -> list[int]:
+        return [i for i in range(n_layers) if self.is_compressed(i)]
+
+    def base_offsets(self, n_layers: int, n_kv_heads: int) -> np.ndarray:
+        """Static grid offsets ``[layer, kv_head]`` before any per-sequence shift."""
+        d = self.stride
+        out = np.zeros((n_layers, n_kv_heads), dtype=np.int64)
+        spec = self.offsets
+        if spec == "per_layer":
+            layers = self.compressed_layers(n_layers)
+            for rank, layer in enumerate(layers):
+                out[layer, :] = (rank * d) // len(layers)
+        elif spec == "per_head":
+            out[:, :] = (np.arange(n_kv_heads) * d) // n_kv_heads
+        elif isinstance(spec, int):
+            out[:, :] = spec
+        elif isinstance(spec, tuple):
+            arr = np.asarray(spec, dtype=np.int64)
+            out[:, :] = arr  # broadcast [kv_head] or [layer, kv_head]; shape checked by the model
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CompressionConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown or "design" not in d:
+            raise ValueError(
+                f"CompressionConfig fields {unknown or ['design']} are "
+                f"{'unknown' if unknown else 'missing'}: allowed {sorted(known)}, design required"
+            )
+        d = dict(d)
+        if isinstance(d.get("offsets"), list):
+            d["offsets"] = _freeze_offsets(d["offsets"])
+        if isinstance(d.get("layers"), list):
+            d["layers"] = tuple(d["layers"])
+        return cls(**d)
+
+
+def _check_compression_acts(c: CompressionConfig, n_ctx: int, offsets: set[int]) -> None:
+    """Refuse a compression that could never change the model in ``n_ctx`` positions: no
+    query ever reads a block, or ``route``/``evict`` always keep every block. Such a model
+    would silently be the dense one. ``offsets``: the grid offsets the layers can have."""
+    if c.window >= n_ctx and c.block_scope == "outside_window":
+        raise ValueError(
+            f"CompressionConfig.window={c.window} is invalid with n_ctx={n_ctx}: the raw window "
+            "already holds every past token of every query, so nothing would be compressed; "
+            "allowed window < n_ctx (or block_scope='all')"
+        )
+    reach = [
+        last_query_blocks(n_ctx, c.stride, c.block_len, c.window, c.visibility, o, c.block_scope)
+        for o in sorted(offsets)
+    ]
+    if max(used for used, _ in reach) == 0:
+        raise ValueError(
+            f"CompressionConfig.stride={c.stride} is invalid with n_ctx={n_ctx} "
+            f"(visibility={c.visibility!r}, offsets={c.offsets!r}): no chunk closes early "
+            "enough for any query to read it, so nothing would be compressed; use a stride "
+            "below n_ctx"
+        )
+    ranked = max(r for _, r in reach)
+    if c.design in SELECTING_DESIGNS and c.top_k >= ranked:
+        fix = f"allowed top_k < {ranked}" if ranked > 1 else "use a smaller window or stride"
+        raise ValueError(
+            f"CompressionConfig.top_k={c.top_k} is invalid with n_ctx={n_ctx}: a query has at "
+            f"most {ranked} block(s) to choose from, so {c.design!r} would keep them all (the "
+            f"dense model); {fix}"
+        )
+
+
+def _no_compression() -> CompressionConfig:
+    return CompressionConfig(design="none")
+
+
+@dataclass
+class PhaseTransformerConfig(HookedTransformerConfig):
+    """A ``HookedTransformerConfig`` with a ``compression`` field (a ``CompressionConfig``).
+
+    It survives into every component's ``self.cfg``; a dict is accepted and converted, so
+    ``from_dict`` round-trips. ``use_token_pattern`` switches ``hook_token_pattern`` on, as
+    ``use_attn_result`` does for ``hook_result``.
+    """
+
+    compression: CompressionConfig = field(default_factory=_no_compression)
+    use_token_pattern: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if isinstance(self.compression, dict):
+            self.compression = CompressionConfig.from_dict(self.compression)
+        if not isinstance(self.compression, CompressionConfig):
+            raise ValueError(
+                f"PhaseTransformerConfig.compression={self.compression!r} is invalid: "
+                "expected a CompressionConfig or a dict of its fields"
+            )
+        c = self.compression
+        if c.layers is not None:
+            bad = [i for i in c.layers if i >= self.n_layers]
+            if bad:
+                raise ValueError(
+                    f"CompressionConfig.layers={c.layers!r} is invalid: layer(s) {bad} do not "
+                    f"exist, allowed 0..{self.n_layers - 1}"
+                )
+        g = self.n_kv_heads
+        if isinstance(c.offsets, tuple):
+            shape = np.shape(c.offsets)
+            if shape not in ((g,), (self.n_layers, g)):
+                raise ValueError(
+                    f"CompressionConfig.offsets has shape {shape}: explicit offsets must be "
+                    f"[kv_head]=({g},) or [layer, kv_head]=({self.n_layers}, {g})"
+                )
+        if c.enabled:
+            base = c.base_offsets(self.n_layers, self.n_kv_heads)[
+                c.compressed_layers(self.n_layers)
+            ]
+            # random offsets: training draws every offset of the stride
+            offsets = set(range(c.stride)) if c.offsets == "random" else set(base.ravel().tolist())
+            _check_compression_acts(c, self.n_ctx, offsets)
+        if c.enabled and self.attention_dir != "causal":
+            raise ValueError(
+                f"attention_dir={self.attention_dir!r} is invalid with compression: chunked KV "
+                "compression is defined for causal attention only"
+            )
+        if c.enabled:
+            # TL attention features the compressed forward does not reproduce: refuse them
+            # rather than silently compute something else.
+            unsupported = {
+                "use_local_attn": self.use_local_attn,
+                "clip_qkv": self.clip_qkv is not None,
+                "use_attention_sinks": self.use_attention_sinks,
+                "use_logn_attn": self.use_logn_attn,
+                "original_architecture (OLMo QK-norm)": str(self.original_architecture)
+                in ("OlmoeForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM"),
+            }
+            bad = [name for name, on in unsupported.items() if on]
+            if bad:
+                raise ValueError(
+                    f"{', '.join(bad)} is not supported with compression "
+                    f"(design={c.design!r}): compress another layer set or use design='none'"
+                )
+        if c.enabled and self.positional_embedding_type in ("alibi", "relative_positional_bias"):
+            raise ValueError(
+                f"positional_embedding_type={self.positional_embedding_type!r} is not supported "
+                "with compression: allowed 'standard', 'rotary', 'shortformer'"
+            )
+
+    @property
+    def n_kv_heads(self) -> int:
+        """Number of key/value heads: ``n_key_value_heads`` under GQA, else ``n_heads``."""
+        if self.n_key_value_heads is None or self.ungroup_grouped_query_attention:
+            return self.n_heads
+        return self.n_key_value_heads

@@ -1,0 +1,575 @@
+"""Activation patching, the generic engine: one unit of one site at a time, as batched copies.
+
+Axes: ``batch`` (one clean/corrupted pair), ``pos``, ``layer``, ``head``, ``kv_head``,
+``block``, ``unit`` (a head or KV head), ``copy`` (one patched run of one pair).
+
+As TransformerLens' ``generic_activation_patch`` with its setters: a :class:`Site` names the
+hooks that hold an activation and a *setter* that copies one unit of it from the clean run into
+a corrupted copy; :func:`patch_sites` runs any site. Sites: ``z``, ``q`` (per head), ``k``,
+``v`` (per KV head), ``pattern`` (per head, answer contrast only), ``kv_block`` (a KV head's
+compressed entries, answer contrast only: under a shifted grid or content entry ``i`` covers
+other tokens). A patch whose clean and corrupted slices are identical, or that sits after the
+answer position, cannot change the metric (causality) and is not run; the rest run as copies in
+the batch dimension from the patched layer's cached input.
+
+Effects are reported raw (patched minus corrupted) and normalised, ``(patched - corrupted) /
+(clean - corrupted)`` on group means, 1 = fully restored (:class:`PatchResult`). The fast
+engine for head outputs is :mod:`phasemech.interventions.patching_fast`; attribution patching
+is :mod:`phasemech.interventions.attribution`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+from jaxtyping import Float
+from torch import Tensor
+from tqdm.auto import tqdm
+from transformer_lens import HookedTransformer
+from transformer_lens.utilities.activation_functions import apply_softcap
+
+from phasemech.core.io import atomic_write, write_json_atomic
+from phasemech.interventions.contrasts import (
+    METRICS,
+    Contrast,
+    _check_choice,
+    metric_values,
+)
+from phasemech.model.transformer import PhaseTransformer
+
+
+def _logits(model: HookedTransformer, rows: Float[Tensor, "copy d_model"]) -> Tensor:
+    if model.cfg.normalization_type is not None:
+        rows = model.ln_final(rows)
+    return apply_softcap(model.unembed(rows[:, None])[:, 0], model.cfg.output_logits_soft_cap)
+
+
+def _grid(model: HookedTransformer, shift: Tensor):
+    """``shift_grid`` on a PhaseTransformer; nothing on a plain HookedTransformer."""
+    if isinstance(model, PhaseTransformer):
+        return model.shift_grid(shift)
+    if bool((shift != 0).any()):
+        raise ValueError("a grid contrast needs a PhaseTransformer (a plain model has no grid)")
+    return contextlib.nullcontext()
+
+
+@dataclass
+class _Runs:
+    """Cached clean and corrupted activations (corrupted positions; clean content-aligned)."""
+
+    clean: Tensor  # [batch] metric
+    corrupted: Tensor  # [batch]
+    foil: Tensor  # [batch]
+    qpos: Tensor  # [batch] answer position in the corrupted run
+    metric: str
+    src: dict[str, Tensor]  # hook name -> clean activation aligned to corrupted positions
+    corr: dict[str, Tensor]  # hook name -> corrupted activation
+
+
+def _align(clean: Tensor, corr: Tensor, shift: int, pos_dim: int = 1) -> Tensor:
+    """Clean activation laid on corrupted positions (``p -> p + shift``); the first ``shift``
+    positions have no clean counterpart and keep the corrupted value (not patched)."""
+    if shift == 0:
+        return clean
+    out = corr.clone()
+    n = clean.shape[pos_dim] - shift
+    out.narrow(pos_dim, shift, n).copy_(clean.narrow(pos_dim, 0, n))
+    return out
+
+
+def _baseline(model: HookedTransformer, c: Contrast, metric: str, names: list[str]) -> _Runs:
+    want = set(names)
+    with _grid(model, c.clean_grid):
+        logits, clean_cache = model.run_with_cache(c.clean_tokens, names_filter=lambda n: n in want)
+    ar = torch.arange(len(c))
+    clean_rows = logits[ar, c.query_pos]
+    with _grid(model, c.corrupted_grid):
+        logits, corr_cache = model.run_with_cache(
+            c.corrupted_tokens, names_filter=lambda n: n in want
+        )
+    qpos = c.corrupted_query_pos
+    corr_rows = logits[ar, qpos]
+    foil = c.foil.clone()
+    if bool((foil < 0).any()):  # the corrupted run's best wrong token
+        best_wrong = corr_rows.scatter(-1, c.answer[:, None], -torch.inf).argmax(-1)
+        foil = torch.where(foil < 0, best_wrong, foil)
+    src, corr = {}, {}
+    for name in names:
+        if name not in corr_cache.cache_dict:
+            continue  # a hook this design never calls (route has no hook_v_block)
+        corr[name] = corr_cache[name]
+        pos_dim = 2 if name.endswith("hook_pattern") else 1
+        src[name] = (
+            _align(clean_cache[name], corr_cache[name], c.shift, pos_dim)
+            if c.kind == "content"
+            else clean_cache[name]
+        )
+    return _Runs(
+        clean=metric_values(clean_rows, c.answer, foil, metric),
+        corrupted=metric_values(corr_rows, c.answer, foil, metric),
+        foil=foil,
+        qpos=qpos,
+        metric=metric,
+        src=src,
+        corr=corr,
+    )
+
+
+@dataclass(frozen=True)
+class PatchResult:
+    """Patched metric of every pair for every patch.
+
+    ``values`` is ``[layer, pos, unit, batch]`` (``pos`` has length 1 for all-position patches;
+    ``unit`` is a head, or a KV head for ``kv_block``; ``NaN`` for layers not patched).
+    :meth:`tensor` gives TransformerLens' output (mean over pairs): ``[layer, unit]`` or
+    ``[layer, pos, unit]``.
+    """
+
+    site: str
+    by_pos: bool
+    metric: str
+    contrast: str
+    stride: int
+    values: np.ndarray
+    clean: np.ndarray  # [batch]
+    corrupted: np.ndarray  # [batch]
+    pairs: pd.DataFrame  # one row per pair, with foil, clean, corrupted
+    layers: tuple[int, ...]
+    n_run: int  # patched copies actually run (the rest are exact by causality or identity)
+
+    def _mean(self) -> np.ndarray:
+        """``[layer, pos, unit]`` mean patched metric over pairs (``NaN`` on unpatched layers)."""
+        out = np.full(self.values.shape[:-1], np.nan)
+        out[list(self.layers)] = self.values[list(self.layers)].mean(-1)
+        return out
+
+    def tensor(self) -> Float[Tensor, "..."]:
+        out = torch.as_tensor(self._mean())
+        return out if self.by_pos else out[:, 0]
+
+    def frame(self) -> pd.DataFrame:
+        """One row per (layer, [pos,] unit): mean patched metric, raw effect and normalised."""
+        n_layers, n_pos, n_unit, _ = self.values.shape
+        layer, pos, unit = np.meshgrid(
+            np.arange(n_layers), np.arange(n_pos), np.arange(n_unit), indexing="ij"
+        )
+        mean = self._mean()
+        denom = self.clean.mean() - self.corrupted.mean()
+        df = pd.DataFrame(
+            {
+                "layer": layer.ravel(),
+                "pos": pos.ravel(),
+                "unit": unit.ravel(),
+                "patched": mean.ravel(),
+                "effect": (mean - self.corrupted.mean()).ravel(),
+                "normalized": ((mean - self.corrupted.mean()) / denom).ravel(),
+            }
+        )
+        df = df[df.layer.isin(self.layers)].reset_index(drop=True)
+        return df if self.by_pos else df.drop(columns="pos")
+
+    def by_phase(self, n_boot: int = 1000, seed: int = 0, phase_col: str = "phase") -> pd.DataFrame:
+        """Per (layer, [pos,] unit, phase of the clean needle): raw effect with a 95% cluster
+        bootstrap CI (clusters: ``group_id``, i.e. one content), normalised effect
+        ``(patched - corrupted) / (clean - corrupted)`` on the phase's means, and ``n``."""
+        if isinstance(n_boot, bool) or not isinstance(n_boot, int) or n_boot < 0:
+            raise ValueError(f"n_boot={n_boot!r} is invalid: expected an int >= 0 (0: no CIs)")
+        phase = self.pairs[phase_col].to_numpy()
+        groups = pd.factorize(self.pairs["group_id"])[0]
+        rng = np.random.default_rng(seed)
+        out = []
+        vals = self.values[list(self.layers)]  # [L', pos, unit, batch]
+        for ph in range(self.stride):
+            sel = np.flatnonzero(phase == ph)
+            if not len(sel):
+                continue
+            g = groups[sel]
+            ug, inv = np.unique(g, return_inverse=True)
+            # cluster bootstrap weights: how often each group is drawn
+            draws = rng.integers(0, len(ug), size=(n_boot, len(ug)))
+            w = np.zeros((n_boot, len(ug)))
+            np.add.at(w, (np.arange(n_boot)[:, None], draws), 1.0)
+            w = w[:, inv]
+            w = w / w.sum(1, keepdims=True)  # [boot, n]
+            eff = vals[..., sel] - self.corrupted[sel]  # [L', pos, unit, n]
+            if n_boot:
+                lo, hi = np.nanpercentile(eff @ w.T, [2.5, 97.5], axis=-1)  # w: [boot, n]
+            else:
+                lo = hi = np.full(eff.shape[:-1], np.nan)
+            denom = self.clean[sel].mean() - self.corrupted[sel].mean()
+            mean = eff.mean(-1)
+            for idx in np.ndindex(mean.shape):
+                out.append(
+                    (
+                        self.layers[idx[0]],
+                        idx[1],
+                        idx[2],
+                        ph,
+                        mean[idx],
+                        lo[idx],
+                        hi[idx],
+                        mean[idx] / denom if denom != 0 else np.nan,
+                        len(sel),
+                        denom,
+                    )
+                )
+        cols = [
+            "layer",
+            "pos",
+            "unit",
+            "phase",
+            "effect",
+            "ci_low",
+            "ci_high",
+            "normalized",
+            "n",
+            "clean_minus_corrupted",
+        ]
+        df = pd.DataFrame(out, columns=cols)
+        return df if self.by_pos else df.drop(columns="pos")
+
+    def long(self) -> pd.DataFrame:
+        """Every patched run: ``layer, pos, unit, pair, value`` (patched layers only)."""
+        lay = np.asarray(self.layers)
+        vals = self.values[lay]
+        idx = np.indices(vals.shape).reshape(4, -1)
+        return pd.DataFrame(
+            {
+                "layer": lay[idx[0]].astype(np.int16),
+                "pos": idx[1].astype(np.int16),
+                "unit": idx[2].astype(np.int16),
+                "pair": idx[3].astype(np.int32),
+                "value": vals.ravel(),
+            }
+        )
+
+    def save(self, folder: str | Path, n_boot: int = 1000, seed: int = 0) -> Path:
+        """``effects.parquet`` (:meth:`frame`), ``by_phase.parquet``, ``pairs.parquet``,
+        ``values.parquet`` (:meth:`long`) and ``patch.json`` under ``folder``."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        tables = {
+            "effects": self.frame(),
+            "by_phase": self.by_phase(n_boot=n_boot, seed=seed),
+            "pairs": self.pairs,
+            "values": self.long(),
+        }
+        for name, df in tables.items():
+            atomic_write(folder / f"{name}.parquet", lambda tmp, df=df: df.to_parquet(tmp))
+        meta = {
+            "site": self.site,
+            "by_pos": self.by_pos,
+            "metric": self.metric,
+            "contrast": self.contrast,
+            "stride": self.stride,
+            "layers": list(self.layers),
+            "n_run": self.n_run,
+            "clean_mean": float(self.clean.mean()),
+            "corrupted_mean": float(self.corrupted.mean()),
+        }
+        write_json_atomic(folder / "patch.json", meta)
+        return folder
+
+
+def _check_model(model: HookedTransformer, c: Contrast, metric: str) -> None:
+    _check_choice("metric", metric, METRICS)
+    if not isinstance(c, Contrast):
+        raise ValueError(f"contrast={type(c).__name__} is invalid: build one with make_contrast")
+    if c.clean_tokens.shape[1] > model.cfg.n_ctx:
+        raise ValueError(
+            f"pairs have {c.clean_tokens.shape[1]} positions: the model takes n_ctx="
+            f"{model.cfg.n_ctx}"
+        )
+    top = int(max(c.clean_tokens.max(), c.corrupted_tokens.max()))
+    if top >= model.cfg.d_vocab:
+        raise ValueError(f"token id {top} is out of the model's vocabulary ({model.cfg.d_vocab})")
+    if c.kind == "grid":
+        # a grid contrast must move the needle's phase on the grid the model compresses with
+        comp = model.cfg.compression if isinstance(model, PhaseTransformer) else None
+        if comp is None or not comp.enabled:
+            raise ValueError(
+                "the grid contrast needs a model with compressed layers: on a dense model the "
+                "clean and corrupted runs are identical (use the answer or content contrast)"
+            )
+        if c.shift % comp.stride == 0:
+            raise ValueError(
+                f"grid shift {c.shift} is a multiple of the model's stride {comp.stride}: the "
+                "corrupted grid equals the clean one (build the contrast with the model's stride)"
+            )
+
+
+def _check_layers(model: HookedTransformer, layers: Iterable[int] | None) -> tuple[int, ...]:
+    n = model.cfg.n_layers
+    if layers is None:
+        return tuple(range(n))
+    layers = tuple(layers)
+    bad = [x for x in layers if isinstance(x, bool) or not isinstance(x, int) or not 0 <= x < n]
+    if bad or not layers:
+        raise ValueError(
+            f"layers={list(layers)!r} is invalid: expected layer indices in 0..{n - 1}"
+        )
+    return tuple(sorted(set(layers)))
+
+
+def _result(
+    site: str,
+    by_pos: bool,
+    metric: str,
+    c: Contrast,
+    values: np.ndarray,
+    runs: _Runs,
+    layers: tuple[int, ...],
+    n_run: int,
+) -> PatchResult:
+    pairs = c.pairs.copy()
+    pairs["foil"] = runs.foil.numpy()
+    pairs["clean"] = runs.clean.double().numpy()
+    pairs["corrupted"] = runs.corrupted.double().numpy()
+    return PatchResult(
+        site=site,
+        by_pos=by_pos,
+        metric=metric,
+        contrast=c.kind,
+        stride=c.stride,
+        values=values,
+        clean=pairs["clean"].to_numpy(),
+        corrupted=pairs["corrupted"].to_numpy(),
+        pairs=pairs,
+        layers=layers,
+        n_run=n_run,
+    )
+
+
+# ------------------------------------------------------------------ sites: what a patch copies
+
+
+def head_vector_setter(
+    act: Tensor, src: Tensor, rows: Tensor, b: Tensor, u: Tensor, p: Tensor | None
+) -> None:
+    """``[batch, pos, unit, d]`` activations (``hook_z``, ``hook_q``, ``hook_k``, ``hook_v``):
+    copy ``rows`` gets pair ``b``'s clean unit ``u``, at every position or at ``p``."""
+    if p is None:
+        act[rows, :, u] = src[b, :, u]
+    else:
+        act[rows, p, u] = src[b, p, u]
+
+
+def head_pattern_setter(
+    act: Tensor, src: Tensor, rows: Tensor, b: Tensor, u: Tensor, p: Tensor | None
+) -> None:
+    """``[batch, head, query, key]`` patterns: a head's whole pattern, or its query row ``p``."""
+    if p is None:
+        act[rows, u] = src[b, u]
+    else:
+        act[rows, u, p] = src[b, u, p]
+
+
+def block_entry_setter(
+    act: Tensor, src: Tensor, rows: Tensor, b: Tensor, u: Tensor, p: Tensor | None
+) -> None:
+    """``[batch, block, kv_head, d]`` compressed entries: every block of KV head ``u``."""
+    act[rows, :, u] = src[b, :, u]
+
+
+@dataclass(frozen=True)
+class Site:
+    """One kind of activation the engine can patch, in the manner of TransformerLens' patch
+    setters: the hooks that hold it, the position axis, how many units a layer has, where clean
+    and corrupted differ (``differs``: the elementwise ``!=`` of the activations ->
+    ``[batch, unit, pos]``), and how one unit is copied (``setter``)."""
+
+    name: str
+    hook_names: tuple[str, ...]  # under ``blocks.{layer}.attn``; absent ones are skipped
+    setter: Callable[..., None]
+    differs: Callable[[Tensor], Tensor]
+    kv_units: bool = False  # units are KV heads (else query heads)
+    positional: bool = True  # ``by_pos`` patches one position at a time
+    # entries or pattern columns that cover other tokens under a shifted grid or content: only
+    # the answer contrast (same grid, same positions) leaks nothing into earlier queries
+    answer_contrast_only: bool = False
+    compressed_only: bool = False  # exists in compressed layers only
+
+    def hooks(self, model: HookedTransformer, layer: int) -> list[str]:
+        names = [f"blocks.{layer}.attn.{h}" for h in self.hook_names]
+        return [n for n in names if n in model.hook_dict]
+
+    def n_units(self, model: HookedTransformer) -> int:
+        cfg = model.cfg
+        grouped = cfg.n_key_value_heads is not None and not cfg.ungroup_grouped_query_attention
+        return cfg.n_key_value_heads if self.kv_units and grouped else cfg.n_heads
+
+
+def _vector_differs(ne: Tensor) -> Tensor:  # [batch, pos, unit, d] -> [batch, unit, pos]
+    return ne.any(-1).transpose(1, 2)
+
+
+def _pattern_differs(ne: Tensor) -> Tensor:  # [batch, head, query, key] -> [batch, head, query]
+    return ne.any(-1)
+
+
+def _block_differs(ne: Tensor) -> Tensor:  # [batch, block, kv_head, d] -> [batch, kv_head, 1]
+    return ne.any(-1).any(1)[..., None]
+
+
+def _vector_site(name: str, kv_units: bool = False) -> Site:
+    return Site(name, (f"hook_{name}",), head_vector_setter, _vector_differs, kv_units=kv_units)
+
+
+#: the sites :func:`patch_sites` knows; a new one is a :class:`Site` (hooks + setter)
+SITES: dict[str, Site] = {
+    "z": _vector_site("z"),
+    "q": _vector_site("q"),
+    "k": _vector_site("k", kv_units=True),
+    "v": _vector_site("v", kv_units=True),
+    "pattern": Site(
+        "pattern",
+        ("hook_pattern",),
+        head_pattern_setter,
+        _pattern_differs,
+        answer_contrast_only=True,
+    ),
+    "kv_block": Site(
+        "kv_block",
+        ("hook_k_block", "hook_v_block"),
+        block_entry_setter,
+        _block_differs,
+        kv_units=True,
+        positional=False,
+        answer_contrast_only=True,
+        compressed_only=True,
+    ),
+}
+
+
+def _site_layers(
+    model: HookedTransformer, site: Site, contrast: Contrast, by_pos: bool, layers: Any
+) -> tuple[int, ...]:
+    """Check ``site`` against the contrast and ``by_pos``; the layers to patch."""
+    if by_pos and not site.positional:
+        raise ValueError(f"by_pos=True is invalid for site={site.name!r}: it has no position")
+    if site.answer_contrast_only and contrast.kind != "answer":
+        raise ValueError(
+            f"site={site.name!r} needs the answer contrast (the same grid and positions in both "
+            f"runs); under the {contrast.kind} contrast its entries cover different tokens and "
+            "patching them would leak later tokens into earlier queries"
+        )
+    if not site.compressed_only:
+        return _check_layers(model, layers)
+    compressed = sorted(model.compressed_layers()) if isinstance(model, PhaseTransformer) else []
+    layers = _check_layers(model, compressed if layers is None else layers)
+    bad = [x for x in layers if x not in compressed]
+    if bad:
+        raise ValueError(
+            f"layers {bad} have no compressed entries: compressed layers are {compressed}"
+        )
+    return layers
+
+
+def _copies(site: Site, runs: _Runs, hooks: list[str], upto: Tensor, by_pos: bool):
+    """``(pair, unit, pos or None)`` of every patch whose clean and corrupted slices differ (and,
+    position by position, that sits at or before the answer): the others cannot change the
+    metric, so they are not run."""
+    diff = None
+    for name in hooks:
+        d = site.differs(runs.src[name] != runs.corr[name])  # [batch, unit, pos]
+        d = d & upto[:, None, :] if by_pos else d.flatten(2).any(-1)
+        diff = d if diff is None else diff | d
+    idx = diff.nonzero(as_tuple=True)
+    return idx[0], idx[1], (idx[2] if by_pos else None)
+
+
+def _run_copies(
+    model: HookedTransformer, contrast: Contrast, runs: _Runs, site: Site, layer: int, copy
+) -> Tensor:
+    """The metric of a chunk of patched copies ``(b, u, p)``, each run from the layer's cached
+    corrupted input with the site's hooks overwritten."""
+    b, u, p = copy
+    rows = torch.arange(len(b))
+
+    def put(act: Tensor, hook) -> Tensor:
+        act = act.clone()
+        site.setter(act, runs.src[hook.name], rows, b, u, p)
+        return act
+
+    hooks = [(name, put) for name in site.hooks(model, layer) if name in runs.corr]
+    resid = runs.corr[f"blocks.{layer}.hook_resid_pre"][b]
+    with _grid(model, contrast.corrupted_grid[b]), model.hooks(fwd_hooks=hooks):
+        out = model(resid, start_at_layer=layer, stop_at_layer=model.cfg.n_layers, return_type=None)
+    logits = _logits(model, out[rows, runs.qpos[b]])
+    return metric_values(logits, contrast.answer[b], runs.foil[b], runs.metric)
+
+
+@torch.inference_mode()
+def patch_sites(
+    model: HookedTransformer,
+    contrast: Contrast,
+    *,
+    site: str | Site = "kv_block",
+    metric: str = "logit_diff",
+    by_pos: bool = False,
+    layers: Iterable[int] | None = None,
+    max_copies: int = 256,
+    progress: bool = False,
+) -> PatchResult:
+    """The generic engine: patch one unit of ``site`` at a time, as batched copies run from the
+    patched layer's cached input with hooks. ``site`` is a :class:`Site` or a name in
+    :data:`SITES`: ``z`` / ``q`` (a head's output / query), ``k`` / ``v`` (a KV head's keys /
+    values), ``pattern`` (a head's attention pattern; ``by_pos``: one query row), ``kv_block``
+    (a KV head's compressed entries, every block at once). Copies whose clean and corrupted
+    slices are identical, or (position-resolved) sit after the answer, are not run: they cannot
+    change the metric. ``z`` is the hook-based reference of the faster :func:`patch_heads`."""
+    _check_model(model, contrast, metric)
+    if not isinstance(site, Site):
+        _check_choice("site", site, SITES)
+        site = SITES[site]
+    if isinstance(max_copies, bool) or not isinstance(max_copies, int) or max_copies < 1:
+        raise ValueError(f"max_copies={max_copies!r} is invalid: expected an int >= 1")
+    layers = _site_layers(model, site, contrast, by_pos, layers)
+    model.eval()
+    names = [n for lay in layers for n in site.hooks(model, lay)]
+    runs = _baseline(
+        model, contrast, metric, names + [f"blocks.{x}.hook_resid_pre" for x in layers]
+    )
+    batch, seq = contrast.corrupted_tokens.shape
+    values = np.full((model.cfg.n_layers, seq if by_pos else 1, site.n_units(model), batch), np.nan)
+    values[list(layers)] = runs.corrupted.double().numpy()
+    upto = torch.arange(seq)[None, :] <= runs.qpos[:, None]  # [batch, pos]
+    n_run = 0
+    for lay in tqdm(layers, desc=f"patching {site.name}", disable=not progress):
+        hooks = [n for n in site.hooks(model, lay) if n in runs.corr]
+        b_idx, u_idx, p_idx = _copies(site, runs, hooks, upto, by_pos)
+        for start in range(0, len(b_idx), max_copies):
+            chunk = slice(start, start + max_copies)
+            b, u = b_idx[chunk], u_idx[chunk]
+            p = None if p_idx is None else p_idx[chunk]
+            got = _run_copies(model, contrast, runs, site, lay, (b, u, p))
+            pos_idx = np.zeros(len(b), dtype=int) if p is None else p.numpy()
+            values[lay, pos_idx, u.numpy(), b.numpy()] = got.double().numpy()
+            n_run += len(b)
+    return _result(site.name, by_pos, metric, contrast, values, runs, layers, n_run)
+
+
+#: TransformerLens-style shorthands of the engine
+patch_kv_blocks = partial(patch_sites, site="kv_block")
+patch_patterns = partial(patch_sites, site="pattern")
+
+
+__all__ = [
+    "SITES",
+    "PatchResult",
+    "Site",
+    "block_entry_setter",
+    "head_pattern_setter",
+    "head_vector_setter",
+    "patch_kv_blocks",
+    "patch_patterns",
+    "patch_sites",
+]

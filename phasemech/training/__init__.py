@@ -1,0 +1,1 @@
+"""Training from scratch: the trainer, its checkpoints, and loading a trained run."""
