@@ -35,7 +35,8 @@ test: $(STAMP) chromium
 
 # default: 5 models, <= 20 min on a fresh 2-core machine; FULL=1: the 72-model sweep (3 seeds)
 figures: $(STAMP) chromium
-	$(PY) analyses/figures.py --runs runs --out figures $(if $(filter 1,$(FULL)),--profile full,)
+	$(PY) analyses/figures.py --runs runs --out figures --profile $(if $(filter 1,$(FULL)),full,default)
+	$(PY) analyses/report.py --showcase runs/$(if $(filter 1,$(FULL)),phase_sweep_default,figures_default)/showcase --captions figures/captions.json
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
@@ -47,10 +48,10 @@ bench: $(STAMP)
 	$(PY) bench/launcher.py
 
 pretrained: $(STAMP)
-	$(PY) analyses/pretrained_phase.py --runs runs $(if $(filter 1,$(FULL)),--profile full,)
+	$(VENV)/bin/phasemech run pretrained --runs runs --profile $(if $(filter 1,$(FULL)),full,default)
 
 sweep: $(STAMP)
-	$(PY) analyses/phase_sweep.py --runs runs $(if $(filter 1,$(FULL)),--profile full,)
+	$(VENV)/bin/phasemech run phase_sweep --runs runs --profile $(if $(filter 1,$(FULL)),full,default)
 
 clean:
 	rm -rf figures/*.html figures/*.png figures/*.js figures/captions.json runs bench/results

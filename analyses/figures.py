@@ -1,308 +1,85 @@
 """Every figure of phasemech, from trained models to ``figures/index.html`` (``make figures``).
 
-Stages (each cached under ``RUNS/<sweep folder>/``; rerunning skips finished work):
+Runs the ``figures`` experiment on the launcher (``phasemech.experiments.showcase``: train and
+score the profile's models, a dashboard panel per model, grid-contrast patching of the showcase
+model, the theory's predictions; every job cached under ``RUNS/<folder>/jobs/``), then draws
+from its tables: ``OUT/*.html``, ``OUT/*.png`` (kaleido with the system Chromium), the
+dashboard (``OUT/dashboard.html`` and a screenshot ``OUT/dashboard.png``), ``OUT/index.html``
+and ``OUT/captions.json`` with a one-line caption per figure whose numbers are read from the
+tables. ``analyses/report.py`` then writes the claims report from the same tables.
 
-1. **train + score** (``analyses/phase_sweep.py``'s worker): trains each model of the profile
-   whose checkpoint is missing, one process per core and one torch thread each, and scores its
-   checkpoints on the phase-balanced test set (``targets_step_*.parquet``);
-2. **tables**: per-phase accuracy with cluster-bootstrap 95% CIs per (design, stride, heads,
-   T), seeds pooled, at the final checkpoint (``per_phase.parquet``);
-3. **model panels** (:func:`phasemech.experiments.panels.model_panel`, cached in
-   ``<run>/dashboard/<setting>/``):
-   per-phase accuracy and debiased gap, head attention mass on the needle by phase, head
-   zero-ablation effects by phase with CIs and specialisation tests, an example pattern; and
-   grid-contrast activation patching of the showcase model (``.../<setting>/patch_grid``);
-4. **figures**: ``OUT/*.html``, ``OUT/*.png`` (kaleido with the system Chromium), the dashboard
-   (``OUT/dashboard.html`` and a screenshot ``OUT/dashboard.png``) and ``OUT/index.html`` with a
-   one-line caption per figure whose numbers are read from the tables above.
-
-The *showcase* model (heatmaps, patching, dynamics, example pattern) is picked from the data:
-the compressed model whose most phase-specialised compressed-layer head ranks first
-(:func:`phasemech.viz.dashboard.head_rank_key`: Holm p < 0.05, then the range of its per-phase
-ablation effect), among models with test-set accuracy >= 0.9 when any.
-
-Profiles: ``tiny`` (seconds; the end-to-end test), ``default`` (five 2-head models, T = 64,
-one seed each: ``make figures``), ``full`` (``FULL=1``: the 72 models of the
-phase sweep's default profile, three seeds, 4096 test sequences; shares ``make sweep``'s cache).
+Profiles: ``tiny`` (seconds; the end-to-end test), ``default`` (five 2-head models, T = 64:
+``make figures``), ``full`` (``FULL=1``: the 72 models of the phase sweep's default profile,
+sharing its cache).
 
 Usage: ``python analyses/figures.py [--profile tiny|default|full] [--runs runs] [--out figures]
-[--workers 2] [--no-png]``.
+[--no-png] [--address ADDR] [--num-cpus N]``.
 """
 
 from __future__ import annotations
 
-import argparse
 import html
 import json
-import os
 import shutil
-import sys
 import time
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, as_completed, wait
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
+import numpy as np
 import pandas as pd
+import typer
 from rich.console import Console
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import phase_sweep as ps  # noqa: E402  (the sweep's profiles, specs and worker)
-import report  # noqa: E402  (REPORT.md and the analyses' figures)
-
-from phasemech.core.progress import progress_bar  # noqa: E402
-from phasemech.experiments.panels import PanelConfig, panel_dir
-from phasemech.viz.dashboard import example_target, head_rank_key
+from phasemech import viz
+from phasemech.core.io import write_text_atomic
+from phasemech.core.progress import progress_bar
+from phasemech.experiments.configs import experiment
+from phasemech.experiments.experiment import run_experiment
+from phasemech.experiments.showcase import SHOWCASE_DIR, best_head, pick_showcase
+from phasemech.interventions.clustering import cluster_heads
+from phasemech.measure.learning import seeds_off_plateau
+from phasemech.viz.dashboard import example_target, render_dashboard
 
 console = Console()
 CHROMIUM = "/usr/bin/chromium"
+RESULTS = Path(__file__).resolve().parent / "results"
 
 
-@dataclass(frozen=True)
-class FigureProfile:
-    sweep: ps.Profile
-    folder: str  # the sweep folder under RUNS (shared with analyses/phase_sweep.py when equal)
-    panel: PanelConfig
-    models: tuple[str, ...] | None = None  # only these runs of the sweep (None: all)
-    patch_pairs: int = 256
-    theory_scale: float = 1.0  # phasemech.theory.dynamics.predictions(scale): < 1 only for tests
+@dataclass
+class Tables:
+    """What the ``figures`` experiment wrote (``RUNS/<folder>/showcase/``)."""
+
+    folder: Path
+    table: pd.DataFrame  # per-phase accuracy with CIs, seeds pooled
+    panels: list[dict]  # per model: {panel, phase_attention, head_effects}
+    patch_grid: pd.DataFrame  # the showcase's grid-contrast patching by phase (empty: dense)
+    theory: dict
+    summary: dict
+
+    @classmethod
+    def load(cls, folder: Path) -> Tables:
+        return cls(
+            folder,
+            pd.read_parquet(folder / "per_phase.parquet"),
+            json.loads((folder / "panels.json").read_text()),
+            pd.read_parquet(folder / "patch_grid.parquet"),
+            load_json(folder / "theory_predictions.json"),
+            load_json(folder / "summary.json"),
+        )
+
+    def panel_list(self) -> list[dict]:
+        return [p["panel"] for p in self.panels]
+
+    def of(self, name: str) -> dict:
+        return next(p for p in self.panels if p["panel"]["name"] == name)
 
 
-PROFILES = {
-    "tiny": FigureProfile(
-        sweep=ps.PROFILES["tiny"],
-        folder="phase_sweep_tiny",
-        panel=PanelConfig(sequences=64, n_boot=50, n_perm=50),
-        patch_pairs=32,
-        theory_scale=0.05,
-    ),
-    # one seed of the four design families that the sweep found most telling: the dense
-    # control, mean pooling (largest gap), gated (heads split the phases), route (no gap)
-    "default": FigureProfile(
-        sweep=replace(
-            ps.PROFILES["default"],
-            designs=("none", "mean", "gated", "route"),
-            heads=(2,),
-            seq_lens=(64,),
-            seeds=(0, 1),
-            test_sequences=2048,
-            n_boot=400,
-            n_perm=400,
-        ),
-        folder="figures_default",
-        panel=PanelConfig(sequences=2048, n_boot=400, n_perm=400),
-        # longest first, so that the two workers finish together
-        models=(
-            "mean_d8_h2_T64_s0",
-            "mean_d4_h2_T64_s0",
-            "route_d4_h2_T64_s0",
-            "gated_d4_h2_T64_s1",
-            "none_d8_h2_T64_s0",
-        ),
-    ),
-    "full": FigureProfile(
-        sweep=ps.PROFILES["default"],
-        folder="phase_sweep_default",
-        panel=PanelConfig(sequences=4096, n_boot=1000, n_perm=1000),
-    ),
-}
+def load_json(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
-def _progress():
-    return progress_bar(console)
-
-
-def specs_of(fp: FigureProfile) -> list[ps.RunSpec]:
-    specs = ps.run_specs(fp.sweep)
-    if fp.models is None:
-        return specs
-    by_name = {s.name: s for s in specs}
-    missing = [m for m in fp.models if m not in by_name]
-    if missing:  # a profile naming a run its sweep does not define: a bug, said plainly
-        raise ValueError(f"profile models {missing} are not runs of its sweep")
-    return [by_name[m] for m in fp.models]
-
-
-# ------------------------------------------------------------------------- stage 1: training
-
-
-def train_and_score(specs: list[ps.RunSpec], fp: FigureProfile, sweep_dir: Path, workers: int):
-    todo = [s for s in specs if not _scored(sweep_dir / s.name)]
-    console.print(
-        f"[bold]1/4 train + score[/]: {len(specs) - len(todo)} of {len(specs)} models cached; "
-        f"training {len(todo)} on {workers} worker processes (1 torch thread each)"
-    )
-    if not todo:
-        return
-    steps = fp.sweep.steps
-    with _progress() as bar, ProcessPoolExecutor(min(workers, len(todo))) as pool:
-        # the whole stage in training steps (early stops count as done), and one bar per model
-        # read from its metrics.jsonl, so that the ETA follows the steps actually run
-        total = bar.add_task("train + score", total=steps * len(todo), item="")
-        rows = {s.name: bar.add_task(f"  {s.name}", total=steps, item="queued") for s in todo}
-        futures = {pool.submit(ps.run_one, s, fp.sweep, str(sweep_dir)): s for s in todo}
-        pending = set(futures)
-        while pending:
-            finished, pending = wait(pending, timeout=2.0, return_when=FIRST_COMPLETED)
-            for fut in finished:
-                info = fut.result()
-                bar.update(
-                    rows[info["name"]],
-                    completed=steps,
-                    item=(
-                        f"step {info['step']}, held-out acc {info['accuracy']:.3f}, "
-                        f"{info['total_seconds']:.0f} s"
-                    ),
-                )
-            for fut, s in futures.items():
-                if fut.done():
-                    continue
-                step, acc = _last_eval(sweep_dir / s.name)
-                if step:
-                    bar.update(rows[s.name], completed=step, item=f"step {step}, acc {acc:.3f}")
-            bar.update(total, completed=sum(bar.tasks[t].completed for t in rows.values()))
-
-
-def _last_eval(run: Path) -> tuple[int, float]:
-    """``(step, held-out accuracy)`` of a run's last evaluation line, ``(0, 0.0)`` if none."""
-    path = run / "metrics.jsonl"
-    if not path.is_file():
-        return 0, 0.0
-    for line in reversed(path.read_text().splitlines()):
-        try:
-            row = json.loads(line) if line.strip() else {}
-        except json.JSONDecodeError:  # a line the worker is still writing
-            continue
-        if "accuracy_by_phase" in row:
-            return int(row["step"]), float(row["accuracy"])
-    return 0, 0.0
-
-
-def _scored(run: Path) -> bool:
-    """Trained to the end (the ``done`` line) and every checkpoint scored."""
-    from phasemech.training.checkpoints import checkpoint_dirs
-
-    metrics = run / "metrics.jsonl"
-    if not metrics.is_file() or '"event": "done"' not in metrics.read_text():
-        return False
-    return all((run / f"targets_{c.name}.parquet").is_file() for c in checkpoint_dirs(run))
-
-
-# --------------------------------------------------------------------------- stage 2: tables
-
-
-def per_phase_table(specs: list[ps.RunSpec], fp: FigureProfile, sweep_dir: Path) -> pd.DataFrame:
-    """Per-phase accuracy with CIs per (design, stride, heads, T) and phase grid, seeds pooled,
-    final checkpoint of each run."""
-    from phasemech.core.grid import phase_of
-    from phasemech.measure.stats import per_phase, phase_gap
-
-    targets = ps.load_targets(sweep_dir, specs)
-    final = targets.groupby("run")["step"].transform("max")
-    targets = targets[targets["step"] == final]
-    rows = []
-    for (design, stride, heads, seq_len), df in targets.groupby(
-        ["design", "stride", "heads", "seq_len"]
-    ):
-        for grid in ps._grids(design, stride, fp.sweep):
-            sdf = df.assign(
-                phase=phase_of(df["source_pos"].to_numpy(), grid),
-                seq_id=df["group_id"] + 1_000_000 * df["seed"],
-            )
-            if sdf["seed"].nunique() == 1:
-                sdf = sdf.drop(columns="seed")
-            pp = per_phase(sdf, grid, n_boot=fp.sweep.n_boot, seed=0)
-            gap = phase_gap(sdf, grid, n_perm=fp.sweep.n_perm, n_boot=fp.sweep.n_boot, seed=0)
-            pp = pp.assign(
-                design=design,
-                stride=int(stride),
-                grid=int(grid),
-                heads=int(heads),
-                seq_len=int(seq_len),
-                seeds=int(df["seed"].nunique()),
-                overall=float(sdf["correct"].mean()),
-                debiased_gap=gap["debiased_gap"],
-                gap_lo=gap["debiased_lo"],
-                gap_hi=gap["debiased_hi"],
-            )
-            rows.append(pp)
-    table = pd.concat(rows, ignore_index=True)
-    table.to_parquet(sweep_dir / "per_phase.parquet")
-    return table
-
-
-# ---------------------------------------------------------------------- stage 3: model panels
-
-
-def _panel_job(run: str, config: PanelConfig) -> dict:
-    import torch
-
-    torch.set_num_threads(1)
-    from phasemech.experiments.panels import model_panel
-
-    return model_panel(run, config)
-
-
-def panels(specs: list[ps.RunSpec], fp: FigureProfile, sweep_dir: Path, workers: int):
-    console.print("[bold]3/4 model panels[/]: ablation, attention and statistics per model")
-    out: dict[str, dict] = {}
-    with _progress() as bar, ProcessPoolExecutor(min(workers, len(specs))) as pool:
-        task = bar.add_task("model panels", total=len(specs), item="")
-        futures = {
-            pool.submit(_panel_job, str(sweep_dir / s.name), fp.panel): s.name for s in specs
-        }
-        for fut in as_completed(futures):
-            out[futures[fut]] = fut.result()
-            bar.update(task, advance=1, item=f"done: {futures[fut]}")
-    return [out[s.name] for s in specs]
-
-
-def best_head(panel: dict) -> dict:
-    """A panel's most phase-specialised head (:func:`phasemech.viz.dashboard.head_rank_key`),
-    among its compressed layers' heads when it has any."""
-    return max([h for h in panel["heads"] if h["compressed"]] or panel["heads"], key=head_rank_key)
-
-
-def pick_showcase(panel_list: list[dict]) -> dict:
-    """The compressed model whose most specialised head ranks first (see the module docstring),
-    among models with test-set accuracy >= 0.9 when any."""
-    comp = [p for p in panel_list if p["design"] != "none"] or panel_list
-    good = [p for p in comp if (p["summary"]["accuracy"] or 0) >= 0.9] or comp
-    return max(good, key=lambda p: head_rank_key(best_head(p)))
-
-
-def patch_grid(run: Path, fp: FigureProfile) -> pd.DataFrame | None:
-    """Grid-contrast head patching of the showcase (cached); ``None`` for a dense model."""
-    from phasemech.core.grid import reference_grid
-    from phasemech.core.io import write_json_atomic
-    from phasemech.data.tasks import balanced_test_set
-    from phasemech.interventions.contrasts import make_contrast
-    from phasemech.interventions.patching_fast import patch_heads
-    from phasemech.training.checkpoints import load_trained
-
-    # cached beside the panel, valid for the weights the panel was computed on
-    dest = panel_dir(run, fp.panel) / "patch_grid"
-    key = {
-        "panel": json.loads((panel_dir(run, fp.panel) / "panel.json").read_text())["key"],
-        "pairs": fp.patch_pairs,
-    }
-    if (dest / "by_phase.parquet").is_file() and (dest / "key.json").is_file():
-        if json.loads((dest / "key.json").read_text()) == key:
-            return pd.read_parquet(dest / "by_phase.parquet")
-    model, cfg, _ = load_trained(run)
-    if not cfg.compression.enabled:
-        return None
-    stride, offset = reference_grid(cfg.compression)
-    ds = balanced_test_set(cfg.task, fp.panel.sequences, fp.panel.data_seed).shuffle(seed=0)
-    contrast = make_contrast(
-        ds, "grid", stride=stride, grid_offset=offset, n_pairs=fp.patch_pairs, seed=0
-    )
-    res = patch_heads(model, contrast)
-    res.save(dest, n_boot=fp.panel.n_boot, seed=0)
-    write_json_atomic(dest / "key.json", key)
-    return pd.read_parquet(dest / "by_phase.parquet")
-
-
-# --------------------------------------------------------------------------- stage 4: figures
+# -------------------------------------------------------------------- labels and captions
 
 
 def _label(design: str, stride: int, heads: int, seq_len: int, multi_t: bool) -> str:
@@ -341,22 +118,15 @@ def _acc_caption(series: dict[str, pd.DataFrame]) -> str:
     return "; ".join(parts)
 
 
-def make_figures(
-    table: pd.DataFrame,
-    panel_list: list[dict],
-    sweep_dir: Path,
-    fp: FigureProfile,
-) -> list[dict]:
-    """``[{name, figure, caption}]``, every figure built from the tables and panels."""
-    from phasemech import viz
-    from phasemech.interventions.ablation import AblationResult
-    from phasemech.interventions.clustering import cluster_heads
-    from phasemech.training.checkpoints import read_metrics
+# --------------------------------------------------------------------------- figures
 
-    figs: list[dict] = []
+
+def accuracy_figures(t: Tables) -> list[dict]:
+    table = t.table
     n_seeds = int(table["seeds"].max())
-    seeds = f"{n_seeds} seed{'s' if n_seeds > 1 else ''} pooled" if n_seeds > 1 else "one seed"
+    seeds = f"{n_seeds} seeds pooled" if n_seeds > 1 else "one seed"
     grids = sorted(table["grid"].unique())
+    figs = []
     for grid in grids:
         series = _series(table, grid)
         figs.append(
@@ -371,97 +141,87 @@ def make_figures(
             )
         )
     top = int(max(grids))
-    figs.append(
-        dict(
-            name=f"accuracy_by_phase_polar_d{top}",
-            figure=viz.per_phase_polar(_series(table, top), top),
-            caption=f"The same accuracies with phase as the angle (stride {top}): a phase gap "
-            "shows as a dent in the circle. "
-            + "; ".join(
-                f"{label}: dent at phase {int(df.loc[df.accuracy.idxmin(), 'phase'])} "
-                f"({df.accuracy.min():.3f} vs mean {df.overall.iloc[0]:.3f})"
-                for label, df in _series(table, top).items()
-            ),
-        )
+    dents = "; ".join(
+        f"{label}: dent at phase {int(df.loc[df.accuracy.idxmin(), 'phase'])} "
+        f"({df.accuracy.min():.3f} vs mean {df.overall.iloc[0]:.3f})"
+        for label, df in _series(table, top).items()
     )
+    caption = (
+        f"The same accuracies with phase as the angle (stride {top}): a phase gap shows as a "
+        "dent in the circle. " + dents
+    )
+    polar = viz.per_phase_polar(_series(table, top), top)
+    return figs + [dict(name=f"accuracy_by_phase_polar_d{top}", figure=polar, caption=caption)]
 
-    show = pick_showcase(panel_list)
-    run = sweep_dir / show["name"]
-    d = int(show["phase_stride"])
-    best = best_head(show)
-    pa = pd.read_parquet(panel_dir(run, fp.panel) / "phase_attention.parquet")
+
+def showcase_figures(t: Tables) -> list[dict]:
+    """Head attention and ablation of the showcase model, and its patching."""
+    show = pick_showcase(t.panel_list())
+    name, best = show["name"], best_head(show)
+    pa = pd.DataFrame(t.of(name)["phase_attention"])
     mass = pa[(pa.layer == best["layer"]) & (pa["head"] == best["head"])].sort_values("phase")
-    figs.append(
+    d = int(show["phase_stride"])
+    eff = pd.DataFrame(t.of(name)["head_effects"])
+    figs = [
         dict(
             name="head_phase_attention",
-            figure=viz.head_phase_heatmap(pa, title=f"Attention answer -> needle ({show['name']})"),
+            figure=viz.head_phase_heatmap(pa, title=f"Attention answer -> needle ({name})"),
             caption=(
-                f"{show['name']}: mean attention of each head from the answer position onto its "
-                f"needle, by needle phase. {best['label']}: "
+                f"{name}: mean attention of each head from the answer position onto its needle, "
+                f"by needle phase. {best['label']}: "
                 + ", ".join(f"phase {int(r.phase)} {r.mass:.3f}" for r in mass.itertuples())
                 + "."
             ),
-        )
-    )
-
-    abl = AblationResult.load(panel_dir(run, fp.panel) / "ablate")
-    eff = abl.effects
-    eff = eff[(eff.metric == "accuracy") & (eff.component == "head") & (eff["mode"] == "zero")]
-    figs.append(
+        ),
         dict(
             name="ablation_effects",
-            figure=viz.effect_heatmap(eff, title=f"Zero-ablation effect ({show['name']})"),
+            figure=viz.effect_heatmap(eff, title=f"Zero-ablation effect ({name})"),
             caption=(
-                f"{show['name']}: accuracy change when one head's output is zeroed, by needle "
-                f"phase (hover: 95% CI, n). {best['label']}: "
+                f"{name}: accuracy change when one head's output is zeroed, by needle phase "
+                f"(hover: 95% CI, n). {best['label']}: "
                 + ", ".join(_num(e, "+.3f") for e in best["effect"])
                 + f" at phases 0-{d - 1}, specialisation index {_num(best['si'], '.2f')}, "
                 f"Holm p {_num(best['p_holm'], '.3g')}."
             ),
-        )
-    )
-
-    patched = patch_grid(run, fp)
-    if patched is not None and patched["normalized"].notna().any():
+        ),
+    ]
+    patched = t.patch_grid
+    if len(patched) and patched["normalized"].notna().any():
         cell = patched.loc[patched["normalized"].abs().idxmax()]
         figs.append(
             dict(
                 name="patching_grid",
                 figure=viz.effect_heatmap(
-                    patched,
-                    value="normalized",
-                    title=f"Grid-contrast patching ({show['name']})",
+                    patched, value="normalized", title=f"Grid-contrast patching ({name})"
                 ),
                 caption=(
-                    f"{show['name']}: fraction of the clean logit difference restored by "
-                    "patching one head's output (all positions) from the run on the model's grid "
-                    "into the run on the grid shifted by d/2, by the needle's clean phase. "
-                    f"Largest: L{int(cell.layer)}H{int(cell.unit)} at phase {int(cell.phase)}, "
+                    f"{name}: fraction of the clean logit difference restored by patching one "
+                    "head's output (all positions) from the run on the model's grid into the "
+                    "run on the grid shifted by d/2, by the needle's clean phase. Largest: "
+                    f"L{int(cell.layer)}H{int(cell.unit)} at phase {int(cell.phase)}, "
                     f"{cell.normalized:.2f}."
                 ),
             )
         )
+    return figs
 
+
+def specialization_figure(t: Tables) -> dict:
+    """Every head of the showcase's stride: specialisation vs overall effect, by cluster."""
+    d = int(pick_showcase(t.panel_list())["phase_stride"])
     spec_rows, prof_rows = [], []
-    for p in panel_list:
+    for p in t.panel_list():
         if int(p["phase_stride"]) != d:
             continue
         for h in p["heads"]:
+            keep = ("overall", "si", "p_holm", "served_phase")
             spec_rows.append(
-                dict(
-                    model=p["name"],
-                    layer=h["layer"],
-                    unit=h["head"],
-                    overall=h["overall"],
-                    si=h["si"],
-                    p_holm=h["p_holm"],
-                    served_phase=h["served_phase"],
-                )
+                dict(model=p["name"], layer=h["layer"], unit=h["head"], **{k: h[k] for k in keep})
             )
-            for ph, e in enumerate(h["effect"]):
-                prof_rows.append(
-                    dict(model=p["name"], layer=h["layer"], head=h["head"], phase=ph, effect=e)
-                )
+            prof_rows += [
+                dict(model=p["name"], layer=h["layer"], head=h["head"], phase=ph, effect=e)
+                for ph, e in enumerate(h["effect"])
+            ]
     spec = pd.DataFrame(spec_rows).astype({"overall": float, "si": float, "p_holm": float})
     prof = pd.DataFrame(prof_rows).astype({"effect": float}).fillna({"effect": 0.0})
     models = sorted(prof.model.unique())
@@ -472,59 +232,132 @@ def make_figures(
         model=lambda x: [models[i // 100] for i in x.layer], layer=lambda x: x.layer % 100
     )
     n_sig = int((spec.p_holm < 0.05).sum())
-    figs.append(
-        dict(
-            name="specialization",
-            figure=viz.specialization_scatter(spec, labels),
-            caption=(
-                f"Every head of the stride-{d} models ({len(models)} models, {len(spec)} heads): "
-                f"specialisation index vs overall zero-ablation effect, coloured by cluster of "
-                f"phase profile (k = {clusters.k}); {n_sig} heads with Holm p < 0.05 (filled)."
-            ),
-        )
+    return dict(
+        name="specialization",
+        figure=viz.specialization_scatter(spec, labels),
+        caption=(
+            f"Every head of the stride-{d} models ({len(models)} models, {len(spec)} heads): "
+            f"specialisation index vs overall zero-ablation effect, coloured by cluster of "
+            f"phase profile (k = {clusters.k}); {n_sig} heads with Holm p < 0.05 (filled)."
+        ),
     )
 
-    rows = [r for r in read_metrics(run) if "accuracy_by_phase" in r]
+
+def dynamics_figures(t: Tables) -> list[dict]:
+    """The showcase's accuracy by phase along training, and one attention pattern."""
+    show = pick_showcase(t.panel_list())
+    name, best, d = show["name"], best_head(show), int(show["phase_stride"])
+    rows = [r for r in t.summary["curves"][name] if r.get("accuracy_by_phase")]
     first = next((r for r in rows if r["accuracy"] >= 0.9), None)
-    figs.append(
-        dict(
-            name="training_dynamics",
-            figure=viz.training_dynamics(rows, d, title=f"Accuracy by phase ({show['name']})"),
-            caption=(
-                f"{show['name']}: held-out accuracy per needle phase every "
-                f"{fp.sweep.eval_every} steps; final {rows[-1]['accuracy']:.3f} at step "
-                f"{rows[-1]['step']}"
-                + (f", first >= 0.9 at step {first['step']}." if first else ".")
-            ),
-        )
-    )
-
     ex = show["example"]
     # the farthest target whose needle has the phase this head attends most
     mass_best = [m if m is not None else -1.0 for m in best["mass"]]
     i, needle, query = example_target(show, int(max(range(d), key=mass_best.__getitem__)))
     pattern = ex["examples"][i]["patterns"][best["layer"]][best["head"]]
-    figs.append(
+    return [
+        dict(
+            name="training_dynamics",
+            figure=viz.training_dynamics(rows, d, title=f"Accuracy by phase ({name})"),
+            caption=(
+                f"{name}: held-out accuracy per needle phase every {t.summary['eval_every']} "
+                f"steps; final {rows[-1]['accuracy']:.3f} at step {rows[-1]['step']}"
+                + (f", first >= 0.9 at step {first['step']}." if first else ".")
+            ),
+        ),
         dict(
             name="attention_pattern",
             figure=viz.attention_pattern_phases(
-                pattern,
-                d,
-                grid_offset=ex["grid_offset"],
-                needle=needle,
-                query=query,
-                title=f"{show['name']} {best['label']} on one example",
+                pattern, d, grid_offset=ex["grid_offset"], needle=needle, query=query,
+                title=f"{name} {best['label']} on one example",
             ),
             caption=(
-                f"{show['name']} {best['label']} (its most phase-specialised head): attention "
-                f"of every query on one test sequence, key phases on top, chunk starts dotted; "
-                f"needle at {needle} (phase {(needle - ex['grid_offset']) % d}, the phase the "
-                f"head attends most), query at {query}, attention {pattern[query][needle]:.3f}."
+                f"{name} {best['label']} (its most phase-specialised head): attention of every "
+                "query on one test sequence, key phases on top, chunk starts dotted; needle at "
+                f"{needle} (phase {(needle - ex['grid_offset']) % d}, the phase the head attends "
+                f"most), query at {query}, attention {pattern[query][needle]:.3f}."
             ),
-        )
+        ),
+    ]  # fmt: skip
+
+
+def make_figures(t: Tables) -> list[dict]:
+    """``[{name, figure, caption}]``: every figure, built from the experiment's tables and the
+    recorded analyses."""
+    return (
+        accuracy_figures(t)
+        + showcase_figures(t)
+        + [specialization_figure(t)]
+        + dynamics_figures(t)
+        + analysis_figures(t.theory)
     )
 
+
+def analysis_figures(theory: dict, results: Path = RESULTS) -> list[dict]:
+    """``[{name, figure, caption}]`` for the theory and the recorded analyses (those present)."""
+    figs = [viz.theory_plateau(theory)]
+    tt = load_json(results / "theory_trained_default.json")
+    if tt:
+        rows = [
+            {"model": f"H={m['heads']} s{m['seed']}", "predicted": p, "observed": o}
+            for m in tt["models"]
+            for p, o in zip(m["predicted_accuracy"], m["acc_by_phase"], strict=True)
+        ]
+        rhos = [m["spearman"] for m in tt["models"]]
+        figs.append(
+            {
+                "name": "theory_vs_trained",
+                "figure": viz.prediction_scatter(
+                    pd.DataFrame(rows),
+                    "predicted",
+                    "observed",
+                    "model",
+                    title="Theory from effective pooling weights vs measured accuracy by phase",
+                ),
+                "caption": (
+                    "Each point a phase of a trained gated model (d = "
+                    f"{tt['profile']['stride']}): the theory's accuracy computed from the model's "
+                    "effective pooling weights (x) against the measured accuracy (y); Spearman "
+                    "per model " + ", ".join(f"{r:.2f}" for r in rhos) + "."
+                ),
+            }
+        )
+    fx = next(
+        (x for x in (load_json(results / f"fixes_{n}.json") for n in ("long", "default")) if x),
+        None,
+    )
+    if fx:  # the longest training budget recorded
+        res = pd.DataFrame(fx["results"])
+        pooled = res[(res["seed"] == "pooled") & (res["targets"] == "all")]
+        d = int(fx["profile"]["stride"])
+        series = {
+            r.fix: pd.DataFrame({"phase": np.arange(d), "accuracy": r.acc_by_phase})
+            for r in pooled.itertuples()
+        }
+        figs.append(
+            {
+                "name": "fixes_by_phase",
+                "figure": viz.per_phase_accuracy(
+                    series,
+                    d,
+                    title=f"Fixes: held-out accuracy by phase ({fx['profile']['steps']} steps, "
+                    "seeds pooled)",
+                ),
+                "caption": (
+                    f"Matched models with each fix ({fx['profile']['steps']} steps), accuracy "
+                    "by needle phase: "
+                    + "; ".join(
+                        f"{r.fix} {r.accuracy:.3f} (gap {_num(r.debiased_gap, '.3f')}, "
+                        "{}/{} seeds off the plateau)".format(*seeds_off_plateau(res, r.fix))
+                        for r in pooled.itertuples()
+                    )
+                    + "."
+                ),
+            }
+        )
     return figs
+
+
+# ---------------------------------------------------------------------------- output
 
 
 def write_pngs(figs: list, paths: list[Path]) -> bool:
@@ -589,114 +422,90 @@ def write_index(entries: list[dict], out: Path, meta: dict) -> Path:
     return out / "index.html"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--profile", choices=sorted(PROFILES), default="default")
-    parser.add_argument("--runs", type=Path, default=Path("runs"))
-    parser.add_argument("--out", type=Path, default=Path("figures"))
-    parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
-    parser.add_argument("--no-png", action="store_true", help="HTML only (no kaleido export)")
-    parser.add_argument(
-        "--report",
-        type=Path,
-        default=None,
-        help="where the claims report goes (default analyses/REPORT.md; OUT/REPORT.md for the "
-        "tiny profile, so that a smoke run never replaces the real report)",
-    )
-    args = parser.parse_args()
-    if args.workers < 1:
-        parser.error(f"--workers {args.workers} is invalid: expected >= 1")
-    fp = PROFILES[args.profile]
-    if args.report is None:
-        here = Path(__file__).resolve().parent
-        args.report = args.out / "REPORT.md" if args.profile == "tiny" else here / "REPORT.md"
-    t0 = time.perf_counter()
-    sweep_dir = args.runs / fp.folder
-    sweep_dir.mkdir(parents=True, exist_ok=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    specs = specs_of(fp)
-    console.print(
-        f"[bold]make figures[/] profile {args.profile}: {len(specs)} models, cache {sweep_dir}, "
-        f"output {args.out}"
-    )
-    train_and_score(specs, fp, sweep_dir, args.workers)
-    console.print("[bold]2/4 tables[/]: per-phase accuracy with CIs, seeds pooled")
-    table = per_phase_table(specs, fp, sweep_dir)
-    panel_list = panels(specs, fp, sweep_dir, args.workers)
-    console.print("[bold]4/4 figures[/]")
-    from phasemech.core.io import write_json_atomic, write_text_atomic
-    from phasemech.theory.dynamics import predictions
-    from phasemech.viz.dashboard import render_dashboard
-
-    entries = []
-    with console.status("theory: re-deriving the theory model's predictions"):
-        theory = predictions(scale=fp.theory_scale)
-    write_json_atomic(sweep_dir / "theory_predictions.json", json.loads(json.dumps(theory)))
-    figs = make_figures(table, panel_list, sweep_dir, fp) + report.analysis_figures(theory)
-    with _progress() as bar:
-        task = bar.add_task("figures", total=len(figs) + 2, item="")
+def write_figures(figs: list[dict], out: Path, png: bool) -> list[dict]:
+    """Each figure as HTML (one plotly.min.js beside the pages: offline, small pages) and, with
+    ``png``, all PNGs in one kaleido session; the index entries."""
+    with progress_bar(console) as bar:
+        task = bar.add_task("figures", total=len(figs) + 1, item="")
         for f in figs:
             bar.update(task, item=f["name"])
-            # one plotly.min.js beside the pages (offline, small pages); the dashboard inlines it
-            f["figure"].write_html(args.out / f"{f['name']}.html", include_plotlyjs="directory")
+            f["figure"].write_html(out / f"{f['name']}.html", include_plotlyjs="directory")
             bar.advance(task)
         bar.update(task, item="PNGs (kaleido)")
-        png = not args.no_png and write_pngs(
-            [f["figure"] for f in figs], [args.out / f"{f['name']}.png" for f in figs]
+        png = png and write_pngs(
+            [f["figure"] for f in figs], [out / f"{f['name']}.png" for f in figs]
         )
         bar.advance(task)
-        for f in figs:
-            entries.append(
-                dict(
-                    name=f["name"],
-                    html=f"{f['name']}.html",
-                    png=f"{f['name']}.png" if png else None,
-                    caption=f["caption"],
-                )
-            )
-        bar.update(task, item="dashboard")
-        dash = args.out / "dashboard.html"
-        show = pick_showcase(panel_list)
-        write_text_atomic(
-            dash, render_dashboard(panel_list, f"phasemech: {fp.folder}", initial=show["name"])
-        )
-        shot = not args.no_png and screenshot(dash, args.out / "dashboard.png")
-        bar.advance(task)
-    entries.append(
+    return [
         dict(
-            name="dashboard",
-            html="dashboard.html",
-            png="dashboard.png" if shot else None,
-            caption=(
-                f"Interactive head-attribution dashboard over the {len(panel_list)} models "
-                "(one self-contained file, works offline): pick a model, click a head cell, "
-                f"slide the phase. Opens on {show['name']}: accuracy "
-                f"{_num(show['summary']['accuracy'], '.3f')}, debiased gap "
-                f"{_num(show['summary']['debiased_gap'], '.3f')} "
-                f"[{_num(show['summary']['gap_lo'], '.3f')}, "
-                f"{_num(show['summary']['gap_hi'], '.3f')}]."
-            ),
+            name=f["name"],
+            html=f"{f['name']}.html",
+            png=f"{f['name']}.png" if png else None,
+            caption=f["caption"],
         )
+        for f in figs
+    ]
+
+
+def write_dashboard(t: Tables, out: Path, png: bool) -> dict:
+    """The dashboard over every model (one self-contained page) and its index entry."""
+    show = pick_showcase(t.panel_list())
+    dash = out / "dashboard.html"
+    title = f"phasemech: {t.folder.parent.name}"
+    write_text_atomic(dash, render_dashboard(t.panel_list(), title, initial=show["name"]))
+    shot = png and screenshot(dash, out / "dashboard.png")
+    s = show["summary"]
+    return dict(
+        name="dashboard",
+        html="dashboard.html",
+        png="dashboard.png" if shot else None,
+        caption=(
+            f"Interactive head-attribution dashboard over the {len(t.panels)} models (one "
+            "self-contained file, works offline): pick a model, click a head cell, slide the "
+            f"phase. Opens on {show['name']}: accuracy {_num(s['accuracy'], '.3f')}, debiased "
+            f"gap {_num(s['debiased_gap'], '.3f')} [{_num(s['gap_lo'], '.3f')}, "
+            f"{_num(s['gap_hi'], '.3f')}]."
+        ),
     )
-    seconds = time.perf_counter() - t0
+
+
+def main(
+    profile: Annotated[str, typer.Option(help="tiny | default | full")] = "default",
+    runs: Annotated[Path, typer.Option(help="the experiment's folder goes here")] = Path("runs"),
+    out: Annotated[Path, typer.Option(help="where the figures go")] = Path("figures"),
+    no_png: Annotated[bool, typer.Option("--no-png", help="HTML only (no kaleido)")] = False,
+    address: Annotated[str | None, typer.Option(help="a Ray cluster to join")] = None,
+    num_cpus: Annotated[int | None, typer.Option(min=1, help="embedded Ray's CPUs")] = None,
+) -> None:
+    """Run the figures experiment on the launcher, then draw every figure and the dashboard."""
+    t0 = time.perf_counter()
+    exp = experiment("figures")
+    try:
+        exp.profile(profile)
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from err
+    done = run_experiment(exp, profile, runs, address=address, num_cpus=num_cpus)
+    console.print(f"figures ({profile}): {done.ran} jobs run, {done.cached} cached")
+    for failure in done.failures:
+        console.print(f"[red]failed[/] {failure.label}:\n{failure.error}", highlight=False)
+    if done.failures:
+        raise typer.Exit(1)
+    t = Tables.load(done.folder / SHOWCASE_DIR)
+    out.mkdir(parents=True, exist_ok=True)
+    entries = write_figures(make_figures(t), out, png=not no_png)
+    entries.append(write_dashboard(t, out, png=not no_png))
     meta = dict(
-        command=f"python analyses/figures.py --profile {args.profile}",
-        profile=args.profile,
-        n_models=len(specs),
-        runs=str(sweep_dir),
-        seconds=seconds,
+        command=f"python analyses/figures.py --profile {profile}",
+        profile=profile,
+        n_models=t.summary["models"],
+        runs=str(done.folder),
+        seconds=time.perf_counter() - t0,
     )
-    index = write_index(entries, args.out, meta)
-    links = {
-        e["name"]: os.path.relpath(args.out / (e["png"] or e["html"]), args.report.parent)
-        for e in entries
-    }
-    src = report.Sources(table, panel_list, links, theory, meta["command"])
-    report.write_report(src, args.report)
-    console.print(f"wrote {len(entries)} figures, {index} and {args.report} in {seconds:.0f} s")
+    index = write_index(entries, out, meta)
+    console.print(f"wrote {len(entries)} figures and {index} in {meta['seconds']:.0f} s")
     if shutil.which("chromium") is None and not Path(CHROMIUM).exists():
         console.print("[yellow]no Chromium: PNGs and the dashboard screenshot were skipped[/]")
 
 
 if __name__ == "__main__":
-    main()
+    typer.run(main)

@@ -1,10 +1,11 @@
 """``analyses/REPORT.md``: each claim of the paper against phasemech's measurement of it.
 
-Built by ``make figures`` (``analyses/figures.py`` calls :func:`write_report` last). Every
-number is read from a result file, never typed:
+Built by ``make figures`` after ``analyses/figures.py``. Every number is read from a JSON or
+parquet result file, never typed or parsed out of markdown:
 
-- the models ``make figures`` itself trains and scores (its per-phase table and model panels);
-- the theory's predictions, recomputed on every run (``phasemech.theory.dynamics.predictions``);
+- the tables of the ``figures`` experiment (``RUNS/<folder>/showcase/``: its per-phase table,
+  model panels and the theory's predictions, recomputed on every run) and the figure links of
+  ``OUT/captions.json``;
 - the recorded results of the longer analyses in ``analyses/results/`` (their commands are
   named next to each number): the 60-model phase sweep, the SmolLM2 passkey sweeps, the fixes,
   theory vs trained gated models.
@@ -16,61 +17,23 @@ are computed from the numbers by the rules written next to them.
 from __future__ import annotations
 
 import json
-import re
-import sys
+import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
 import numpy as np
 import pandas as pd
+import typer
 
+from phasemech.measure.learning import all_off_plateau, seeds_off_plateau
 from phasemech.theory.dynamics import fmt_num, fmt_time
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fixes import GOAL_REDUCTION, all_off_plateau, seeds_off_plateau  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CLAIM_GAP_PP = 40  # the paper: "accuracy swings by up to 40 percentage points across phases"
-NUM = r"[-+]?\d*\.?\d+(?:e[-+]?\d+)?"
 
 
 # ------------------------------------------------------------------------ reading result files
-
-
-def md_table(path: Path, after: str | None = None) -> list[dict[str, str]]:
-    """Rows of the first markdown pipe table in ``path`` (after the line starting ``after``),
-    as ``{header: cell}``."""
-    lines = path.read_text().splitlines()
-    if after is not None:
-        starts = [i for i, ln in enumerate(lines) if ln.startswith(after)]
-        if not starts:
-            raise ValueError(f"{path}: no line starts with {after!r}")
-        lines = lines[starts[0] :]
-    rows, header = [], None
-    for ln in lines:
-        if not ln.startswith("|"):
-            if header is not None:
-                break
-            continue
-        cells = [c.strip() for c in ln.strip().strip("|").split("|")]
-        if header is None:
-            header = cells
-        elif not set("".join(cells)) <= set("-: "):
-            rows.append(dict(zip(header, cells, strict=False)))
-    return rows
-
-
-def with_ci(cell: str) -> tuple[float, float, float]:
-    """``"0.151 [0.062, 0.215]"`` -> ``(0.151, 0.062, 0.215)``."""
-    x = [float(v) for v in re.findall(NUM, cell)]
-    if len(x) < 3:
-        raise ValueError(f"expected 'value [low, high]', got {cell!r}")
-    return x[0], x[1], x[2]
-
-
-def numbers(cell: str) -> list[float]:
-    """Every number in a cell, CIs dropped (``"0.9 [0.8, 1.0] 0.7 [..]"`` -> ``[0.9, 0.7]``)."""
-    return [float(v) for v in re.findall(NUM, re.sub(r"\[[^\]]*\]", "", cell))]
 
 
 def _load_json(path: Path) -> dict | None:
@@ -137,39 +100,35 @@ def claim_weak_spots(src: Sources) -> str:
     )
     out.append("")
     best_gap, where = -1.0, ""
-    pre = src.results / "pretrained_default.md"
-    pre_map = src.results / "pretrained_map.md"
-    if pre.is_file():
-        rows = [r for r in md_table(pre) if r["setting"].startswith("route")]
-        for r in rows:
-            g, lo, hi = with_ci(r["debiased gap [95% CI]"])
-            by = numbers(r["acc by phase [95% CI]"])
+    pre = _load_json(src.results / "pretrained_default.json")
+    pre_map = _load_json(src.results / "pretrained_map.json")
+    if pre is not None:
+        for r in [r for r in pre["rows"] if r["setting"].startswith("route")]:
+            g, lo, hi, by = r["debiased_gap"], r["gap_lo"], r["gap_hi"], r["acc_by_phase"]
             out.append(
-                f"- SmolLM2-135M, post-hoc `{r['setting'].split(':')[0]}` (passkey, paired "
-                f"prompts): mean accuracy {float(r['acc']):.3f} (what an averaged or "
-                f"random-offset test reports), by phase {' / '.join(f'{x:.3f}' for x in by)}: "
-                f"weakest {min(by):.3f}; debiased gap {pp(g)} [{pp(lo)}, {pp(hi)}], Cochran "
-                f"p {r['p (Cochran)']}. Source `analyses/results/pretrained_default.md` "
-                "(`python analyses/pretrained_phase.py --profile default`)."
+                f"- SmolLM2-135M, post-hoc `{r['setting']}` (passkey, paired prompts): mean "
+                f"accuracy {r['accuracy']:.3f} (what an averaged or random-offset test "
+                f"reports), by phase {' / '.join(f'{x:.3f}' for x in by)}: weakest "
+                f"{min(by):.3f}; debiased gap {pp(g)} [{pp(lo)}, {pp(hi)}], Cochran p "
+                f"{r['p_cochran']:.2g}. Source `analyses/results/pretrained_default.json` "
+                "(`make pretrained`)."
             )
             if g > best_gap:
-                best_gap, where = g, f"SmolLM2 {r['setting'].split(':')[0]}"
+                best_gap, where = g, f"SmolLM2 {r['setting']}"
     else:
-        out.append("- " + _missing("analyses/results/pretrained_default.md", "make pretrained"))
-    if pre_map.is_file():
-        rows = [r for r in md_table(pre_map) if not r["setting"].startswith("null")]
-        top = max(rows, key=lambda r: with_ci(r["debiased gap [95% CI]"])[0])
-        g, lo, hi = with_ci(top["debiased gap [95% CI]"])
-        by = numbers(top["acc by phase [95% CI]"])
+        out.append("- " + _missing("analyses/results/pretrained_default.json", "make pretrained"))
+    if pre_map is not None:
+        rows = [r for r in pre_map["rows"] if r["setting"] != "null"]
+        top = max(rows, key=lambda r: r["debiased_gap"])
+        g, lo, hi, by = top["debiased_gap"], top["gap_lo"], top["gap_hi"], top["acc_by_phase"]
         out.append(
             f"- The same model, one compression knob at a time: largest gap with "
-            f"`{top['setting'].split(':')[0]}`: by phase {' / '.join(f'{x:.2f}' for x in by)}, "
-            f"debiased gap {pp(g)} [{pp(lo)}, {pp(hi)}] ("
-            "`analyses/results/pretrained_map.md`, `python analyses/pretrained_phase.py "
-            "--profile map`)."
+            f"`{top['setting']}`: by phase {' / '.join(f'{x:.2f}' for x in by)}, debiased gap "
+            f"{pp(g)} [{pp(lo)}, {pp(hi)}] (`analyses/results/pretrained_map.json`, profile "
+            "`map` of the pretrained sweep)."
         )
         if g > best_gap:
-            best_gap, where = g, f"SmolLM2 {top['setting'].split(':')[0]}"
+            best_gap, where = g, f"SmolLM2 {top['setting']}"
     models = _model_rows(src)
     top = models.iloc[0]
     out.append(
@@ -203,28 +162,26 @@ def claim_from_scratch(src: Sources) -> str:
             f"[{f3(r.lo)}, {f3(r.hi)}] ({sig})."
         )
     out.append(f"  (`{src.command}`.)")
-    sweep = src.results / "phase_sweep_default.md"
+    sweep = _load_json(src.results / "phase_sweep_default.json")
     gapped: set[str] = set()
-    if sweep.is_file():
-        rows = md_table(sweep)
-        n_models = re.search(r"for (\d+) models", sweep.read_text())
+    if sweep is not None:
+        rows = [r for r in sweep["rows"] if r["seed"] == "pooled" and r["targets"] == "all"]
         largest: dict[str, float] = {}
         for r in rows:
-            g, lo, hi = with_ci(r["debiased gap [95% CI]"])
+            g, lo = r["debiased_gap"], r["debiased_lo"]
             largest[r["design"]] = max(largest.get(r["design"], -1.0), g)
-            if r["design"] != "none" and lo > 0 and g > float(r["null p95"]):
+            if r["design"] != "none" and lo > 0 and g > r["null_p95"]:
                 gapped.add(r["design"])
         out.append(
-            f"- The phase sweep ({n_models.group(1) if n_models else '?'} models, "
-            f"{len(largest)} designs, seeds pooled): designs with a gap above the permutation "
-            f"null's 95th percentile and a CI excluding 0 in some setting: "
-            f"{', '.join(sorted(gapped)) or 'none'}. Largest debiased gap per design: "
+            f"- The phase sweep ({sweep['models']} models, {len(largest)} designs, seeds "
+            f"pooled): designs with a gap above the permutation null's 95th percentile and a "
+            f"CI excluding 0 in some setting: {', '.join(sorted(gapped)) or 'none'}. Largest "
+            "debiased gap per design: "
             + ", ".join(f"{k} {v:.3f}" for k, v in largest.items())
-            + ". Source `analyses/results/phase_sweep_default.md` "
-            "(`python analyses/phase_sweep.py --profile default`)."
+            + ". Source `analyses/results/phase_sweep_default.json` (`make sweep`)."
         )
     else:
-        out.append("- " + _missing("analyses/results/phase_sweep_default.md", "make sweep"))
+        out.append("- " + _missing("analyses/results/phase_sweep_default.json", "make sweep"))
     designs = {r.design for r in models.itertuples() if r.lo > 0 and r.design != "none"}
     designs |= gapped
     verdict = (
@@ -443,14 +400,14 @@ def claim_theory(src: Sources) -> str:
             )
         out.append(
             "  Source `analyses/results/theory_trained_default.md` "
-            "(`python analyses/theory_trained.py --profile default --record`)."
+            "(`phasemech run theory_trained --profile default`, recorded)."
         )
     else:
         out.append(
             "- "
             + _missing(
                 "analyses/results/theory_trained_default.json",
-                "python analyses/theory_trained.py --record",
+                "phasemech run theory_trained --profile default",
             )
         )
     ranked = pooled is not None and pooled["p"] == pooled["p"] and pooled["p"] < 0.05
@@ -534,7 +491,7 @@ def _fixes_run(name: str, fx: dict) -> tuple[list[str], list[str]]:
         f"**Profile {name}**: matched {prof['design']} models, d = {prof['stride']}, "
         f"{prof['heads']} heads, T = {prof['seq_len']}, {len(prof['seeds'])} seeds, "
         f"{prof['steps']} steps; one shared test set of {prof['test_sequences']} phase-balanced "
-        f"sequences (`python analyses/fixes.py --profile {name} --record`; "
+        f"sequences (`phasemech run fixes --profile {name}`, recorded; "
         f"`analyses/results/fixes_{name}.md`).",
         "",
     ]
@@ -579,16 +536,17 @@ def _fixes_run(name: str, fx: dict) -> tuple[list[str], list[str]]:
 
 def claim_fixes(src: Sources) -> str:
     out = ["## 6. The untested fixes: staggered or random offsets, phase-jittered data", ""]
+    runs = fix_runs(src.results)
+    goal = f">= {runs[-1][1]['goal_reduction']:.0%}" if runs else "the recorded goal"
     out.append(
         "*Paper*: randomised or staggered stride offsets per layer or per head, and "
-        "phase-jittered training data, are open. Goal tested: cut the debiased gap by >= "
-        f"{GOAL_REDUCTION:.0%} at no loss of mean accuracy."
+        f"phase-jittered training data, are open. Goal tested: cut the debiased gap by {goal} "
+        "at no loss of mean accuracy."
     )
     out.append("")
-    runs = fix_runs(src.results)
     if not runs:
         out.append(
-            _missing("analyses/results/fixes_default.json", "python analyses/fixes.py --record")
+            _missing("analyses/results/fixes_default.json", "phasemech run fixes --profile default")
         )
         return "\n".join([*out, "", "Verdict: **Open**: the fixes have not been measured."])
     met = []
@@ -641,76 +599,38 @@ def build_report(src: Sources) -> str:
     return "\n".join(head) + "\n\n".join(parts) + "\n"
 
 
-# --------------------------------------------------------------------- figures of the analyses
-
-
-def analysis_figures(theory: dict, results: Path = RESULTS) -> list[dict]:
-    """``[{name, figure, caption}]`` for the theory and the recorded analyses (those present)."""
-    from phasemech import viz
-
-    figs = [viz.theory_plateau(theory)]
-    tt = _load_json(results / "theory_trained_default.json")
-    if tt:
-        rows = [
-            {"model": f"H={m['heads']} s{m['seed']}", "predicted": p, "observed": o}
-            for m in tt["models"]
-            for p, o in zip(m["predicted_accuracy"], m["acc_by_phase"], strict=True)
-        ]
-        rhos = [m["spearman"] for m in tt["models"]]
-        figs.append(
-            {
-                "name": "theory_vs_trained",
-                "figure": viz.prediction_scatter(
-                    pd.DataFrame(rows),
-                    "predicted",
-                    "observed",
-                    "model",
-                    title="Theory from effective pooling weights vs measured accuracy by phase",
-                ),
-                "caption": (
-                    "Each point a phase of a trained gated model (d = "
-                    f"{tt['profile']['stride']}): the theory's accuracy computed from the model's "
-                    "effective pooling weights (x) against the measured accuracy (y); Spearman "
-                    "per model " + ", ".join(f"{r:.2f}" for r in rhos) + "."
-                ),
-            }
-        )
-    runs = fix_runs(results)
-    if runs:  # the longest training budget recorded
-        fx = runs[-1][1]
-        res = pd.DataFrame(fx["results"])
-        pooled = res[(res["seed"] == "pooled") & (res["targets"] == "all")]
-        d = int(fx["profile"]["stride"])
-        series = {
-            r.fix: pd.DataFrame({"phase": np.arange(d), "accuracy": r.acc_by_phase})
-            for r in pooled.itertuples()
-        }
-        figs.append(
-            {
-                "name": "fixes_by_phase",
-                "figure": viz.per_phase_accuracy(
-                    series,
-                    d,
-                    title=f"Fixes: held-out accuracy by phase ({fx['profile']['steps']} steps, "
-                    "seeds pooled)",
-                ),
-                "caption": (
-                    f"Matched models with each fix ({fx['profile']['steps']} steps), accuracy "
-                    "by needle phase: "
-                    + "; ".join(
-                        f"{r.fix} {r.accuracy:.3f} (gap {f3(r.debiased_gap)}, "
-                        "{}/{} seeds off the plateau)".format(*seeds_off_plateau(res, r.fix))
-                        for r in pooled.itertuples()
-                    )
-                    + "."
-                ),
-            }
-        )
-    return figs
-
-
 def write_report(src: Sources, path: Path) -> Path:
     from phasemech.core.io import write_text_atomic
 
     write_text_atomic(path, build_report(src))
     return path
+
+
+def main(
+    showcase: Annotated[
+        Path, typer.Option(help="the figures experiment's tables (RUNS/<folder>/showcase)")
+    ] = Path("runs/figures_default/showcase"),
+    captions: Annotated[
+        Path, typer.Option(help="analyses/figures.py's captions.json (figure links)")
+    ] = Path("figures/captions.json"),
+    out: Annotated[Path, typer.Option(help="the report")] = RESULTS.parent / "REPORT.md",
+) -> None:
+    """Write the claims report from the figures experiment's tables and the recorded results."""
+    meta = _load_json(captions)
+    if meta is None or not (showcase / "per_phase.parquet").is_file():
+        raise typer.BadParameter(
+            f"{captions} or {showcase}/per_phase.parquet is missing: run analyses/figures.py first"
+        )
+    links = {
+        e["name"]: os.path.relpath(captions.parent / (e["png"] or e["html"]), out.parent)
+        for e in meta["figures"]
+    }
+    panels = [p["panel"] for p in json.loads((showcase / "panels.json").read_text())]
+    theory = _load_json(showcase / "theory_predictions.json")
+    table = pd.read_parquet(showcase / "per_phase.parquet")
+    write_report(Sources(table, panels, links, theory, meta["command"]), out)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    typer.run(main)

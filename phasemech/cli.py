@@ -25,6 +25,21 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.split
 console = Console()
 
 
+DeviceOpt = Annotated[
+    str, typer.Option(help="auto (CUDA where present, else the CPU), cpu, cuda or cuda:N")
+]
+
+
+def _device(device: str) -> torch.device:
+    """The device a command runs on; a bad or unavailable one is a usage error, before work."""
+    from phasemech.core.device import resolve_device
+
+    try:
+        return resolve_device(device)
+    except ValueError as err:
+        raise typer.BadParameter(str(err), param_hint="--device") from err
+
+
 def _fail(err: Exception | str) -> typer.Exit:
     """Print ``err`` as one line and return the exit to raise (status 1)."""
     console.print(f"[red]error:[/] {escape(str(err))}", highlight=False)
@@ -44,13 +59,15 @@ def phase_attention_cmd(
     length: Annotated[int, typer.Option(min=0, help="sequence length (0: the model's n_ctx)")] = 0,
     seed: int = 0,
     out: Annotated[Path | None, typer.Option(help="write the tidy table (.parquet/.csv)")] = None,
+    device: DeviceOpt = "auto",
 ) -> None:
     """Attention mass per (layer, head, source phase) on seeded random tokens."""
     from phasemech.training.checkpoints import load_trained
 
+    dev = _device(device)
     torch.set_num_threads(1)
     try:
-        model, _, model_dir = load_trained(model_dir)
+        model, _, model_dir = load_trained(model_dir, dev)
     except (FileNotFoundError, ValueError) as err:
         raise _fail(err) from err
     seq = length or model.cfg.n_ctx
@@ -203,10 +220,12 @@ def train(
     target_accuracy: float | None = None,
     seed: int | None = None,
     threads: PosInt = None,
+    device: DeviceOpt = "auto",
 ) -> None:
     """Train a model from scratch on MQAR (progress shows held-out accuracy per phase)."""
     from phasemech.training.trainer import train as run_train
 
+    dev = _device(device)
     flags = dict(
         design=design, stride=stride, window=window, layers=layers, offsets=offsets, heads=heads,
         d_model=d_model, n_layers=n_layers, seq_len=seq_len, pairs=pairs, jitter=jitter,
@@ -219,7 +238,7 @@ def train(
     except (ValueError, TypeError, OSError) as err:
         raise typer.BadParameter(str(err)) from err
     try:
-        result = run_train(cfg, out, resume=resume)
+        result = run_train(cfg, out, resume=resume, device=dev)
     except (OSError, ValueError) as err:  # a foreign folder, a corrupt run, a full disk
         raise _fail(err) from err
     phases = " ".join(f"{p:.3f}" for p in result.accuracy_by_phase)
@@ -315,15 +334,17 @@ def eval_cmd(
         Path | None,
         typer.Option(help="default: eval/ in the model folder (a run: its last checkpoint)"),
     ] = None,
+    device: DeviceOpt = "auto",
 ) -> None:
     """Per-phase accuracy with the full statistics template (parquet + JSON)."""
     from phasemech.data.tasks import balanced_test_set, load_dataset, task_of
     from phasemech.measure.evaluate import evaluate
     from phasemech.training.checkpoints import load_trained
 
+    dev = _device(device)
     torch.set_num_threads(1)
     try:
-        model, cfg, model_dir = load_trained(checkpoint)
+        model, cfg, model_dir = load_trained(checkpoint, dev)
         if data is not None:
             ds = load_dataset(data)
         elif cfg is not None:
@@ -354,13 +375,15 @@ def eval_cmd(
 # ------------------------------------------------------------------------- interventions
 
 
-def _load_for_intervention(checkpoint: Path, data: Path | None, sequences: int, data_seed: int):
-    """``(model, dataset, model folder)``; the dataset is the run's phase-balanced test set
-    unless ``--data`` is given."""
+def _load_for_intervention(
+    checkpoint: Path, data: Path | None, sequences: int, data_seed: int, device: torch.device
+):
+    """``(model on device, dataset, model folder)``; the dataset is the run's phase-balanced
+    test set unless ``--data`` is given."""
     from phasemech.data.tasks import balanced_test_set, load_dataset
     from phasemech.training.checkpoints import load_trained
 
-    model, cfg, model_dir = load_trained(checkpoint)
+    model, cfg, model_dir = load_trained(checkpoint, device)
     if data is not None:
         return model, load_dataset(data), model_dir
     if cfg is None:
@@ -416,13 +439,15 @@ def ablate(
     n_perm: int = 1000,
     seed: int = 0,
     out: Annotated[Path | None, typer.Option(help="default: CHECKPOINT/ablate")] = None,
+    device: DeviceOpt = "auto",
 ) -> None:
     """Zero/mean/resample ablation of heads and compressor parts, effect per target phase."""
     from phasemech.interventions.ablation import ablate as run_ablation
 
+    dev = _device(device)
     torch.set_num_threads(1)
     try:
-        model, ds, model_dir = _load_for_intervention(checkpoint, data, sequences, data_seed)
+        model, ds, model_dir = _load_for_intervention(checkpoint, data, sequences, data_seed, dev)
         design = model.cfg.compression.design
         default = ["head"]
         if design != "none":
@@ -474,59 +499,17 @@ def patch(
     out: Annotated[
         Path | None, typer.Option(help="default: CHECKPOINT/patch_<contrast>_<site>")
     ] = None,
+    device: DeviceOpt = "auto",
 ) -> None:
     """Activation patching by phase contrast: per (layer, head) effect per target phase."""
-    from phasemech.core.grid import reference_grid
-    from phasemech.interventions.attribution import attribution_patch, compare_attribution
-    from phasemech.interventions.contrasts import make_contrast
-    from phasemech.interventions.patching import patch_sites
-    from phasemech.interventions.patching_fast import patch_heads
-    from phasemech.training.checkpoints import resolve_checkpoint
-
+    dev = _device(device)
     torch.set_num_threads(1)
     try:
-        _, cfg = resolve_checkpoint(checkpoint)
-        # enough balanced sequences for the pairs (a multiple of the task's stride)
-        step = cfg.task.stride if cfg is not None else 1
-        n_seq = -(-pairs // step) * step
-        model, ds, model_dir = _load_for_intervention(checkpoint, data, n_seq, data_seed)
-        stride, offset = reference_grid(model.cfg.compression)
-        ds = ds.shuffle(seed=seed)  # balanced sets come in blocks of one content
-        pairs_ = make_contrast(
-            ds,
-            contrast,
-            stride=stride,
-            grid_offset=offset,
-            shift=shift,
-            n_pairs=min(pairs, len(ds)),
-            seed=seed,
+        model, pairs_, model_dir = _contrast_pairs(
+            checkpoint, contrast, shift, pairs, data, data_seed, seed, dev
         )
-        exact_pos = attribution or by_pos
-        if site == "z":
-            result = patch_heads(
-                model,
-                pairs_,
-                metric=metric,
-                by_pos=exact_pos,
-                layers=_layers(layers),
-                progress=True,
-            )
-        else:
-            result = patch_sites(
-                model,
-                pairs_,
-                site=site,
-                metric=metric,
-                by_pos=by_pos,
-                layers=_layers(layers),
-                progress=True,
-            )
-        comparison = None
-        if attribution:
-            if site != "z":
-                raise ValueError("--attribution needs --site z")
-            atp = attribution_patch(model, pairs_, metric=metric, progress=True)
-            comparison = compare_attribution(atp, result)
+        kw = dict(metric=metric, layers=_layers(layers), progress=True)
+        result, comparison = _patch(model, pairs_, site, by_pos, attribution, kw)
     except (FileNotFoundError, ValueError) as err:
         raise _fail(err) from err
     dest = result.save(out or model_dir / f"patch_{contrast}_{site}")
@@ -544,6 +527,45 @@ def patch(
         comparison.to_parquet(dest / "attribution.parquet")
         _print_frame(comparison, "attribution patching vs exact")
     console.print(f"wrote {dest}/effects.parquet, by_phase.parquet, pairs.parquet, values.parquet")
+
+
+def _contrast_pairs(checkpoint, contrast, shift, pairs, data, data_seed, seed, dev):
+    """``(model, contrast pairs, model folder)`` on the model's reference grid."""
+    from phasemech.core.grid import reference_grid
+    from phasemech.interventions.contrasts import make_contrast
+    from phasemech.training.checkpoints import resolve_checkpoint
+
+    _, cfg = resolve_checkpoint(checkpoint)
+    # enough balanced sequences for the pairs (a multiple of the task's stride)
+    step = cfg.task.stride if cfg is not None else 1
+    n_seq = -(-pairs // step) * step
+    model, ds, model_dir = _load_for_intervention(checkpoint, data, n_seq, data_seed, dev)
+    stride, offset = reference_grid(model.cfg.compression)
+    ds = ds.shuffle(seed=seed)  # balanced sets come in blocks of one content
+    made = make_contrast(
+        ds, contrast, stride=stride, grid_offset=offset, shift=shift,
+        n_pairs=min(pairs, len(ds)), seed=seed,
+    )  # fmt: skip
+    return model, made, model_dir
+
+
+def _patch(model, pairs_, site: str, by_pos: bool, attribution: bool, kw: dict):
+    """Exact patching of ``site`` (the fast engine for head outputs), and with ``attribution``
+    AtP against the exact position-resolved patches."""
+    from phasemech.interventions.attribution import attribution_patch, compare_attribution
+    from phasemech.interventions.patching import patch_sites
+    from phasemech.interventions.patching_fast import patch_heads
+
+    if attribution and site != "z":
+        raise ValueError("--attribution needs --site z")
+    if site == "z":
+        result = patch_heads(model, pairs_, by_pos=attribution or by_pos, **kw)
+    else:
+        result = patch_sites(model, pairs_, site=site, by_pos=by_pos, **kw)
+    if not attribution:
+        return result, None
+    atp = attribution_patch(model, pairs_, metric=kw["metric"], progress=True)
+    return result, compare_attribution(atp, result)
 
 
 @app.command()
@@ -584,19 +606,15 @@ def sweep_pretrained(
     runs: Annotated[Path, typer.Option(help="results go to RUNS/pretrained_<profile>/")] = Path(
         "runs"
     ),
-    workers: Annotated[int, typer.Option(min=1, help="processes (each loads the model)")] = 2,
+    workers: Annotated[
+        int, typer.Option(min=1, help="CPUs of the embedded Ray (each worker loads the model)")
+    ] = 2,
+    address: Annotated[str | None, typer.Option(help="join this Ray cluster instead")] = None,
 ) -> None:
-    """Passkey accuracy by needle phase on SmolLM2-135M, uncompressed and post-hoc compressed."""
-    from phasemech.experiments.pretrained import PROFILES, run_profile
-
-    if profile not in PROFILES:
-        console.print(f"[red]error:[/] --profile {profile!r} is invalid: one of {sorted(PROFILES)}")
-        raise typer.Exit(1)
-    try:
-        text = run_profile(profile, runs, workers)
-    except (FileNotFoundError, ValueError) as err:
-        raise _fail(err) from err
-    console.print(text)
+    """Passkey accuracy by needle phase on SmolLM2-135M, uncompressed and post-hoc compressed
+    (the ``pretrained`` experiment: the same as ``phasemech run pretrained``)."""
+    out = _launch("pretrained", profile, runs, address, workers, 1, 0)
+    console.print((out.folder / "summary.md").read_text(), markup=False, highlight=False)
 
 
 @app.command("run")
@@ -612,40 +630,52 @@ def run_experiment(
     num_cpus: Annotated[int | None, typer.Option(min=1, help="embedded Ray's CPUs")] = None,
     cpus_per_job: Annotated[int, typer.Option(min=1, help="CPUs (torch threads) per job")] = 1,
     gpus_per_job: Annotated[float, typer.Option(min=0, help="GPUs per job")] = 0,
+    device: Annotated[
+        str, typer.Option(help="auto (CUDA in a job that holds a GPU), cpu, cuda or cuda:N")
+    ] = "auto",
 ) -> None:
-    """Run an experiment's jobs on Ray; finished jobs are cached, a rerun runs what is missing."""
-    from phasemech.experiments import experiment, launch
+    """Run an experiment on Ray: its stages of jobs, then its tables. Finished jobs are cached;
+    a rerun runs only what is missing."""
+    _launch(name, profile, runs, address, num_cpus, cpus_per_job, gpus_per_job, device)
+
+
+def _launch(name, profile, runs, address, num_cpus, cpus_per_job, gpus_per_job, device="auto"):
+    """Run experiment ``name`` at ``profile``; failures printed with their configs, exit 1."""
+    from phasemech.core.device import check_device_name
+    from phasemech.experiments import experiment
+    from phasemech.experiments.experiment import run_experiment as run
 
     try:
-        jobs = experiment(name, profile)
+        exp = experiment(name)
+        exp.profile(profile)
+        check_device_name(device)
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err
-    dest = runs / f"{name}_{profile}"
     try:
-        out = launch(
-            jobs,
-            dest,
+        out = run(
+            exp,
+            profile,
+            runs,
             address=address,
             num_cpus=num_cpus,
             cpus_per_job=cpus_per_job,
             gpus_per_job=gpus_per_job,
+            device=device,
         )
     except (ConnectionError, OSError, ValueError) as err:
         raise _fail(err) from err
-    frame = out.frame(jobs)
-    if len(frame):
-        cols = [c for c in frame.columns if not isinstance(frame[c].iloc[0], list)]
-        _print_frame(
-            frame[cols], f"{name} ({profile}): {len(out.ran)} run, {len(out.cached)} cached"
-        )
     for failure in out.failures:
         console.print(
             f"[red]failed[/] {escape(failure.label)}: {escape(json.dumps(failure.config))}"
         )
         console.print(escape(failure.error), highlight=False)
-    console.print(f"results in {dest} ({out.seconds:.1f} s)")
+    console.print(
+        f"{name} ({profile}): {out.ran} jobs run, {out.cached} cached; results in "
+        f"{out.folder} ({out.seconds:.1f} s)"
+    )
     if out.failures:
         raise typer.Exit(1)
+    return out
 
 
 @app.command()

@@ -46,6 +46,7 @@ def tl_fields(
         d_mlp=None if attn_only else 2 * d_model,
         seed=seed,
         normalization_type="LN",
+        device="cpu",  # the tested default: the CPU even where CUDA is present
     )
     if rotary:
         fields.update(positional_embedding_type="rotary", rotary_dim=d_head)

@@ -1,7 +1,5 @@
 """End to end: the figure analysis (tiny profile) and the CLI on a saved model."""
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pandas as pd
@@ -19,24 +17,6 @@ ROOT = Path(__file__).resolve().parents[1]
 def _small_model() -> PhaseTransformer:
     kw = dict(n_ctx=24, d_vocab=20, n_heads=2, d_model=16, seed=3)
     return make_model("mean", stride=4, window=4, layers=(1,), **kw)
-
-
-def test_head_phase_analysis_tiny_profile_writes_figures(tmp_path):
-    out, runs = tmp_path / "figures", tmp_path / "runs"
-    cmd = [sys.executable, str(ROOT / "analyses/head_phase_attention.py"), "--tiny"]
-    cmd += ["--out", str(out), "--runs", str(runs)]
-    subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, timeout=300)
-    for name in ("head_phase_attention.html", "head_phase_needle.html"):
-        html = (out / name).read_text()
-        assert "plotly" in html.lower() and "source phase" in html
-    frame = pd.read_parquet(next(runs.glob("*/phase_attention_mean.parquet")))
-    assert set(frame.columns) >= {"layer", "head", "phase", "mass", "n", "exact"}
-    # each (layer, head) row of the query-mean reduction sums to one over phases
-    sums = frame.groupby(["layer", "head"]).mass.sum()
-    assert ((sums - 1).abs() < 1e-4).all()
-    # second run reuses the checkpoint instead of training again
-    again = subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert "reusing" in again.stdout
 
 
 def test_heatmap_is_a_figure_with_one_panel_per_layer():

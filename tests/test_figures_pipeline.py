@@ -52,23 +52,40 @@ ANALYSIS_FIGURES = ["theory_plateau"] + [
 TINY_PANEL = PanelConfig(sequences=64, n_boot=50, n_perm=50)  # the tiny profile's
 
 
+def make_figures(runs: Path, out: Path, *flags: str) -> str:
+    """``make figures`` at the tiny profile: the figures, then the claims report beside OUT."""
+    cmd = [sys.executable, str(ROOT / "analyses/figures.py"), "--profile", "tiny", *flags]
+    done = subprocess.run(
+        [*cmd, "--runs", str(runs), "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    cmd = [sys.executable, str(ROOT / "analyses/report.py")]
+    cmd += ["--showcase", str(runs / "figures_tiny" / "showcase")]
+    cmd += ["--captions", str(out / "captions.json"), "--out", str(out.parent / "REPORT.md")]
+    report = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert report.returncode == 0, report.stdout[-3000:] + report.stderr[-3000:]
+    return done.stdout + report.stdout
+
+
+def run_of(folder: Path, name: str) -> Path:
+    """A trained model's run folder inside an experiment's folder."""
+    return next(r for r in find_runs(folder) if r.name == name)
+
+
 @pytest.fixture(scope="session")
 def tiny_figures(tmp_path_factory):
-    """``(runs folder of the tiny sweep, figures folder, stdout)`` of one tiny pipeline run."""
+    """``(the tiny figures experiment's folder, figures folder, stdout)`` of one tiny run."""
     tmp = tmp_path_factory.mktemp("figures_pipeline")
     out, runs = tmp / "figures", tmp / "runs"
-    cmd = [sys.executable, str(ROOT / "analyses/figures.py"), "--profile", "tiny"]
-    cmd += ["--runs", str(runs), "--out", str(out), "--report", str(tmp / "REPORT.md")]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return runs / "phase_sweep_tiny", out, done.stdout
+    stdout = make_figures(runs, out)
+    return runs / "figures_tiny", out, stdout
 
 
 def test_tiny_profile_writes_every_figure_and_an_index(tiny_figures):
     sweep, out, stdout = tiny_figures
-    # progress names the stage and the models
-    for stage in ("1/4 train + score", "2/4 tables", "3/4 model panels", "4/4 figures"):
-        assert stage in stdout
+    # the launcher ran every stage: 2 models, their panels, the theory, the showcase patching
+    assert "figures (tiny): 6 jobs run, 0 cached" in " ".join(stdout.split())
     index = (out / "index.html").read_text()
     captions = json.loads((out / "captions.json").read_text())
     names = [f["name"] for f in captions["figures"]]
@@ -86,7 +103,7 @@ def test_tiny_profile_writes_every_figure_and_an_index(tiny_figures):
             assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
             assert f'src="{name}.png"' in index
     # the numbers in a caption are the table's: accuracy of the tiny gated model at phase 0
-    table = __import__("pandas").read_parquet(sweep / "per_phase.parquet")
+    table = __import__("pandas").read_parquet(sweep / "showcase" / "per_phase.parquet")
     gated = table[(table.design == "gated") & (table.grid == 4)].sort_values("phase")
     first = captions["figures"][0]["caption"]
     assert f"gated d=4 H=2: {gated.overall.iloc[0]:.3f} overall" in first
@@ -102,7 +119,7 @@ def test_tiny_profile_writes_the_claims_report(tiny_figures):
     for link in re.findall(r"\]\(([^)]+)\)", text):
         assert (out.parent / link).is_file(), link
     # a number of the report is the table's: the dense control's debiased gap
-    table = __import__("pandas").read_parquet(sweep / "per_phase.parquet")
+    table = __import__("pandas").read_parquet(sweep / "showcase" / "per_phase.parquet")
     dense = table[(table.design == "none") & (table.grid == 4)].iloc[0]
     assert f"debiased gap is {dense.debiased_gap:.3f}" in text
     assert "REPORT.md" in stdout
@@ -114,12 +131,8 @@ def test_tiny_profile_reuses_its_cache(tiny_figures, tmp_path):
     shutil.copytree(sweep, runs / sweep.name)
     stamps = {p: p.stat().st_mtime_ns for p in runs.rglob("*.safetensors")}
     stamps |= {p: p.stat().st_mtime_ns for p in runs.rglob("panel.json")}
-    cmd = [sys.executable, str(ROOT / "analyses/figures.py"), "--profile", "tiny", "--no-png"]
-    cmd += ["--runs", str(runs), "--out", str(tmp_path / "fig")]
-    cmd += ["--report", str(tmp_path / "REPORT.md")]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "2 of 2 models cached; training 0" in " ".join(done.stdout.split())
+    stdout = make_figures(runs, tmp_path / "fig", "--no-png")
+    assert "figures (tiny): 0 jobs run, 6 cached" in " ".join(stdout.split())
     assert all(p.stat().st_mtime_ns == t for p, t in stamps.items())
     assert not list((tmp_path / "fig").glob("*.png"))
 
@@ -134,7 +147,7 @@ def test_panel_numbers_come_from_the_library(tiny_figures):
     from phasemech.training.checkpoints import load_trained
 
     sweep, _, _ = tiny_figures
-    run = sweep / "gated_d4_h2_T32_s0"
+    run = run_of(sweep, "gated_d4_h2_T32_s0")
     panel = model_panel(run, TINY_PANEL)  # cached by the pipeline run
     model, cfg, _ = load_trained(run)
     ev = evaluate(model, balanced_test_set(cfg.task, 64, 777), n_boot=50, n_perm=50)
@@ -164,7 +177,7 @@ def test_panel_numbers_come_from_the_library(tiny_figures):
 def test_panel_cache_is_keyed_by_config(tiny_figures, tmp_path, monkeypatch):
     sweep, _, _ = tiny_figures
     run = tmp_path / "run"
-    shutil.copytree(sweep / "none_d4_h2_T32_s0", run)
+    shutil.copytree(run_of(sweep, "none_d4_h2_T32_s0"), run)
     import phasemech.interventions.ablation as ablation
 
     calls = []
@@ -188,7 +201,7 @@ def test_bad_input_is_named(tmp_path, tiny_figures):
     with pytest.raises(ValueError, match="sequences=0 is invalid"):
         PanelConfig(sequences=0)
     with pytest.raises(ValueError, match="multiple of the task stride"):
-        model_panel(sweep / "none_d4_h2_T32_s0", PanelConfig(sequences=66))
+        model_panel(run_of(sweep, "none_d4_h2_T32_s0"), PanelConfig(sequences=66))
     with pytest.raises(ValueError, match="no panels"):
         render_dashboard([])
     panels = collect_panels(sweep, TINY_PANEL)

@@ -1,4 +1,5 @@
-"""The issue-7 analyses end to end at their tiny profiles, and the report's readers."""
+"""The fixes and theory-vs-trained experiments end to end on the launcher at their tiny
+profiles, and the report's readers."""
 
 from __future__ import annotations
 
@@ -15,22 +16,24 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "analyses"))
 import report  # noqa: E402
 
+from phasemech.experiments.panels import find_runs  # noqa: E402
 
-def _run(script: str, runs: Path) -> str:
-    cmd = [sys.executable, str(ROOT / "analyses" / script), "--profile", "tiny"]
+
+def _run(name: str, runs: Path) -> str:
+    cmd = [sys.executable, "-m", "phasemech.cli", "run", name, "--profile", "tiny"]
     done = subprocess.run(
-        [*cmd, "--runs", str(runs), "--workers", "2"],
+        [*cmd, "--runs", str(runs), "--num-cpus", "2"],
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=900,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return done.stdout
+    return " ".join(done.stdout.split())
 
 
 def test_fixes_tiny_trains_every_fix_and_compares_with_its_baseline(tmp_path):
-    stdout = _run("fixes.py", tmp_path)
+    stdout = _run("fixes", tmp_path)
     out = tmp_path / "fixes_tiny"
     summary = json.loads((out / "summary.json").read_text())
     fixes = {r["fix"] for r in summary["results"]}
@@ -45,46 +48,58 @@ def test_fixes_tiny_trains_every_fix_and_compares_with_its_baseline(tmp_path):
     pairs = {(r["fix"], r["baseline"]) for r in summary["comparison"]}
     assert ("staggered_layer", "aligned_3layer") in pairs and ("random_offset", "aligned") in pairs
     assert all(r["n_boot"] == 50 for r in summary["comparison"])
-    assert "meets goal" in (out / "summary.md").read_text() and "train + score" in stdout
+    assert summary["profile"]["steps"] == 20 and summary["goal_reduction"] == 0.7
+    assert "meets goal" in (out / "summary.md").read_text()
+    assert "18 jobs run, 0 cached" in stdout  # 12 models, 6 statistics jobs
     # the grids really differ: per-layer staggering shifts the third layer's grid
-    cfg = json.loads((out / "staggered_layer_s0" / "train_config.json").read_text())
+    run = next(r for r in find_runs(out) if r.name == "staggered_layer_s0")
+    cfg = json.loads((run / "train_config.json").read_text())
     assert cfg["compression"]["offsets"] == "per_layer" and cfg["model"]["n_layers"] == 3
-    # a rerun trains nothing: every model is cached
-    assert "step 20" in _run("fixes.py", tmp_path)
+    # jittered training data, scored on the plain task like every other fix
+    jit = next(r for r in find_runs(out) if r.name == "jittered_data_s0")
+    assert json.loads((jit / "train_config.json").read_text())["task"]["jitter"] == 1
+    # a rerun trains nothing: every job is cached
+    assert "0 jobs run, 18 cached" in _run("fixes", tmp_path)
 
 
 def test_theory_trained_tiny_maps_gated_models_onto_the_theory(tmp_path):
-    _run("theory_trained.py", tmp_path)
+    _run("theory_trained", tmp_path)
     out = tmp_path / "theory_trained_tiny"
     summary = json.loads((out / "summary.json").read_text())
-    assert [m["heads"] for m in summary["models"]] == [2, 4]
+    assert sorted(m["heads"] for m in summary["models"]) == [2, 4]
     for m in summary["models"]:
         assert len(m["acc_by_phase"]) == len(m["predicted_accuracy"]) == 4
         assert len(m["assignment"]) == m["heads"]
+        assert len(m["theory_covered"]) == 2  # the tiny profile's theory seeds
+    assert summary["profile"]["stride"] == 4
     w = pd.read_parquet(out / "weights.parquet")
     assert set(w["heads"]) == {2, 4} and (w["layer"] == 1).all()
 
 
-def test_report_reads_the_recorded_tables():
-    rows = report.md_table(report.RESULTS / "phase_sweep_default.md")
-    assert rows and {"design", "debiased gap [95% CI]", "null p95"} <= set(rows[0])
-    g, lo, hi = report.with_ci(rows[0]["debiased gap [95% CI]"])
-    assert lo <= g <= hi
-    assert report.numbers("0.920 [0.88, 0.95] 0.765 [0.71, 0.82]") == [0.92, 0.765]
-    with pytest.raises(ValueError, match="value \\[low, high\\]"):
-        report.with_ci("0.3")
+def test_report_reads_json_results_never_markdown():
+    text = (ROOT / "analyses" / "report.py").read_text()
+    assert '.md"' not in text.replace('"REPORT.md"', "") and "md_table" not in text
+    sweep = report._load_json(report.RESULTS / "phase_sweep_default.json")
+    rows = [r for r in sweep["rows"] if r["targets"] == "all"]
+    assert rows and {"design", "debiased_gap", "null_p95", "acc_by_phase"} <= set(rows[0])
+    assert all(r["debiased_lo"] <= r["debiased_gap"] <= r["debiased_hi"] for r in rows)
+    pre = report._load_json(report.RESULTS / "pretrained_default.json")
+    assert {r["setting"] for r in pre["rows"]} >= {"null"}
 
 
 def test_fixes_profile_names_a_fix_without_its_baseline():
-    import fixes
+    from dataclasses import replace
+
+    from phasemech.experiments import fixes
+    from phasemech.measure.learning import PLATEAU_EXIT, off_plateau
 
     base = fixes.PROFILES["tiny"]
-    kw = {k: getattr(base, k) for k in base.__dataclass_fields__ if k != "fixes"}
+    lonely = replace(base, extra=(("fixes", ("staggered_head",)), ("jitter", 1)))
     with pytest.raises(ValueError, match="needs its baseline 'aligned'"):
-        fixes.Profile(**kw, fixes=("staggered_head",))
+        fixes.train_jobs(lonely)
     with pytest.raises(ValueError, match="fix='shuffled' is invalid"):
-        fixes.Profile(**kw, fixes=("aligned", "shuffled"))
-    assert fixes.off_plateau(fixes.PLATEAU_EXIT) and not fixes.off_plateau(0.21)
+        fixes.train_config("shuffled", 0, base)
+    assert off_plateau(PLATEAU_EXIT) and not off_plateau(0.21)
 
 
 def _fixes_summary(fix_acc: list[float], reduction: float, meets: bool) -> dict:

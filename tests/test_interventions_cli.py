@@ -4,8 +4,6 @@ tiny trained run."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pandas as pd
@@ -115,16 +113,3 @@ def test_cli_ablate_bad_component(sweep):
     result = runner.invoke(app, ["ablate", str(sweep / "gated_tiny"), "--components", "mlp"])
     assert result.exit_code == 1
     assert "'mlp'" in result.output
-
-
-def test_interventions_analysis_smoke(sweep, tmp_path):
-    out = tmp_path / "iv"
-    cmd = [sys.executable, str(ROOT / "analyses/interventions.py"), "--sweep", str(sweep)]
-    cmd += ["--models", "gated_tiny", "--out", str(out), "--workers", "1"]
-    cmd += ["--sequences", "32", "--pairs", "8"]
-    subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, timeout=600)
-    text = (out / "summary.md").read_text()
-    assert "## gated_tiny" in text
-    for section in ("### Ablation", "### Activation patching", "### Attribution", "probes"):
-        assert section in text
-    assert (out / "gated_tiny" / "patch_answer_kv_block" / "effects.parquet").is_file()

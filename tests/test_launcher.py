@@ -22,6 +22,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 from phasemech.experiments import Job, experiment, launch  # noqa: E402
 from phasemech.experiments.launcher import read_cached  # noqa: E402
+from phasemech.experiments.sweep import PROFILES, train_jobs  # noqa: E402
 
 # jobs defined here travel to the workers by value (the workers cannot import tests/)
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -47,13 +48,13 @@ def test_job_keys_are_stable_and_name_the_config():
     a, b, c = EchoJob(1), EchoJob(1), EchoJob(2)
     assert a.key == b.key != c.key and len(a.key) == 16
     assert a.config == {"kind": "echo", "value": 1, "fail": False}
-    sweep = experiment("phase_sweep", "tiny")
-    assert len({j.key for j in sweep}) == len(sweep) == 3
-    assert [j.key for j in sweep] == [j.key for j in experiment("phase_sweep", "tiny")]
+    sweep = train_jobs(PROFILES["tiny"])
+    assert len({j.key for j in sweep}) == len(sweep) == 2
+    assert [j.key for j in sweep] == [j.key for j in train_jobs(PROFILES["tiny"])]
     with pytest.raises(ValueError, match="'nope' is unknown: allowed"):
-        experiment("nope", "tiny")
+        experiment("nope")
     with pytest.raises(ValueError, match="profile 'huge'"):
-        experiment("phase_sweep", "huge")
+        experiment("phase_sweep").profile("huge")
     with pytest.raises(ValueError, match="cpus_per_job=0"):
         launch([a], "unused", cpus_per_job=0)
 
@@ -81,7 +82,7 @@ def test_launch_caches_results_and_reports_failures(tmp_path):
 
 
 def test_tiny_sweep_same_numbers_on_a_two_node_cluster(tmp_path):
-    jobs = experiment("phase_sweep", "tiny")
+    jobs = train_jobs(PROFILES["tiny"])
     local = launch(jobs, tmp_path / "local", num_cpus=2, progress=False)
     assert not local.failures and len(local.ran) == len(jobs)
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
@@ -94,16 +95,17 @@ def test_tiny_sweep_same_numbers_on_a_two_node_cluster(tmp_path):
         ray.shutdown()
         cluster.shutdown()
     assert nodes == 2 and not remote.failures
+    timing = ("seconds", "train_seconds")
     for job in jobs:
         a, b = local.results[job.key], remote.results[job.key]
-        assert {k: v for k, v in a.items() if k != "seconds"} == {
-            k: v for k, v in b.items() if k != "seconds"
+        assert {k: v for k, v in a.items() if k not in timing} == {
+            k: v for k, v in b.items() if k not in timing
         }, job.label
 
 
 def test_interrupted_launcher_rerun_runs_only_the_missing_jobs(tmp_path):
     runs = tmp_path / "runs"
-    dest = runs / "phase_sweep_tiny"
+    dest = runs / "phase_sweep_tiny" / "jobs"
     cmd = [sys.executable, "-m", "phasemech.cli", "run", "phase_sweep", "--runs", str(runs)]
     proc = subprocess.Popen([*cmd, "--num-cpus", "1"], cwd=ROOT, stderr=subprocess.DEVNULL)
     try:
@@ -116,7 +118,7 @@ def test_interrupted_launcher_rerun_runs_only_the_missing_jobs(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
-    jobs = experiment("phase_sweep", "tiny")
+    jobs = train_jobs(PROFILES["tiny"])
     finished = {p.stem for p in dest.glob("*.json")}
     assert 1 <= len(finished) < len(jobs)
     out = launch(jobs, dest, num_cpus=2, progress=False)

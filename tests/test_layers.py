@@ -135,3 +135,20 @@ def test_old_module_paths_still_import_with_a_warning(old, names):
         assert getattr(module, name) is next(getattr(h, name) for h in homes if hasattr(h, name))
     with pytest.raises(AttributeError, match="not_a_name"):
         module.not_a_name  # noqa: B018
+
+
+def test_analyses_scripts_import_only_the_library():
+    # a script in analyses/ is a leaf: it imports phasemech and third-party packages, never a
+    # sibling script (what two scripts share belongs in the library) and never edits sys.path
+    scripts = sorted((ROOT / "analyses").glob("*.py"))
+    siblings = {p.stem for p in scripts}
+    bad = []
+    for path in scripts:
+        rel = path.relative_to(ROOT)
+        source = path.read_text()
+        if "sys.path" in source:
+            bad.append(f"{rel}: edits sys.path")
+        for line, mod in imports(rel, source):
+            if mod.split(".")[0] in siblings | {"analyses"}:
+                bad.append(f"{rel}:{line} imports {mod}: move what it shares into phasemech")
+    assert not bad, "\n".join(bad)

@@ -1,4 +1,5 @@
-"""The headline sweep runs end to end at its tiny profile, caches its work and reports."""
+"""The headline sweep runs end to end on the launcher at its tiny profile, caches its work and
+reports (``phasemech run phase_sweep``)."""
 
 import json
 import subprocess
@@ -11,9 +12,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_phase_sweep_tiny_profile(tmp_path):
-    cmd = [sys.executable, str(ROOT / "analyses/phase_sweep.py"), "--profile", "tiny"]
-    cmd += ["--runs", str(tmp_path), "--workers", "1"]
-    subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, timeout=300)
+    cmd = [sys.executable, "-m", "phasemech.cli", "run", "phase_sweep", "--profile", "tiny"]
+    cmd += ["--runs", str(tmp_path), "--num-cpus", "2"]
+    first = subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert "4 jobs run, 0 cached" in " ".join(first.stdout.split())
     sweep = tmp_path / "phase_sweep_tiny"
     results = pd.read_parquet(sweep / "results.parquet")
     pooled = results[(results["seed"] == "pooled") & (results["step"] == "final")]
@@ -34,9 +36,10 @@ def test_phase_sweep_tiny_profile(tmp_path):
     assert "| gated | 4 | 2 | 32 |" in (sweep / "summary.md").read_text()
     summary = json.loads((sweep / "summary.json").read_text())
     assert summary["models"] == 2 and len(summary["runs"]) == 2
-    # a second run reuses every checkpoint and scored file: nothing is rewritten
-    cached = sorted(sweep.glob("*/checkpoints/*/model.safetensors"))
-    cached += sorted(sweep.glob("*/targets_*.parquet"))
+    assert len(summary["rows"]) == len(results)  # the report reads these rows, not markdown
+    # a second run reuses every job: nothing is retrained, rescored or rewritten
+    cached = sorted(sweep.rglob("model.safetensors")) + sorted((sweep / "jobs").glob("*.json"))
     stamps = {f: f.stat().st_mtime_ns for f in cached}
-    subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, timeout=300)
+    again = subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert "0 jobs run, 4 cached" in " ".join(again.stdout.split())
     assert {f: f.stat().st_mtime_ns for f in cached} == stamps

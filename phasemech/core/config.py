@@ -122,25 +122,39 @@ class CompressionConfig:
     obs_window: int | None = None
 
     def __post_init__(self) -> None:
-        # Frozen dataclass: normalise with object.__setattr__, validate before any work starts.
-        set_ = object.__setattr__
+        # Frozen dataclass: normalise with object.__setattr__ (``_set``), validate before any
+        # work starts. With several bad fields the first check to fail names its field.
         if self.design not in DESIGNS:
             raise _bad("design", self.design, f"allowed: {DESIGNS}")
+        self._check_grid()
+        self._check_offsets()
+        self._check_layers()
+        self._check_top_k()
+        self._check_obs_window()
+        self._check_rest()
+
+    def _set(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+
+    def _check_grid(self) -> None:
+        """``stride``, ``block_len``, ``window`` (filling their defaults) and ``visibility``."""
         if not is_int(self.stride) or self.stride < 1:
             raise _bad("stride", self.stride, "must be an int >= 1")
-        set_(self, "stride", int(self.stride))
+        self._set("stride", int(self.stride))
         if self.block_len is None:
-            set_(self, "block_len", self.stride)
+            self._set("block_len", self.stride)
         if not is_int(self.block_len) or self.block_len < self.stride:
             raise _bad("block_len", self.block_len, f"must be an int >= stride ({self.stride})")
-        set_(self, "block_len", int(self.block_len))
+        self._set("block_len", int(self.block_len))
         if self.window is None:
-            set_(self, "window", 2 * self.stride)
+            self._set("window", 2 * self.stride)
         if not is_int(self.window) or self.window < 0:
             raise _bad("window", self.window, "must be an int >= 0 (raw tokens per query)")
-        set_(self, "window", int(self.window))
+        self._set("window", int(self.window))
         if self.visibility not in VISIBILITY:
             raise _bad("visibility", self.visibility, f"allowed: {VISIBILITY}")
+
+    def _check_offsets(self) -> None:
         offsets = _freeze_offsets(self.offsets)
         if isinstance(offsets, str) and offsets not in OFFSET_MODES:
             raise _bad("offsets", offsets, f"allowed modes: {OFFSET_MODES}, or explicit ints")
@@ -153,42 +167,53 @@ class CompressionConfig:
                     self.offsets,
                     f"explicit offsets must lie in [0, stride={self.stride})",
                 )
-        set_(self, "offsets", offsets)
-        if self.layers is not None:
-            if isinstance(self.layers, str) or not isinstance(self.layers, Sequence):
-                raise _bad("layers", self.layers, "must be None or a non-empty tuple of ints >= 0")
-            layers = tuple(self.layers)
-            if not layers or not all(is_int(i) and i >= 0 for i in layers):
-                raise _bad("layers", self.layers, "must be None or a non-empty tuple of ints >= 0")
-            if len(set(layers)) != len(layers):
-                raise _bad("layers", self.layers, "layer indices must be unique")
-            set_(self, "layers", tuple(sorted(int(i) for i in layers)))
-        if self.design in SELECTING_DESIGNS:
-            if self.top_k is None:
-                set_(self, "top_k", DEFAULT_TOP_K)
-            if not is_int(self.top_k) or self.top_k < 1:
-                raise _bad("top_k", self.top_k, f"must be an int >= 1 for design={self.design!r}")
-            set_(self, "top_k", int(self.top_k))
-        elif self.top_k is not None:
-            raise _bad(
-                "top_k",
-                self.top_k,
-                f"only designs {SELECTING_DESIGNS} select blocks, not {self.design!r}",
-            )
-        if self.design == "evict":
-            if self.obs_window is None:
-                set_(self, "obs_window", DEFAULT_OBS_WINDOW)
-            if not is_int(self.obs_window) or self.obs_window < 1:
+        self._set("offsets", offsets)
+
+    def _check_layers(self) -> None:
+        if self.layers is None:
+            return
+        if isinstance(self.layers, str) or not isinstance(self.layers, Sequence):
+            raise _bad("layers", self.layers, "must be None or a non-empty tuple of ints >= 0")
+        layers = tuple(self.layers)
+        if not layers or not all(is_int(i) and i >= 0 for i in layers):
+            raise _bad("layers", self.layers, "must be None or a non-empty tuple of ints >= 0")
+        if len(set(layers)) != len(layers):
+            raise _bad("layers", self.layers, "layer indices must be unique")
+        self._set("layers", tuple(sorted(int(i) for i in layers)))
+
+    def _check_top_k(self) -> None:
+        if self.design not in SELECTING_DESIGNS:
+            if self.top_k is not None:
                 raise _bad(
-                    "obs_window", self.obs_window, "must be an int >= 1 (observation queries)"
+                    "top_k",
+                    self.top_k,
+                    f"only designs {SELECTING_DESIGNS} select blocks, not {self.design!r}",
                 )
-            set_(self, "obs_window", int(self.obs_window))
-        elif self.obs_window is not None:
-            raise _bad(
-                "obs_window",
-                self.obs_window,
-                f"only design='evict' scores chunks by observation queries, not {self.design!r}",
-            )
+            return
+        if self.top_k is None:
+            self._set("top_k", DEFAULT_TOP_K)
+        if not is_int(self.top_k) or self.top_k < 1:
+            raise _bad("top_k", self.top_k, f"must be an int >= 1 for design={self.design!r}")
+        self._set("top_k", int(self.top_k))
+
+    def _check_obs_window(self) -> None:
+        if self.design != "evict":
+            if self.obs_window is not None:
+                raise _bad(
+                    "obs_window",
+                    self.obs_window,
+                    f"only design='evict' scores chunks by observation queries, not "
+                    f"{self.design!r}",
+                )
+            return
+        if self.obs_window is None:
+            self._set("obs_window", DEFAULT_OBS_WINDOW)
+        if not is_int(self.obs_window) or self.obs_window < 1:
+            raise _bad("obs_window", self.obs_window, "must be an int >= 1 (observation queries)")
+        self._set("obs_window", int(self.obs_window))
+
+    def _check_rest(self) -> None:
+        """``gate``, ``eval_offset`` and ``block_scope``, and how they fit the design."""
         if self.gate not in GATES:
             raise _bad("gate", self.gate, f"allowed: {GATES}")
         if self.gate != "scalar" and self.design != "gated":

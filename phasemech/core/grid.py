@@ -173,48 +173,16 @@ def build_geometry(
     block_scope: str = "outside_window",
 ) -> Geometry:
     """Blocks, raw band and the coverage rule of the module docstring, as tensors."""
-    device = offsets.device
-    d, l = stride, block_len
-    nb = n_blocks(seq_len, d)
     o = offsets.long()[:, :, None]  # [batch, kv_head, 1]
-    i = torch.arange(nb, device=device)
-    start = i * d + o - l  # [batch, kv_head, block]
-    last = i * d + o - 1
-    slot = torch.arange(l, device=device)
-    slot_pos = start[..., None] + slot  # [batch, kv_head, block, slot]
-    in_seq = (slot_pos >= 0) & (slot_pos < seq_len)
-    if key_valid is None:
-        slot_valid = in_seq
-    else:
-        kv = key_valid.bool()[:, None, None, :].expand(-1, o.shape[1], nb, -1)
-        gathered = torch.gather(kv, -1, slot_pos.clamp(0, seq_len - 1))
-        slot_valid = in_seq & gathered
-    has_token = slot_valid.any(-1)  # [batch, kv_head, block]
+    slot_pos, slot_valid, last = _block_slots(o, seq_len, stride, block_len, key_valid)
     # First real token of a block (a block of only padding gets seq_len: never used).
     first = torch.where(slot_valid, slot_pos, torch.full_like(slot_pos, seq_len)).amin(-1)
-
-    t = torch.arange(seq_len, device=device)
-    # last token of the latest visible block: block ends e satisfy (e + 1 - o) mod d == 0
-    newest = t if visibility == "inclusive" else t - 1
-    latest_end = newest - torch.remainder(newest + 1 - o, d)  # [batch, kv_head, pos]
-    raw_start = torch.minimum(t - window + 1, latest_end + 1)
-
-    last_q = last[:, :, None, :]  # [batch, kv_head, 1, block]
-    t_q = t[None, None, :, None]
-    complete = last_q <= t_q if visibility == "inclusive" else last_q < t_q
-    block_used = complete & has_token[:, :, None, :]
-    if block_scope == "outside_window":
-        block_used = block_used & (first[:, :, None, :] < raw_start[..., None])
-
-    band = raw_band_width(seq_len, d, window)
-    band_pos = _band_positions(seq_len, band, device)  # [pos, w]
-    band_valid = (band_pos >= 0) & (band_pos[None, None] >= raw_start[..., None])
-    if key_valid is not None:
-        kvb = key_valid.bool()[:, band_pos.clamp(min=0)]  # [batch, pos, w]
-        band_valid = band_valid & kvb[:, None]
+    raw_start = _raw_start(o, seq_len, stride, window, visibility)
+    block_used = _block_used(last, first, slot_valid.any(-1), raw_start, visibility, block_scope)
+    band = raw_band_width(seq_len, stride, window)
     return Geometry(
-        stride=d,
-        block_len=l,
+        stride=stride,
+        block_len=block_len,
         band=band,
         slot_pos=slot_pos,
         slot_valid=slot_valid,
@@ -222,6 +190,77 @@ def build_geometry(
         block_last=last.expand_as(first),
         raw_start=raw_start,
         block_used=block_used,
-        band_valid=band_valid,
+        band_valid=_band_valid(raw_start, band, key_valid),
         key_valid=None if key_valid is None else key_valid.bool(),
     )
+
+
+def _block_slots(
+    o: Int[Tensor, "batch kv_head 1"],
+    seq_len: int,
+    d: int,
+    l: int,
+    key_valid: Bool[Tensor, "batch pos"] | None,
+) -> tuple[
+    Int[Tensor, "batch kv_head block slot"],
+    Bool[Tensor, "batch kv_head block slot"],
+    Int[Tensor, "batch kv_head block"],
+]:
+    """``(slot_pos, slot_valid, block_last)``: each block's token positions, which of them are
+    real tokens (inside the sequence, not padding) and each block's last position."""
+    nb = n_blocks(seq_len, d)
+    i = torch.arange(nb, device=o.device)
+    start = i * d + o - l  # [batch, kv_head, block]
+    last = i * d + o - 1
+    slot = torch.arange(l, device=o.device)
+    slot_pos = start[..., None] + slot  # [batch, kv_head, block, slot]
+    in_seq = (slot_pos >= 0) & (slot_pos < seq_len)
+    if key_valid is None:
+        return slot_pos, in_seq, last
+    kv = key_valid.bool()[:, None, None, :].expand(-1, o.shape[1], nb, -1)
+    gathered = torch.gather(kv, -1, slot_pos.clamp(0, seq_len - 1))
+    return slot_pos, in_seq & gathered, last
+
+
+def _raw_start(
+    o: Int[Tensor, "batch kv_head 1"], seq_len: int, d: int, window: int, visibility: str
+) -> Int[Tensor, "batch kv_head pos"]:
+    """``r_t = min(t - W + 1, e_t + 1)``: where each query's raw span starts."""
+    t = torch.arange(seq_len, device=o.device)
+    # last token of the latest visible block: block ends e satisfy (e + 1 - o) mod d == 0
+    newest = t if visibility == "inclusive" else t - 1
+    latest_end = newest - torch.remainder(newest + 1 - o, d)  # [batch, kv_head, pos]
+    return torch.minimum(t - window + 1, latest_end + 1)
+
+
+def _block_used(
+    last: Int[Tensor, "batch kv_head block"],
+    first: Int[Tensor, "batch kv_head block"],
+    has_token: Bool[Tensor, "batch kv_head block"],
+    raw_start: Int[Tensor, "batch kv_head pos"],
+    visibility: str,
+    block_scope: str,
+) -> Bool[Tensor, "batch kv_head pos block"]:
+    """Which blocks each query reads compressed (the coverage rule's **blocks**)."""
+    t = torch.arange(raw_start.shape[-1], device=raw_start.device)
+    last_q = last[:, :, None, :]  # [batch, kv_head, 1, block]
+    t_q = t[None, None, :, None]
+    complete = last_q <= t_q if visibility == "inclusive" else last_q < t_q
+    block_used = complete & has_token[:, :, None, :]
+    if block_scope == "outside_window":
+        block_used = block_used & (first[:, :, None, :] < raw_start[..., None])
+    return block_used
+
+
+def _band_valid(
+    raw_start: Int[Tensor, "batch kv_head pos"],
+    band: int,
+    key_valid: Bool[Tensor, "batch pos"] | None,
+) -> Bool[Tensor, "batch kv_head pos w"]:
+    """Which raw band slots hold a key the query reaches raw (a real token, not padding)."""
+    band_pos = _band_positions(raw_start.shape[-1], band, raw_start.device)  # [pos, w]
+    band_valid = (band_pos >= 0) & (band_pos[None, None] >= raw_start[..., None])
+    if key_valid is not None:
+        kvb = key_valid.bool()[:, band_pos.clamp(min=0)]  # [batch, pos, w]
+        band_valid = band_valid & kvb[:, None]
+    return band_valid

@@ -32,6 +32,8 @@ import torch
 from jaxtyping import Int
 from torch import Tensor
 
+from phasemech.core.device import model_device
+
 FILLER = (
     " The grass is green.",
     " The sky is blue.",
@@ -92,6 +94,21 @@ def _ids(tok, text: str) -> list[int]:
     return list(tok.encode(text, add_special_tokens=False))
 
 
+@dataclass(frozen=True)
+class _Content:
+    """One content's token pieces: the needle sits between ``before`` and ``after``."""
+
+    depth: float
+    name: str
+    number: int
+    before: list[int]
+    needle_head: list[int]  # " The pass code for {name} is"
+    digits: list[int]  # " {number}": also the answer
+    needle: list[int]  # the whole needle sentence
+    after: list[int]
+    question: list[int]
+
+
 def build_prompts(
     tok, task: PasskeyTask, n_contents: int, seed: int = 0, pad_id: int | None = None
 ) -> PasskeyBatch:
@@ -107,54 +124,12 @@ def build_prompts(
     rows, seqs, answers = [], [], []
     for g in range(n_contents):
         depth = float(task.depths[g % len(task.depths)])
-        names = rng.choice(len(NAMES), size=1 + task.distractors, replace=False)
-        name = NAMES[names[0]]
-        number = int(rng.integers(10 ** (task.digits - 1), 10**task.digits))
-        start = int(rng.integers(len(sentences)))
-        filler: list[list[int]] = []
-        while sum(map(len, filler)) < task.context:
-            filler.append(sentences[(start + len(filler)) % len(sentences)])
-        cut = int(round(depth * len(filler)))
-        needle_head = _ids(tok, f" The pass code for {name} is")
-        digits = _ids(tok, f" {number}")
-        needle = needle_head + digits + _ids(tok, ".")
-        others = []
-        for i in names[1:]:
-            other = int(rng.integers(10 ** (task.digits - 1), 10**task.digits))
-            others.append(_ids(tok, f" The pass code for {NAMES[i]} is {other}."))
-        # distractors at random other sentence boundaries
-        body: list[list[int]] = list(filler)
-        slots = sorted(rng.choice(len(filler) + 1, size=len(others), replace=True).tolist())
-        for s_, o in zip(reversed(slots), reversed(others), strict=True):
-            body.insert(s_ if s_ < cut else s_ + 0, o)
-        cut_b = cut + sum(1 for s_ in slots if s_ < cut)
-        question = _ids(tok, f" What is the pass code for {name}? The pass code for {name} is")
+        content = _draw_content(tok, task, rng, sentences, depth)
         for k in range(task.stride):
-            before = [t for piece in body[:cut_b] for t in piece]
-            after = [t for piece in body[cut_b:] for t in piece]
-            head = prefix[:k]
-            # the first digit: the needle's tokens after " The pass code for X is", skipping a
-            # bare-space token if the tokenizer splits one off
-            lead = 1 if len(digits) > task.digits else 0
-            needle_pos = len(head) + len(before) + len(needle_head) + lead
-            ids = head + before + needle + after + question
-            rows.append(
-                dict(
-                    prompt_id=len(rows),
-                    group_id=g,
-                    prefix=k,
-                    depth=depth,
-                    name=name,
-                    number=number,
-                    needle_pos=needle_pos,
-                    phase=needle_pos % task.stride,
-                    answer_start=len(ids),
-                    length=len(ids) + len(digits),
-                    distance=len(ids) - needle_pos,
-                )
-            )
-            seqs.append(ids + digits)
-            answers.append(digits)
+            row, ids = _shifted_prompt(content, prefix[:k], task)
+            rows.append(dict(prompt_id=len(rows), group_id=g, prefix=k) | row)
+            seqs.append(ids + content.digits)
+            answers.append(content.digits)
     n_ans = {len(a) for a in answers}
     if len(n_ans) != 1:  # the digits of every number tokenise alike; a tokenizer that doesn't
         raise ValueError(f"answers tokenise to different lengths {sorted(n_ans)}")
@@ -165,23 +140,82 @@ def build_prompts(
     return PasskeyBatch(tokens, torch.tensor(answers), pd.DataFrame(rows), task.stride)
 
 
+def _draw_content(
+    tok, task: PasskeyTask, rng: np.random.Generator, sentences: list[list[int]], depth: float
+) -> _Content:
+    """Draw a name, its number, a filler rotation and the distractors; place the needle."""
+    names = rng.choice(len(NAMES), size=1 + task.distractors, replace=False)
+    name = NAMES[names[0]]
+    number = int(rng.integers(10 ** (task.digits - 1), 10**task.digits))
+    start = int(rng.integers(len(sentences)))
+    filler: list[list[int]] = []
+    while sum(map(len, filler)) < task.context:
+        filler.append(sentences[(start + len(filler)) % len(sentences)])
+    cut = int(round(depth * len(filler)))
+    others = []
+    for i in names[1:]:
+        other = int(rng.integers(10 ** (task.digits - 1), 10**task.digits))
+        others.append(_ids(tok, f" The pass code for {NAMES[i]} is {other}."))
+    # distractors at random other sentence boundaries
+    body: list[list[int]] = list(filler)
+    slots = sorted(rng.choice(len(filler) + 1, size=len(others), replace=True).tolist())
+    for s_, o in zip(reversed(slots), reversed(others), strict=True):
+        body.insert(s_, o)
+    cut_b = cut + sum(1 for s_ in slots if s_ < cut)
+    needle_head = _ids(tok, f" The pass code for {name} is")
+    digits = _ids(tok, f" {number}")
+    return _Content(
+        depth=depth,
+        name=name,
+        number=number,
+        before=[t for piece in body[:cut_b] for t in piece],
+        needle_head=needle_head,
+        digits=digits,
+        needle=needle_head + digits + _ids(tok, "."),
+        after=[t for piece in body[cut_b:] for t in piece],
+        question=_ids(tok, f" What is the pass code for {name}? The pass code for {name} is"),
+    )
+
+
+def _shifted_prompt(c: _Content, head: list[int], task: PasskeyTask) -> tuple[dict, list[int]]:
+    """The frame row (less its ids) and the prompt tokens up to the answer, behind ``head``."""
+    # the first digit: the needle's tokens after " The pass code for X is", skipping a
+    # bare-space token if the tokenizer splits one off
+    lead = 1 if len(c.digits) > task.digits else 0
+    needle_pos = len(head) + len(c.before) + len(c.needle_head) + lead
+    ids = head + c.before + c.needle + c.after + c.question
+    row = dict(
+        depth=c.depth,
+        name=c.name,
+        number=c.number,
+        needle_pos=needle_pos,
+        phase=needle_pos % task.stride,
+        answer_start=len(ids),
+        length=len(ids) + len(c.digits),
+        distance=len(ids) - needle_pos,
+    )
+    return row, ids
+
+
 @torch.inference_mode()
 def score(model, batch: PasskeyBatch, batch_size: int = 16, progress=None) -> pd.DataFrame:
     """``batch.frame`` plus ``correct`` (every answer token is the argmax: greedy decoding
     yields the key), ``first_correct`` (the first answer token) and ``logprob`` (of the whole
-    answer), teacher-forced in one forward per prompt."""
+    answer), teacher-forced in one forward per prompt. The prompts (built on the CPU) are
+    moved to the model's device batch by batch."""
+    dev = model_device(model)
     starts = torch.tensor(batch.frame["answer_start"].to_numpy())
     n_ans = batch.answer.shape[1]
     correct, first, logprob = [], [], []
     for i in range(0, len(batch.tokens), batch_size):
         sl = slice(i, i + batch_size)
-        tokens, ans, st = batch.tokens[sl], batch.answer[sl], starts[sl]
+        tokens, ans, st = batch.tokens[sl].to(dev), batch.answer[sl].to(dev), starts[sl].to(dev)
         width = int((st + n_ans).max())
         # the unembedding at the answer rows only (a 49k vocabulary at every position would
         # cost a fifth of the forward): the residual after the last block, then ln_final + W_U
         resid = model(tokens[:, :width], stop_at_layer=model.cfg.n_layers)  # [batch, pos, d]
         # the logits at position p predict token p + 1: answer token a is predicted at st - 1 + a
-        rows = st[:, None] - 1 + torch.arange(n_ans)[None, :]
+        rows = st[:, None] - 1 + torch.arange(n_ans, device=dev)[None, :]
         picked = resid.gather(1, rows[..., None].expand(-1, -1, resid.shape[-1]))
         picked = model.unembed(model.ln_final(picked))  # [batch, answer, vocab]
         lp = picked.log_softmax(-1).gather(-1, ans[..., None])[..., 0]
@@ -192,9 +226,9 @@ def score(model, batch: PasskeyBatch, batch_size: int = 16, progress=None) -> pd
         if progress is not None:
             progress(len(tokens))
     out = batch.frame.copy()
-    out["correct"] = torch.cat(correct).numpy()
-    out["first_correct"] = torch.cat(first).numpy()
-    out["logprob"] = torch.cat(logprob).float().numpy()
+    out["correct"] = torch.cat(correct).cpu().numpy()
+    out["first_correct"] = torch.cat(first).cpu().numpy()
+    out["logprob"] = torch.cat(logprob).float().cpu().numpy()
     return out
 
 

@@ -32,7 +32,8 @@ from typing import Any
 import pandas as pd
 from rich.console import Console
 
-from phasemech.core.io import write_json_atomic
+from phasemech.core.device import check_device_name
+from phasemech.core.io import json_safe, write_json_atomic
 from phasemech.core.progress import progress_bar
 from phasemech.experiments.jobs import Job
 
@@ -93,25 +94,51 @@ def read_cached(results: Path, job: Job) -> dict[str, Any] | None:
     return saved.get("result")
 
 
-def _finite(value: Any) -> Any:
-    """NaN and infinities become None: the cache is strict JSON."""
-    if isinstance(value, float) and (value != value or value in (float("inf"), float("-inf"))):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_finite(v) for v in value]
-    return value
-
-
-def _run_job(job: Job, workdir: str, threads: int) -> dict[str, Any]:
-    """Ray task body: one torch thread per CPU the job holds, then the job itself."""
+def _run_job(
+    job: Job, workdir: str, threads: int, board: Any = None, device: str = "cpu"
+) -> dict[str, Any]:
+    """Ray task body: one torch thread per CPU the job holds, progress reports to ``board``,
+    the launch's device, then the job itself."""
     import torch
+
+    from phasemech.experiments import jobs
 
     torch.set_num_threads(threads)
     path = Path(workdir)
     path.mkdir(parents=True, exist_ok=True)
-    return job.run(path)
+    jobs._REPORTER = None if board is None else _throttled(board, job.key)
+    jobs._DEVICE = device
+    try:
+        return job.run(path)
+    finally:
+        jobs._REPORTER, jobs._DEVICE = None, "cpu"
+
+
+def _throttled(board: Any, key: str, every: float = 0.5):
+    """``report(done, total)`` sending at most one update per ``every`` seconds (and the last)."""
+    last = [0.0]
+
+    def report(done: float, total: float) -> None:
+        now = time.monotonic()
+        if now - last[0] >= every or done >= total:
+            last[0] = now
+            board.report.remote(key, float(done), float(total))
+
+    return report
+
+
+class _Board:
+    """A Ray actor holding each running job's ``(done, total)``: the launcher polls it to draw
+    one progress row (with its own ETA) per running job."""
+
+    def __init__(self) -> None:
+        self.rows: dict[str, tuple[float, float]] = {}
+
+    def report(self, key: str, done: float, total: float) -> None:
+        self.rows[key] = (done, total)
+
+    def snapshot(self) -> dict[str, tuple[float, float]]:
+        return dict(self.rows)
 
 
 def _reachable(address: str, timeout: float = 5.0) -> None:
@@ -160,14 +187,18 @@ def launch(
     cpus_per_job: int = 1,
     gpus_per_job: float = 0,
     progress: bool = True,
+    device: str = "cpu",
 ) -> Launch:
     """Run every job of ``jobs`` not yet cached in ``results``; return all their results.
 
     ``address``: a Ray cluster to join (``"auto"`` or ``HOST:PORT``); ``None`` starts an
-    embedded local Ray with ``num_cpus`` CPUs (default: all) for this call only.
+    embedded local Ray with ``num_cpus`` CPUs (default: all) for this call only. ``device``:
+    where jobs run their models (``auto``: CUDA in a job that holds a GPU, ``gpus_per_job``).
+    A job's result does not depend on it beyond float tolerance, so it is not in the key.
     """
     t0 = time.perf_counter()
     todo_all = _check(jobs, cpus_per_job, gpus_per_job)
+    check_device_name(device)
     results = Path(results)
     results.mkdir(parents=True, exist_ok=True)
     out = Launch()
@@ -180,40 +211,78 @@ def launch(
             out.results[job.key] = cached
             out.cached.append(job.key)
     if todo:
-        _run_all(todo, results, out, address, num_cpus, cpus_per_job, gpus_per_job, progress)
+        resources = (cpus_per_job, gpus_per_job, device)
+        _run_all(todo, results, out, address, num_cpus, resources, progress)
     out.seconds = time.perf_counter() - t0
     return out
 
 
-def _run_all(todo, results, out, address, num_cpus, cpus_per_job, gpus_per_job, progress):
+def _run_all(todo, results, out, address, num_cpus, resources, progress):
     import ray
 
+    cpus_per_job, gpus_per_job, device = resources
     started = _connect(address, num_cpus)
     try:
         task = ray.remote(num_cpus=cpus_per_job, num_gpus=gpus_per_job, max_retries=0)(_run_job)
+        board = ray.remote(num_cpus=0)(_Board).remote() if progress else None
         pending = {
-            task.remote(job, str(results / WORK_DIR / job.key), cpus_per_job): job for job in todo
+            task.remote(job, str(results / WORK_DIR / job.key), cpus_per_job, board, device): job
+            for job in todo
         }
         with progress_bar(Console(stderr=True), disable=not progress) as bar:
-            bar_id = bar.add_task(f"{len(todo)} jobs", total=len(todo), item="")
+            rows = _Rows(bar, board, f"{len(todo)} jobs", len(todo))
             while pending:
-                done, _ = ray.wait(list(pending), num_returns=1)
-                job = pending.pop(done[0])
-                try:
-                    result = ray.get(done[0])
-                except Exception as err:  # the worker's exception, with its traceback
-                    error = ANSI.sub("", str(err))
-                    out.failures.append(Failure(job.key, job.label, job.config, error))
-                    bar.update(bar_id, advance=1, item=f"[red]failed {job.label}")
-                    continue
-                payload = {"key": job.key, "config": job.config, "result": _finite(result)}
-                write_json_atomic(results / f"{job.key}.json", payload)
-                out.results[job.key] = payload["result"]
-                out.ran.append(job.key)
-                bar.update(bar_id, advance=1, item=f"done {job.label}")
+                done, _ = ray.wait(list(pending), num_returns=1, timeout=0.5)
+                rows.poll(pending)
+                if done:
+                    job = pending.pop(done[0])
+                    _collect(ray, done[0], job, results, out)
+                    rows.finish(job, failed=job.key not in out.results)
     finally:
         if started:
             ray.shutdown()
+
+
+def _collect(ray, ref, job: Job, results: Path, out: Launch) -> None:
+    """Cache a finished job's result, or record its failure."""
+    try:
+        result = ray.get(ref)
+    except Exception as err:  # the worker's exception, with its traceback
+        out.failures.append(Failure(job.key, job.label, job.config, ANSI.sub("", str(err))))
+        return
+    payload = {"key": job.key, "config": job.config, "result": json_safe(result)}
+    write_json_atomic(results / f"{job.key}.json", payload)
+    out.results[job.key] = payload["result"]
+    out.ran.append(job.key)
+
+
+class _Rows:
+    """The progress display: one bar over all jobs, plus one row per running job that reports
+    progress (its own completed/total and ETA), removed when the job ends."""
+
+    def __init__(self, bar, board, what: str, total: int) -> None:
+        self.bar, self.board, self.rows = bar, board, {}
+        self.all = bar.add_task(what, total=total, item="")
+
+    def poll(self, pending: dict) -> None:
+        if self.board is None:
+            return
+        import ray
+
+        running = {job.key: job for job in pending.values()}
+        for key, (done, total) in ray.get(self.board.snapshot.remote()).items():
+            if key not in running:
+                continue
+            if key not in self.rows:
+                label = f"  {running[key].label}"
+                self.rows[key] = self.bar.add_task(label, total=total, item="")
+            self.bar.update(self.rows[key], completed=done, total=total)
+
+    def finish(self, job: Job, failed: bool) -> None:
+        if job.key in self.rows:
+            self.bar.remove_task(self.rows.pop(job.key))
+        item = f"[red]failed {job.label}" if failed else f"done {job.label}"
+        self.bar.update(self.all, advance=1, item=item)
 
 
 __all__ = ["Failure", "Launch", "launch", "read_cached"]

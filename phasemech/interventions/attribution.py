@@ -15,6 +15,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 from transformer_lens import HookedTransformer
 
+from phasemech.core.device import model_device
 from phasemech.interventions.contrasts import Contrast, metric_values
 from phasemech.interventions.patching import PatchResult, _baseline, _check_model, _grid
 
@@ -48,6 +49,7 @@ def attribution_patch(
     """Attribution patching (AtP): one forward and one backward per batch of pairs estimate the
     effect of patching every (layer, position, head) output."""
     _check_model(model, contrast, metric)
+    contrast = contrast.to(model_device(model))  # built on the CPU; the model may sit on a GPU
     model.eval()
     n_layers, n_heads = model.cfg.n_layers, model.cfg.n_heads
     batch, seq = contrast.corrupted_tokens.shape
@@ -60,7 +62,7 @@ def attribution_patch(
     bar = tqdm(total=batch, desc="attribution patching", disable=not progress)
     for start in range(0, batch, batch_size):
         sl = slice(start, min(start + batch_size, batch))
-        ar = torch.arange(sl.stop - sl.start)
+        ar = torch.arange(sl.stop - sl.start, device=contrast.query_pos.device)
         store: dict[str, Tensor] = {}
 
         def keep(act: Tensor, hook, store: dict[str, Tensor] = store) -> Tensor:
@@ -82,18 +84,19 @@ def attribution_patch(
             qpos = runs.qpos[sl]
             m = metric_values(logits[ar, qpos], contrast.answer[sl], runs.foil[sl], metric)
             grads = torch.autograd.grad(m.sum(), [store[n] for n in z_names])
-        upto = (torch.arange(seq)[None, :] <= qpos[:, None])[..., None]
+        upto = (torch.arange(seq, device=qpos.device)[None, :] <= qpos[:, None])[..., None]
         for lay, (name, g) in enumerate(zip(z_names, grads, strict=True)):
             dz = runs.src[name][sl] - runs.corr[name][sl]
             est = ((dz * g).sum(-1) * upto).detach()  # [b, pos, head]
-            values[lay, :, :, sl] = est.permute(1, 2, 0).double().numpy()
+            values[lay, :, :, sl] = est.permute(1, 2, 0).double().cpu().numpy()
         pat = store[last_pattern].detach()[ar, :, qpos]  # [b, head, key]
-        saturation[sl] = pat.amax((-1, -2)).double().numpy()
+        saturation[sl] = pat.amax((-1, -2)).double().cpu().numpy()
         bar.update(sl.stop - sl.start)
     bar.close()
     pairs = contrast.pairs.copy()
     pairs["saturation"] = saturation
-    return Attribution(values, saturation, runs.corrupted.double().numpy(), pairs, metric)
+    corrupted = runs.corrupted.double().cpu().numpy()
+    return Attribution(values, saturation, corrupted, pairs, metric)
 
 
 def compare_attribution(
@@ -166,7 +169,7 @@ def attribution_by_position(
         pos == src,
         "source",
         np.where(
-            pos == contrast.corrupted_query_pos.numpy(),
+            pos == contrast.corrupted_query_pos.cpu().numpy(),
             "query",
             np.where(pos < src, "before", "between"),
         ),

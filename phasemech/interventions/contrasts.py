@@ -20,6 +20,7 @@ token), ``logprob`` or ``prob`` of the answer.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -69,6 +70,23 @@ class Contrast:
     def __len__(self) -> int:
         return int(self.clean_tokens.shape[0])
 
+    def to(self, device: torch.device | str) -> Contrast:
+        """The same contrast with its tensors on ``device`` (itself when they are there already):
+        contrasts are built on the CPU, the patching functions move them to the model's device."""
+        names = (
+            "clean_tokens",
+            "corrupted_tokens",
+            "clean_grid",
+            "corrupted_grid",
+            "query_pos",
+            "answer",
+            "foil",
+        )
+        moved = {n: getattr(self, n).to(device) for n in names}
+        if all(moved[n] is getattr(self, n) for n in names):
+            return self
+        return dataclasses.replace(self, **moved)
+
 
 def _check_choice(name: str, value: object, allowed: Iterable[str]) -> None:
     allowed = tuple(allowed)
@@ -76,20 +94,10 @@ def _check_choice(name: str, value: object, allowed: Iterable[str]) -> None:
         raise ValueError(f"{name}={value!r} is invalid: allowed {', '.join(allowed)}")
 
 
-def make_contrast(
-    ds: Dataset,
-    kind: str = "grid",
-    *,
-    stride: int,
-    grid_offset: int = 0,
-    shift: int | None = None,
-    n_pairs: int | None = 256,
-    seed: int = 0,
-) -> Contrast:
-    """Pairs from a task dataset: the first ``n_pairs`` sequences, one target each (drawn with
-    ``seed``). ``shift`` (``grid``/``content``, default ``stride // 2``) must not be a multiple
-    of ``stride`` (the phase would not change). Phases are on the grid ``(stride, grid_offset)``.
-    """
+def _check_contrast(
+    ds: Dataset, kind: str, stride: int, grid_offset: int, shift: int | None, n_pairs: int | None
+) -> tuple[int, int]:
+    """Checked ``(shift, number of pairs)``; ``shift=None`` takes the kind's default."""
     _check_choice("kind", kind, CONTRASTS)
     if isinstance(stride, bool) or not isinstance(stride, int) or stride < 2:
         raise ValueError(f"stride={stride!r} is invalid: expected an int >= 2")
@@ -111,51 +119,101 @@ def make_contrast(
     n = len(ds) if n_pairs is None else n_pairs
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= len(ds):
         raise ValueError(f"n_pairs={n_pairs!r} is invalid: expected 1..{len(ds)} (dataset size)")
-    rows = ds.select(range(n))
-    tokens, query_pos, answer = to_tensors(rows)
-    seq_len = tokens.shape[1]
-    rng = np.random.default_rng(seed)
-    pick = torch.as_tensor(rng.integers(0, query_pos.shape[1], size=n))
-    ar = torch.arange(n)
-    qp, ans = query_pos[ar, pick], answer[ar, pick]
+    return shift, n
+
+
+def _picked_targets(
+    rows: Dataset, pick: Int[Tensor, "batch"], stride: int, grid_offset: int
+) -> pd.DataFrame:
+    """The ``targets_frame`` row of each sequence's picked target."""
     # targets_frame lists each row's targets in order: row i's pick sits at start_i + pick_i
     counts = np.array([len(q) for q in rows["query_pos"]])
     starts = np.r_[0, np.cumsum(counts)[:-1]]
     df = targets_frame(rows, stride, grid_offset).iloc[starts + pick.numpy()]
-    df = df.reset_index(drop=True)
-    source = torch.tensor(df.source_pos.to_numpy())
+    return df.reset_index(drop=True)
+
+
+def _content_shifted(
+    tokens: Int[Tensor, "batch pos"],
+    qp: Int[Tensor, "batch"],
+    shift: int,
+    vocab: int,
+    rng: np.random.Generator,
+) -> Int[Tensor, "batch pos"]:
+    """The content moved right by ``shift``: fresh fillers in front, the tail dropped."""
+    n, seq_len = tokens.shape
+    if int(qp.max()) + shift >= seq_len:
+        raise ValueError(
+            f"shift={shift} moves a query past the sequence end (query at {int(qp.max())}, "
+            f"{seq_len} positions): use a smaller shift or sequences with more tail filler"
+        )
+    fill = torch.as_tensor(rng.integers(vocab // 2, vocab, size=(n, shift)))
+    return torch.cat([fill, tokens[:, : seq_len - shift]], dim=1)
+
+
+def _answer_replaced(
+    tokens: Int[Tensor, "batch pos"],
+    source: Int[Tensor, "batch"],
+    qp: Int[Tensor, "batch"],
+    ans: Int[Tensor, "batch"],
+    vocab: int,
+    rng: np.random.Generator,
+) -> tuple[Int[Tensor, "batch pos"], Int[Tensor, "batch"]]:
+    """``(corrupted tokens, the replacing value)``: the needle's value swapped for another."""
+    n, seq_len = tokens.shape
+    ar = torch.arange(n)
     corrupted = tokens.clone()
+    # another value from the value range (keys sit in [1, V/2), values in [V/2, V))
+    other = torch.as_tensor(rng.integers(vocab // 2, vocab - 1, size=n))
+    other = other + (other >= ans).long()
+    corrupted[ar, source] = other
+    after = qp + 1  # keep the query's own copy of the value consistent
+    inside = after < seq_len
+    corrupted[ar[inside], after[inside]] = other[inside]
+    return corrupted, other
+
+
+def make_contrast(
+    ds: Dataset,
+    kind: str = "grid",
+    *,
+    stride: int,
+    grid_offset: int = 0,
+    shift: int | None = None,
+    n_pairs: int | None = 256,
+    seed: int = 0,
+) -> Contrast:
+    """Pairs from a task dataset: the first ``n_pairs`` sequences, one target each (drawn with
+    ``seed``). ``shift`` (``grid``/``content``, default ``stride // 2``) must not be a multiple
+    of ``stride`` (the phase would not change). Phases are on the grid ``(stride, grid_offset)``.
+    """
+    shift, n = _check_contrast(ds, kind, stride, grid_offset, shift, n_pairs)
+    rows = ds.select(range(n))
+    tokens, query_pos, answer = to_tensors(rows)
+    rng = np.random.default_rng(seed)
+    pick = torch.as_tensor(rng.integers(0, query_pos.shape[1], size=n))
+    ar = torch.arange(n)
+    qp, ans = query_pos[ar, pick], answer[ar, pick]
+    df = _picked_targets(rows, pick, stride, grid_offset)
     foil = torch.full((n,), -1, dtype=torch.long)
-    clean_grid = torch.zeros(n, dtype=torch.long)
     corrupted_grid = torch.zeros(n, dtype=torch.long)
     vocab = _vocab_size(ds, tokens)
     if kind == "grid":
+        corrupted = tokens.clone()
         corrupted_grid += shift
         df["corrupted_phase"] = phase_of(df.source_pos.to_numpy(), stride, grid_offset + shift)
     elif kind == "content":
-        if int(qp.max()) + shift >= seq_len:
-            raise ValueError(
-                f"shift={shift} moves a query past the sequence end (query at {int(qp.max())}, "
-                f"{seq_len} positions): use a smaller shift or sequences with more tail filler"
-            )
-        fill = torch.as_tensor(rng.integers(vocab // 2, vocab, size=(n, shift)))
-        corrupted = torch.cat([fill, tokens[:, : seq_len - shift]], dim=1)
+        corrupted = _content_shifted(tokens, qp, shift, vocab, rng)
         df["corrupted_phase"] = phase_of(df.source_pos.to_numpy() + shift, stride, grid_offset)
     else:
-        # another value from the value range (keys sit in [1, V/2), values in [V/2, V))
-        other = torch.as_tensor(rng.integers(vocab // 2, vocab - 1, size=n))
-        other = other + (other >= ans).long()
-        corrupted[ar, source] = other
-        after = qp + 1  # keep the query's own copy of the value consistent
-        inside = after < seq_len
-        corrupted[ar[inside], after[inside]] = other[inside]
-        foil = other
+        source = torch.tensor(df.source_pos.to_numpy())
+        corrupted, foil = _answer_replaced(tokens, source, qp, ans, vocab, rng)
         df["corrupted_phase"] = df["phase"]
     return Contrast(
         kind=kind,
         clean_tokens=tokens,
         corrupted_tokens=corrupted,
-        clean_grid=clean_grid,
+        clean_grid=torch.zeros(n, dtype=torch.long),
         corrupted_grid=corrupted_grid,
         query_pos=qp,
         answer=ans,

@@ -36,6 +36,7 @@ from tqdm.auto import tqdm
 from transformer_lens import HookedTransformer
 from transformer_lens.utilities.activation_functions import apply_softcap
 
+from phasemech.core.device import model_device
 from phasemech.core.io import atomic_write, write_json_atomic
 from phasemech.interventions.contrasts import (
     METRICS,
@@ -89,7 +90,7 @@ def _baseline(model: HookedTransformer, c: Contrast, metric: str, names: list[st
     want = set(names)
     with _grid(model, c.clean_grid):
         logits, clean_cache = model.run_with_cache(c.clean_tokens, names_filter=lambda n: n in want)
-    ar = torch.arange(len(c))
+    ar = torch.arange(len(c), device=c.query_pos.device)
     clean_rows = logits[ar, c.query_pos]
     with _grid(model, c.corrupted_grid):
         logits, corr_cache = model.run_with_cache(
@@ -330,9 +331,9 @@ def _result(
     n_run: int,
 ) -> PatchResult:
     pairs = c.pairs.copy()
-    pairs["foil"] = runs.foil.numpy()
-    pairs["clean"] = runs.clean.double().numpy()
-    pairs["corrupted"] = runs.corrupted.double().numpy()
+    pairs["foil"] = runs.foil.cpu().numpy()
+    pairs["clean"] = runs.clean.double().cpu().numpy()
+    pairs["corrupted"] = runs.corrupted.double().cpu().numpy()
     return PatchResult(
         site=site,
         by_pos=by_pos,
@@ -492,7 +493,7 @@ def _run_copies(
     """The metric of a chunk of patched copies ``(b, u, p)``, each run from the layer's cached
     corrupted input with the site's hooks overwritten."""
     b, u, p = copy
-    rows = torch.arange(len(b))
+    rows = torch.arange(len(b), device=b.device)
 
     def put(act: Tensor, hook) -> Tensor:
         act = act.clone()
@@ -533,6 +534,7 @@ def patch_sites(
     if isinstance(max_copies, bool) or not isinstance(max_copies, int) or max_copies < 1:
         raise ValueError(f"max_copies={max_copies!r} is invalid: expected an int >= 1")
     layers = _site_layers(model, site, contrast, by_pos, layers)
+    contrast = contrast.to(model_device(model))  # built on the CPU; the model may sit on a GPU
     model.eval()
     names = [n for lay in layers for n in site.hooks(model, lay)]
     runs = _baseline(
@@ -540,8 +542,8 @@ def patch_sites(
     )
     batch, seq = contrast.corrupted_tokens.shape
     values = np.full((model.cfg.n_layers, seq if by_pos else 1, site.n_units(model), batch), np.nan)
-    values[list(layers)] = runs.corrupted.double().numpy()
-    upto = torch.arange(seq)[None, :] <= runs.qpos[:, None]  # [batch, pos]
+    values[list(layers)] = runs.corrupted.double().cpu().numpy()
+    upto = torch.arange(seq, device=runs.qpos.device)[None, :] <= runs.qpos[:, None]  # [batch, pos]
     n_run = 0
     for lay in tqdm(layers, desc=f"patching {site.name}", disable=not progress):
         hooks = [n for n in site.hooks(model, lay) if n in runs.corr]
@@ -551,8 +553,8 @@ def patch_sites(
             b, u = b_idx[chunk], u_idx[chunk]
             p = None if p_idx is None else p_idx[chunk]
             got = _run_copies(model, contrast, runs, site, lay, (b, u, p))
-            pos_idx = np.zeros(len(b), dtype=int) if p is None else p.numpy()
-            values[lay, pos_idx, u.numpy(), b.numpy()] = got.double().numpy()
+            pos_idx = np.zeros(len(b), dtype=int) if p is None else p.cpu().numpy()
+            values[lay, pos_idx, u.cpu().numpy(), b.cpu().numpy()] = got.double().cpu().numpy()
             n_run += len(b)
     return _result(site.name, by_pos, metric, contrast, values, runs, layers, n_run)
 

@@ -35,6 +35,7 @@ from transformer_lens.hook_points import HookPoint
 from transformer_lens.utilities.activation_functions import apply_softcap
 
 from phasemech.attention import CompressedAttentionMixin
+from phasemech.core.device import model_device
 from phasemech.interventions.contrasts import Contrast, metric_values
 from phasemech.interventions.patching import (
     PatchResult,
@@ -101,7 +102,7 @@ def _rows_ok(model: HookedTransformer) -> bool:
 
 def _dense_rows(attn: Any, x: Tensor, rows: Tensor) -> Float[Tensor, "batch d_model"]:
     """TransformerLens attention's output at one query row per sequence (causal, no mask)."""
-    ar = torch.arange(x.shape[0])
+    ar = torch.arange(x.shape[0], device=x.device)
     q, k, v = attn.calculate_qkv_matrices(x, x, x)
     if attn.cfg.positional_embedding_type == "rotary":
         q, k = attn.apply_rotary(q, 0, None), attn.apply_rotary(k, 0, None)
@@ -110,7 +111,7 @@ def _dense_rows(attn: Any, x: Tensor, rows: Tensor) -> Float[Tensor, "batch d_mo
         k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
     scores = torch.einsum("bhd,bkhd->bhk", q[ar, rows], k) / attn.attn_scale
     scores = apply_softcap(scores, attn.cfg.attn_scores_soft_cap)
-    causal = torch.arange(x.shape[1])[None, None, :] <= rows[:, None, None]
+    causal = torch.arange(x.shape[1], device=x.device)[None, None, :] <= rows[:, None, None]
     pattern = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
     z = torch.einsum("bhk,bkhd->bhd", pattern.nan_to_num(0.0), v)
     return torch.einsum("bhd,hdm->bm", z, attn.W_O) + attn.b_O
@@ -127,7 +128,7 @@ def _last_rows(model: HookedTransformer, x: Tensor, rows: Tensor) -> Float[Tenso
         attn_out = block.attn.forward_rows(normed, rows)
     else:
         attn_out = _dense_rows(block.attn, normed, rows)
-    mid = x[torch.arange(x.shape[0]), rows] + attn_out
+    mid = x[torch.arange(x.shape[0], device=x.device), rows] + attn_out
     return _finish_block(model, last, mid[:, None])[:, 0]
 
 
@@ -149,7 +150,8 @@ def _layer_inputs(model: HookedTransformer, runs, layer: int, mid: str) -> _Laye
         runs.corr[f"blocks.{layer}.attn.hook_z"],
     )
     # causal: a patch after the answer position cannot reach it; identical z changes nothing
-    upto = torch.arange(z_src.shape[1])[None, :] <= runs.qpos[:, None]  # [batch, pos]
+    pos = torch.arange(z_src.shape[1], device=z_src.device)
+    upto = pos[None, :] <= runs.qpos[:, None]  # [batch, pos]
     return _Layer(
         dz=(z_src - z_corr) * upto[..., None, None],
         differs=(z_src != z_corr).any(-1) & upto[..., None],
@@ -163,7 +165,7 @@ def _patch_last_layer(model, contrast: Contrast, runs, L: _Layer, by_pos: bool, 
     """Closed form after the last layer: only the answer row matters. Writes ``out[0 or pos,
     head, pair]``; returns the number of patches that change anything."""
     batch, n_heads = L.dz.shape[0], L.dz.shape[2]
-    ar = torch.arange(batch)
+    ar = torch.arange(batch, device=L.dz.device)
     row_mid = L.resid_mid[ar, runs.qpos]  # [batch, d_model]
     d_row = torch.einsum("bhd,hdm->bhm", L.dz[ar, runs.qpos], L.w_o)
     rows = _finish_block(model, model.cfg.n_layers - 1, row_mid[:, None] + d_row)
@@ -171,9 +173,9 @@ def _patch_last_layer(model, contrast: Contrast, runs, L: _Layer, by_pos: bool, 
     answer, foil = contrast.answer.repeat_interleave(n_heads), runs.foil.repeat_interleave(n_heads)
     got = metric_values(logits, answer, foil, runs.metric).reshape(batch, n_heads)
     changed = L.differs[ar, runs.qpos]
-    got = torch.where(changed, got, runs.corrupted[:, None]).double().numpy()
+    got = torch.where(changed, got, runs.corrupted[:, None]).double().cpu().numpy()
     if by_pos:
-        out[runs.qpos.numpy(), :, ar.numpy()] = got
+        out[runs.qpos.cpu().numpy(), :, ar.cpu().numpy()] = got
     else:
         out[0] = got.T
     return int(changed.sum())
@@ -197,7 +199,7 @@ def _patch_inner_layer(
         x = _patched_residual(model, layer, L, b, p, h, int(runs.qpos[b].max()) + 1, by_pos)
         final = _final_rows(model, contrast, runs, layer, x, b)
         got = metric_values(_logits(model, final), contrast.answer[b], runs.foil[b], runs.metric)
-        out[p.numpy(), h.numpy(), b.numpy()] = got.double().numpy()
+        out[p.cpu().numpy(), h.cpu().numpy(), b.cpu().numpy()] = got.double().cpu().numpy()
     return len(b_idx)
 
 
@@ -207,7 +209,7 @@ def _patched_residual(model, layer: int, L: _Layer, b, p, h, upto_len: int, by_p
     if by_pos:
         mid_rows = L.resid_mid[b, p] + torch.einsum("cd,cdm->cm", L.dz[b, p, h], L.w_o[h])
         x = L.resid_post[b, :upto_len].clone()
-        x[torch.arange(len(b)), p] = _finish_block(model, layer, mid_rows)
+        x[torch.arange(len(b), device=b.device), p] = _finish_block(model, layer, mid_rows)
         return x
     delta = torch.einsum("cpd,cdm->cpm", L.dz[b, :upto_len, h], L.w_o[h])
     return _finish_block(model, layer, L.resid_mid[b, :upto_len] + delta)
@@ -222,7 +224,7 @@ def _final_rows(model, contrast: Contrast, runs, layer: int, x: Tensor, b: Tenso
                 x = model(x, start_at_layer=layer + 1, stop_at_layer=n_layers - 1, return_type=None)
             return _last_rows(model, x, runs.qpos[b])  # the last layer at the answer rows only
         out = model(x, start_at_layer=layer + 1, stop_at_layer=n_layers, return_type=None)
-        return out[torch.arange(len(b)), runs.qpos[b]]
+        return out[torch.arange(len(b), device=b.device), runs.qpos[b]]
 
 
 @torch.inference_mode()
@@ -247,13 +249,14 @@ def patch_heads(
     if not _fast_block(model):
         kw = dict(metric=metric, by_pos=by_pos, layers=layers, progress=progress)
         return patch_sites(model, contrast, site="z", max_copies=max_copies, **kw)
+    contrast = contrast.to(model_device(model))  # built on the CPU; the model may sit on a GPU
     model.eval()
     mid = "hook_resid_post" if model.cfg.attn_only else "hook_resid_mid"
     names = [f"blocks.{x}.{h}" for x in layers for h in ("attn.hook_z", mid, "hook_resid_post")]
     runs = _baseline(model, contrast, metric, list(dict.fromkeys(names)))
     batch, seq = contrast.corrupted_tokens.shape
     values = np.full((model.cfg.n_layers, seq if by_pos else 1, model.cfg.n_heads, batch), np.nan)
-    values[list(layers)] = runs.corrupted.double().numpy()  # "no change" until overwritten
+    values[list(layers)] = runs.corrupted.double().cpu().numpy()  # "no change" until overwritten
     n_run = 0
     for lay in tqdm(layers, desc="patching heads", disable=not progress):
         L = _layer_inputs(model, runs, lay, mid)

@@ -36,6 +36,7 @@ from torch import Tensor
 from transformer_lens import HookedTransformer
 
 from phasemech.core.config import is_int
+from phasemech.core.device import model_device
 from phasemech.core.grid import reference_grid
 from phasemech.core.io import atomic_write
 from phasemech.core.validation import check_int
@@ -161,6 +162,155 @@ def _cross_validate(
     return float(np.mean(accs)), float(np.std(accs, ddof=1)), hits
 
 
+def _check_options(
+    random_grid: Any, seed: Any, max_rows: Any, batch_size: Any
+) -> tuple[int, int, int]:
+    if not isinstance(random_grid, bool):
+        raise ValueError(f"phase_probe: random_grid={random_grid!r} is invalid: True or False")
+    seed = check_int("phase_probe", "seed", seed, 0)
+    max_rows = check_int("phase_probe", "max_rows", max_rows, 1)
+    batch_size = check_int("phase_probe", "batch_size", batch_size, 1)
+    return seed, max_rows, batch_size
+
+
+def _check_positions(positions: Any, seq: int, stride: int) -> np.ndarray:
+    positions = np.asarray(_check_index_list("positions", positions, seq, "positions"))
+    if len(np.unique(positions % stride)) < 2:
+        raise ValueError(
+            f"phase_probe: positions={positions.tolist()} cover one residue mod stride={stride}: "
+            "the pos_mod_d control needs at least two"
+        )
+    return positions
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """The probed ``(sequence, position)`` samples, their labels, and each sequence's grid
+    shift ``s_b``."""
+
+    seq: Int[np.ndarray, "row"]
+    pos: Int[np.ndarray, "row"]
+    labels: dict[str, Int[np.ndarray, "row"]]  # "phase" and the "pos_mod_d" control
+    shifts: Int[np.ndarray, "batch"]
+
+
+def _sample_rows(
+    batch: int,
+    positions: np.ndarray,
+    stride: int,
+    grid_offset: int,
+    random_grid: bool,
+    seed: int,
+    max_rows: int,
+    cv: int,
+) -> _Rows:
+    """At most ``max_rows`` rows (a seeded subsample), labelled on the shifted grid."""
+    rng = np.random.default_rng(seed)
+    shifts = rng.integers(0, stride, batch) if random_grid else np.zeros(batch, dtype=np.int64)
+    n_total = batch * len(positions)
+    rows = np.arange(n_total)
+    if n_total > max_rows:
+        rows = np.sort(rng.choice(n_total, max_rows, replace=False))
+    row_seq, row_pos = rows // len(positions), positions[rows % len(positions)]
+    if len(np.unique(row_seq)) < cv:
+        raise ValueError(
+            f"phase_probe: max_rows={max_rows} keeps rows of {len(np.unique(row_seq))} "
+            f"sequences: cv={cv} folds need at least {cv}"
+        )
+    labels = {
+        "phase": (row_pos - grid_offset - shifts[row_seq]) % stride,
+        "pos_mod_d": row_pos % stride,
+    }
+    return _Rows(seq=row_seq, pos=row_pos, labels=labels, shifts=shifts)
+
+
+def _sites(layers: list[int], n_layers: int) -> list[tuple[str, str, int]]:
+    """``(site, hook name, blocks applied before it)``: the chosen ``resid_pre`` and the final
+    ``resid_post``."""
+    sites = [(f"resid_pre.{i}", f"blocks.{i}.hook_resid_pre", i) for i in layers]
+    sites.append((f"resid_post.{n_layers - 1}", f"blocks.{n_layers - 1}.hook_resid_post", n_layers))
+    return sites
+
+
+def _shifted_grid(model: HookedTransformer, shifts: np.ndarray, device: Any) -> Any:
+    if not hasattr(model, "shift_grid"):  # a dense HookedTransformer: no grid to shift
+        return contextlib.nullcontext()
+    return model.shift_grid(torch.as_tensor(shifts, device=device))
+
+
+def _residuals(
+    model: HookedTransformer,
+    tokens: Int[Tensor, "batch pos"],
+    hook_names: list[str],
+    rows: _Rows,
+    batch_size: int,
+) -> dict[str, list[np.ndarray]]:
+    """Per hook, the residual stream at the probed rows (``[row, d_model]`` pieces in row
+    order), each sequence run on its shifted grid."""
+    feats: dict[str, list[np.ndarray]] = {hook: [] for hook in hook_names}
+    # the parameters' device: cfg.device can say "cuda" for a model that was never moved there
+    device = model_device(model)
+    batch = tokens.shape[0]
+    was_training = model.training
+    model.eval()  # a training forward would draw its own random offsets
+    try:
+        with torch.inference_mode():
+            for start in range(0, batch, batch_size):
+                stop = min(start + batch_size, batch)
+                sel = (rows.seq >= start) & (rows.seq < stop)
+                if not sel.any():
+                    continue
+                b_idx = torch.as_tensor(rows.seq[sel] - start, device=device)
+                p_idx = torch.as_tensor(rows.pos[sel], device=device)
+                with _shifted_grid(model, rows.shifts[start:stop], device):
+                    _, cache = model.run_with_cache(
+                        tokens[start:stop].to(device), names_filter=hook_names, return_type=None
+                    )
+                for hook in hook_names:
+                    feats[hook].append(cache[hook][b_idx, p_idx].float().cpu().numpy())
+                del cache
+    finally:
+        model.train(was_training)
+    return feats
+
+
+def _probe_scores(
+    x: np.ndarray, y: np.ndarray, groups: np.ndarray, stride: int, cv: int
+) -> dict[str, Any]:
+    """``accuracy, std, chance, n, p_value`` of one probe."""
+    chance = max(1.0 / stride, float(np.bincount(y).max()) / len(y))
+    acc, std, hits = _cross_validate(x, y, groups, cv)
+    p = sps.binomtest(hits, len(y), chance, alternative="greater").pvalue
+    return {"accuracy": acc, "std": std, "chance": chance, "n": len(y), "p_value": float(p)}
+
+
+def _probe_frame(
+    model: HookedTransformer,
+    sites: list[tuple[str, str, int]],
+    feats: dict[str, list[np.ndarray]],
+    rows: _Rows,
+    stride: int,
+    cv: int,
+) -> pd.DataFrame:
+    n_layers = model.cfg.n_layers
+    comp = getattr(model.cfg, "compression", None)
+    compressed = comp.compressed_layers(n_layers) if comp is not None else []
+    out = []
+    for site, hook, depth in sites:
+        x = np.concatenate(feats[hook])
+        for name, y in rows.labels.items():
+            out.append(
+                {
+                    "site": site,
+                    "layer": depth,
+                    "after_compressed": any(c < depth for c in compressed),
+                    "label": name,
+                    **_probe_scores(x, y, rows.seq, stride, cv),
+                }
+            )
+    return pd.DataFrame(out).astype({"layer": "int64", "n": "int64"})
+
+
 def phase_probe(
     model: HookedTransformer,
     tokens: Int[Tensor, "batch pos"],
@@ -207,93 +357,15 @@ def phase_probe(
     """
     cv = check_int("phase_probe", "cv", cv, 2)
     stride, grid_offset = _probe_grid(model, stride, grid_offset)
-    if not isinstance(random_grid, bool):
-        raise ValueError(f"phase_probe: random_grid={random_grid!r} is invalid: True or False")
-    seed = check_int("phase_probe", "seed", seed, 0)
-    max_rows = check_int("phase_probe", "max_rows", max_rows, 1)
-    batch_size = check_int("phase_probe", "batch_size", batch_size, 1)
+    seed, max_rows, batch_size = _check_options(random_grid, seed, max_rows, batch_size)
     tokens = _check_tokens(model, tokens, cv)
-    n_layers = model.cfg.n_layers
-    layers = _check_index_list("layers", layers, n_layers, "layers")
-    batch, seq = tokens.shape
-    positions = np.asarray(_check_index_list("positions", positions, seq, "positions"))
-    if len(np.unique(positions % stride)) < 2:
-        raise ValueError(
-            f"phase_probe: positions={positions.tolist()} cover one residue mod stride={stride}: "
-            "the pos_mod_d control needs at least two"
-        )
-
-    rng = np.random.default_rng(seed)
-    shifts = rng.integers(0, stride, batch) if random_grid else np.zeros(batch, dtype=np.int64)
-    n_total = batch * len(positions)
-    rows = np.arange(n_total)
-    if n_total > max_rows:
-        rows = np.sort(rng.choice(n_total, max_rows, replace=False))
-    row_seq, row_pos = rows // len(positions), positions[rows % len(positions)]
-    if len(np.unique(row_seq)) < cv:
-        raise ValueError(
-            f"phase_probe: max_rows={max_rows} keeps rows of {len(np.unique(row_seq))} "
-            f"sequences: cv={cv} folds need at least {cv}"
-        )
-    labels = {
-        "phase": (row_pos - grid_offset - shifts[row_seq]) % stride,
-        "pos_mod_d": row_pos % stride,
-    }
-
-    sites = [(f"resid_pre.{i}", f"blocks.{i}.hook_resid_pre", i) for i in layers]
-    sites.append((f"resid_post.{n_layers - 1}", f"blocks.{n_layers - 1}.hook_resid_post", n_layers))
-    hook_names = [hook for _, hook, _ in sites]
-    feats: dict[str, list[np.ndarray]] = {hook: [] for hook in hook_names}
-    device = model.cfg.device
-    was_training = model.training
-    model.eval()  # a training forward would draw its own random offsets
-    try:
-        with torch.inference_mode():
-            for start in range(0, batch, batch_size):
-                stop = min(start + batch_size, batch)
-                sel = (row_seq >= start) & (row_seq < stop)
-                if not sel.any():
-                    continue
-                b_idx = torch.as_tensor(row_seq[sel] - start, device=device)
-                p_idx = torch.as_tensor(row_pos[sel], device=device)
-                shift_ctx = (
-                    model.shift_grid(torch.as_tensor(shifts[start:stop], device=device))
-                    if hasattr(model, "shift_grid")
-                    else contextlib.nullcontext()
-                )
-                with shift_ctx:
-                    _, cache = model.run_with_cache(
-                        tokens[start:stop].to(device), names_filter=hook_names, return_type=None
-                    )
-                for hook in hook_names:
-                    feats[hook].append(cache[hook][b_idx, p_idx].float().cpu().numpy())
-                del cache
-    finally:
-        model.train(was_training)
-
-    comp = getattr(model.cfg, "compression", None)
-    compressed = comp.compressed_layers(n_layers) if comp is not None else []
-    out = []
-    for site, hook, depth in sites:
-        x = np.concatenate(feats[hook])
-        for name, y in labels.items():
-            chance = max(1.0 / stride, float(np.bincount(y).max()) / len(y))
-            acc, std, hits = _cross_validate(x, y, row_seq, cv)
-            p = sps.binomtest(hits, len(y), chance, alternative="greater").pvalue
-            out.append(
-                {
-                    "site": site,
-                    "layer": depth,
-                    "after_compressed": any(c < depth for c in compressed),
-                    "label": name,
-                    "accuracy": acc,
-                    "std": std,
-                    "chance": chance,
-                    "n": len(y),
-                    "p_value": float(p),
-                }
-            )
-    frame = pd.DataFrame(out).astype({"layer": "int64", "n": "int64"})
+    layers = _check_index_list("layers", layers, model.cfg.n_layers, "layers")
+    positions = _check_positions(positions, tokens.shape[1], stride)
+    batch = len(tokens)
+    rows = _sample_rows(batch, positions, stride, grid_offset, random_grid, seed, max_rows, cv)
+    sites = _sites(layers, model.cfg.n_layers)
+    feats = _residuals(model, tokens, [hook for _, hook, _ in sites], rows, batch_size)
+    frame = _probe_frame(model, sites, feats, rows, stride, cv)
     return ProbeResult(frame=frame, stride=stride, grid_offset=grid_offset, random_grid=random_grid)
 
 

@@ -17,6 +17,7 @@ import torch
 from datasets import Dataset
 
 from phasemech.core.config import is_int
+from phasemech.core.device import model_device
 from phasemech.core.grid import phase_of, reference_grid
 from phasemech.core.io import atomic_write, write_json_atomic
 from phasemech.data.tasks import targets_frame, task_of, to_tensors
@@ -39,10 +40,12 @@ def predict(model: PhaseTransformer, ds: Dataset, batch_size: int = 256) -> pd.D
     was_training = model.training
     model.eval()
     tokens, query_pos, answer = to_tensors(ds)
+    dev = model_device(model)  # data are built on the CPU; the model may sit on a GPU
     correct, logprob, margin = [], [], []
     for i in range(0, len(tokens), batch_size):
-        logits = answer_logits(model, tokens[i : i + batch_size], query_pos[i : i + batch_size])
-        ans = answer[i : i + batch_size]
+        chunk = slice(i, i + batch_size)
+        logits = answer_logits(model, tokens[chunk].to(dev), query_pos[chunk].to(dev))
+        ans = answer[chunk].to(dev)
         lp = logits.log_softmax(-1)
         logprob.append(lp.gather(-1, ans[..., None])[..., 0])
         correct.append(logits.argmax(-1) == ans)
@@ -50,9 +53,9 @@ def predict(model: PhaseTransformer, ds: Dataset, batch_size: int = 256) -> pd.D
         margin.append(right - logits.scatter(-1, ans[..., None], -torch.inf).amax(-1))
     model.train(was_training)
     df = targets_frame(ds)
-    df["correct"] = torch.cat(correct).flatten().numpy()
-    df["logprob"] = torch.cat(logprob).flatten().numpy()
-    df["margin"] = torch.cat(margin).flatten().numpy()
+    df["correct"] = torch.cat(correct).flatten().cpu().numpy()
+    df["logprob"] = torch.cat(logprob).flatten().cpu().numpy()
+    df["margin"] = torch.cat(margin).flatten().cpu().numpy()
     return df
 
 

@@ -12,22 +12,23 @@ and logistic tests) and the paired tests the design allows (the ``stride`` promp
 differ only by the shift): Cochran's Q over all phases and exact McNemar tests of every pair of
 phases (Holm-corrected).
 
-Work is spread over processes (one torch thread each); each loads the model once.
+The ``pretrained`` experiment (``phasemech.experiments.pretrained``) runs the prompts in chunks
+as jobs on the launcher; :func:`run_sweep` runs them in this process.
 """
 
 from __future__ import annotations
 
 import itertools
-import os
 import time
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
+import torch
 
 from phasemech.core.config import CompressionConfig
+from phasemech.core.device import resolve_device
 from phasemech.data.passkey import PasskeyTask
 
 
@@ -82,65 +83,71 @@ def check_settings(settings: Sequence[Setting], task: PasskeyTask) -> None:
             )
 
 
-# ------------------------------------------------------------------------------ the workers
-
-_STATE: dict = {}
+# ------------------------------------------------------------------------------ scoring
 
 
-def _init(model_name: str) -> None:
-    import torch
+class Scorer:
+    """Scores chunks of one prompt set under any setting, keeping the uncompressed model, one
+    compressed copy (they share nothing) and the prompts between calls: a worker process loads
+    the model once for all its chunks.
 
-    torch.set_num_threads(1)
-    from phasemech.model.pretrained import load_pretrained
+    ``device`` (``auto``, ``cpu``: the default, ``cuda`` or ``cuda:N``): where the model it
+    loads runs; a ``base`` model given is used where it is (its compressed copies sit beside
+    it). Prompts are built on the CPU and moved to the model for each forward."""
 
-    _STATE["base"] = load_pretrained(model_name)
-    _STATE["models"] = {}
+    def __init__(
+        self, base=None, model_name: str = "smollm2-135m", device: str | torch.device = "cpu"
+    ) -> None:
+        self.device = resolve_device(device)  # checked before any model is loaded
+        self.base, self.model_name = base, model_name
+        self.compressed: dict[str, object] = {}
+        self.prompts, self.prompts_key = None, None
 
+    def model(self, setting: Setting):
+        from phasemech.model.transformer import PhaseTransformer
 
-def _model(setting: Setting):
-    from phasemech.model.transformer import PhaseTransformer
+        if self.base is None:
+            from phasemech.model.pretrained import load_pretrained
 
-    if setting.compression is None:
-        return _STATE["base"]
-    if setting.name not in _STATE["models"]:
-        _STATE["models"].clear()  # one compressed copy at a time: they share nothing
-        m = PhaseTransformer.from_hooked(_STATE["base"], setting.compression)
-        m.eval()
-        _STATE["models"][setting.name] = m
-    return _STATE["models"][setting.name]
+            self.base = load_pretrained(self.model_name, device=self.device)
+        if setting.compression is None:
+            return self.base
+        if setting.name not in self.compressed:
+            self.compressed.clear()
+            m = PhaseTransformer.from_hooked(self.base, setting.compression)
+            m.eval()
+            self.compressed[setting.name] = m
+        return self.compressed[setting.name]
 
+    def score(
+        self, setting: Setting, cfg: SweepConfig, ids: Sequence[int], attention: bool
+    ) -> tuple[pd.DataFrame, pd.DataFrame | None]:
+        """Score prompts ``ids`` under ``setting``; with ``attention``, also the per-head phase
+        attention from the answer step onto the needle on the first of them."""
+        from phasemech.data.passkey import PasskeyBatch, build_prompts, score
 
-def _job(setting: Setting, cfg: SweepConfig, ids: list[int], attention: bool) -> tuple:
-    """Score prompts ``ids`` under ``setting``; with ``attention``, also the per-head phase
-    attention from the answer step onto the needle on those prompts."""
-    import torch
-
-    from phasemech.data.passkey import PasskeyBatch, build_prompts, score
-
-    model = _model(setting)
-    key = (cfg.task, cfg.contents, cfg.seed)
-    if _STATE.get("prompts_key") != key:  # built once per process and prompt set
-        _STATE["prompts"] = build_prompts(model.tokenizer, cfg.task, cfg.contents, seed=cfg.seed)
-        _STATE["prompts_key"] = key
-    full = _STATE["prompts"]
-    sel = torch.tensor(ids)
-    frame = full.frame.iloc[ids].reset_index(drop=True)
-    batch = PasskeyBatch(full.tokens[sel], full.answer[sel], frame, full.stride)
-    scored = score(model, batch, cfg.batch_size).assign(setting=setting.name)
-    pa = None
-    if attention:
-        k = min(cfg.attention_prompts, len(ids))
-        sub = PasskeyBatch(batch.tokens[:k], batch.answer[:k], frame.iloc[:k], full.stride)
-        pa = answer_attention(model, sub, setting).assign(setting=setting.name)
-    return scored, pa
+        model = self.model(setting)
+        key = (cfg.task, cfg.contents, cfg.seed)
+        if self.prompts_key != key:  # built once per prompt set
+            self.prompts = build_prompts(model.tokenizer, cfg.task, cfg.contents, seed=cfg.seed)
+            self.prompts_key = key
+        full = self.prompts
+        sel = torch.tensor(list(ids))
+        frame = full.frame.iloc[list(ids)].reset_index(drop=True)
+        batch = PasskeyBatch(full.tokens[sel], full.answer[sel], frame, full.stride)
+        scored = score(model, batch, cfg.batch_size).assign(setting=setting.name)
+        pa = None
+        if attention:
+            k = min(cfg.attention_prompts, len(ids))
+            sub = PasskeyBatch(batch.tokens[:k], batch.answer[:k], frame.iloc[:k], full.stride)
+            pa = answer_attention(model, sub, setting).assign(setting=setting.name)
+        return scored, pa
 
 
 def answer_attention(model, batch, setting: Setting) -> pd.DataFrame:
     """Per (layer, head, needle phase): attention from the position that predicts the first
     answer token onto the needle's first digit (token patterns on compressed layers; the phase
-    API hooks them, so nothing needs switching on)."""
-    import torch
-
+    API hooks them, so nothing needs switching on; it moves the CPU prompts to the model)."""
     from phasemech.model.phase import combine_frames, phase_attention
 
     frames = []
@@ -163,64 +170,22 @@ def answer_attention(model, batch, setting: Setting) -> pd.DataFrame:
 def run_sweep(
     settings: Sequence[Setting],
     cfg: SweepConfig = SweepConfig(),
-    workers: int | None = None,
-    progress: bool = True,
     model=None,
+    device: str | torch.device = "cpu",
 ) -> tuple[pd.DataFrame, pd.DataFrame, float]:
-    """``(targets, attention, seconds)``: one row per (setting, prompt), and per (setting,
-    layer, head, phase) the answer-step attention onto the needle.
-
-    ``workers`` processes each load ``cfg.model`` once; with ``model`` (an already loaded
-    uncompressed ``HookedTransformer``) everything runs in this process instead."""
+    """``(targets, attention, seconds)`` in this process: one row per (setting, prompt), and per
+    (setting, layer, head, phase) the answer-step attention onto the needle. ``model``: an
+    already loaded uncompressed ``HookedTransformer``, used on its own device (default: load
+    ``cfg.model`` on ``device``: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``). Across processes or
+    machines, the ``pretrained`` experiment runs the same chunks as jobs."""
     check_settings(settings, cfg.task)
-    if model is not None:
-        _STATE.clear()
-        _STATE.update(base=model, models={})
-        t0 = time.perf_counter()
-        out = [_job(s, cfg, list(range(cfg.contents * cfg.task.stride)), True) for s in settings]
-        _STATE.clear()
-        targets = pd.concat([o[0] for o in out], ignore_index=True)
-        return targets, pd.concat([o[1] for o in out], ignore_index=True), time.perf_counter() - t0
-    workers = workers or min(2, os.cpu_count() or 1)
-    n = cfg.contents * cfg.task.stride
-    chunk = max(cfg.batch_size, -(-n // (4 * workers)))  # a few chunks per worker: balance
-    jobs = []
-    for s in settings:
-        for i in range(0, n, chunk):
-            ids = list(range(i, min(i + chunk, n)))
-            jobs.append((s, ids, i == 0))
-    # the first chunk of each setting also measures attention on its first prompts
+    scorer = Scorer(model, cfg.model, device)
+    ids = list(range(cfg.contents * cfg.task.stride))
     t0 = time.perf_counter()
-    targets, attention = [], []
-    with (
-        _bar(progress) as b,
-        ProcessPoolExecutor(workers, initializer=_init, initargs=(cfg.model,)) as pool,
-    ):
-        task = b.add_task("passkey prompts", total=n * len(settings), item="") if b else None
-        futures = {pool.submit(_job, s, cfg, ids, att): (s, len(ids)) for s, ids, att in jobs}
-        for fut in as_completed(futures):
-            scored, pa = fut.result()
-            targets.append(scored)
-            if pa is not None:
-                attention.append(pa)
-            s, k = futures[fut]
-            if b:
-                b.update(task, advance=k, item=s.name)
-    order = {s.name: i for i, s in enumerate(settings)}
-    df = pd.concat(targets, ignore_index=True)
-    df = df.sort_values(
-        ["setting", "prompt_id"], key=lambda c: c.map(order) if c.name == "setting" else c
-    )
-    att = pd.concat(attention, ignore_index=True) if attention else pd.DataFrame()
-    return df.reset_index(drop=True), att, time.perf_counter() - t0
-
-
-def _bar(show: bool):
-    import contextlib
-
-    from phasemech.core.progress import progress_bar
-
-    return progress_bar() if show else contextlib.nullcontext(None)
+    out = [scorer.score(s, cfg, ids, True) for s in settings]
+    targets = pd.concat([o[0] for o in out], ignore_index=True)
+    attention = pd.concat([o[1] for o in out], ignore_index=True)
+    return targets, attention, time.perf_counter() - t0
 
 
 # ------------------------------------------------------------------------------- statistics
@@ -320,5 +285,6 @@ __all__ = [
     "check_settings",
     "mcnemar_pairs",
     "report",
+    "Scorer",
     "run_sweep",
 ]

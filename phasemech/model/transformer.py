@@ -183,7 +183,8 @@ class PhaseTransformer(HookedTransformer):
         new.cfg.init_weights = init_weights
         device = next(model.parameters()).device
         if next(new.parameters()).device != device:
-            new.to(device)
+            # by full name: TransformerLens keeps cfg.device, and moves activations there
+            new.to(str(device), print_details=False)
         return new
 
     # ------------------------------------------------------------------ switches

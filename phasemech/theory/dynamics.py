@@ -278,73 +278,11 @@ def predictions(scale: float = 1.0) -> dict:
     out: dict = {"alpha": base.alpha, "vocab": base.vocab, "steps": steps, "dt": 0.5}
     out["theory_md"] = {k: v for k, v in THEORY_MD.items() if k != "plateau"}
     ns = (16, 64, 256, 1024)
-    crit = [critical_beta_over_d(n, d=base.d) for n in ns]
-    logs = [math.log(n - 1) for n in ns]
-    out["critical"] = [
-        {"n_windows": n, "critical_beta_over_d": c, "log_n_minus_1": lg}
-        for n, c, lg in zip(ns, crit, logs, strict=True)
-    ]
-    out["critical_slope"] = float(np.polyfit(logs, crit, 1)[0])
-    # stability: the eigenvalue's sign against what the flow does
-    out["stability"] = []
-    for beta_over_d in (2.0, 4.0, 6.0):
-        cfg = replace(base, beta=beta_over_d * base.d)
-        tr = simulate(cfg, steps=steps, record_every=10)
-        top = float(tr.weights[-1].max(-1).mean())
-        out["stability"].append(
-            {
-                "beta_over_d": beta_over_d,
-                "eigenvalue": uniform_eigenvalue(cfg),
-                "final_mean_max_weight": top,
-                # left the uniform point at all (max weight 1/d + 0.05), and sharply (> 0.5)
-                "left_uniform": bool(top > 1 / cfg.d + 0.05),
-                "sharp": bool(np.isfinite(tr.time_to_specialize())),
-            }
-        )
+    out |= _critical(base, ns)
+    out["stability"] = _stability(base, steps)
     out["stability_setup"] = _setup(base, beta="2d, 4d, 6d")
-    # plateau vs N; N = 1024 needs a longer horizon. The gap at a fixed budget (the first
-    # sixth of the horizon) is the prediction "at a fixed budget the gap grows with N".
-    out["plateau"], out["plateau_curves"] = [], []
-    budget = steps // 6
-    for n in ns:
-        horizon = steps * (3 if n == 1024 else 1)
-        tr = simulate(replace(base, n_windows=n), steps=horizon, record_every=10)
-        t = tr.time_to_specialize()
-        at = int(np.searchsorted(tr.steps, budget))
-        acc = tr.accuracy[at]
-        out["plateau"].append(
-            {
-                "n_windows": n,
-                "time": t if np.isfinite(t) else None,  # None: not within the horizon
-                "theory_md": THEORY_MD["plateau"][n],
-                "gap_at_budget": float(acc.max() - acc.min()),
-                "mean_at_budget": float(acc.mean()),
-            }
-        )
-        top = tr.weights.max(-1).mean(-1)
-        out["plateau_curves"] += [
-            {"n_windows": n, "time": float(s_ * 0.5), "mean_max_weight": float(v)}
-            for s_, v in zip(tr.steps[::5], top[::5], strict=True)
-        ]
-    out["plateau_setup"] = _setup(base, N="16..1024", budget_time=f"{budget * 0.5:g}")
-    fit = [r for r in out["plateau"] if r["time"] is not None]
-    out["plateau_loglog_slope"] = (
-        float(np.polyfit(*(np.log([r[k] for r in fit]) for k in ("n_windows", "time")), 1)[0])
-        if len(fit) >= 2
-        else None
-    )
-    # capacity: H heads against d slots
-    out["capacity"] = []
-    for heads in (2, 4, 8, 12):
-        tr = simulate(replace(base, heads=heads), steps=steps)
-        out["capacity"].append(
-            {
-                "heads": heads,
-                "covered": tr.covered(),
-                "served": len(set(tr.weights[-1].argmax(1).tolist())),
-                "accuracy": tr.accuracy[-1].round(3).tolist(),
-            }
-        )
+    out |= _plateau(base, ns, steps)
+    out["capacity"] = _capacity(base, steps)
     out["capacity_setup"] = _setup(base, H="2..12")
     # the level a covered phase reaches is set by alpha: the reference ~0.57 at H = 2
     low = replace(base, heads=2, alpha=4.5)
@@ -355,10 +293,107 @@ def predictions(scale: float = 1.0) -> dict:
     }
     # shared slot handicap c_l = 0.8^(d-1-l)
     hand = replace(base, beta=16.0, gain=tuple(0.8 ** (base.d - 1 - sl) for sl in range(base.d)))
-    out["handicap"] = []
+    out["handicap"] = _handicap(hand, steps)
+    out["handicap_setup"] = _setup(hand, c_l="0.8^(d-1-l)")
+    out["concentrated"] = _concentrated(base, steps)
+    out["ablation"] = _ablation(base, steps)
+    out["setup"] = _setup(base)
+    out["checks"] = _checks(out, base)
+    return out
+
+
+def _critical(base: TheoryConfig, ns: tuple[int, ...]) -> dict:
+    crit = [critical_beta_over_d(n, d=base.d) for n in ns]
+    logs = [math.log(n - 1) for n in ns]
+    return {
+        "critical": [
+            {"n_windows": n, "critical_beta_over_d": c, "log_n_minus_1": lg}
+            for n, c, lg in zip(ns, crit, logs, strict=True)
+        ],
+        "critical_slope": float(np.polyfit(logs, crit, 1)[0]),
+    }
+
+
+def _stability(base: TheoryConfig, steps: int) -> list[dict]:
+    """The eigenvalue's sign at uniform pooling against what the flow does."""
+    rows = []
+    for beta_over_d in (2.0, 4.0, 6.0):
+        cfg = replace(base, beta=beta_over_d * base.d)
+        tr = simulate(cfg, steps=steps, record_every=10)
+        top = float(tr.weights[-1].max(-1).mean())
+        rows.append(
+            {
+                "beta_over_d": beta_over_d,
+                "eigenvalue": uniform_eigenvalue(cfg),
+                "final_mean_max_weight": top,
+                # left the uniform point at all (max weight 1/d + 0.05), and sharply (> 0.5)
+                "left_uniform": bool(top > 1 / cfg.d + 0.05),
+                "sharp": bool(np.isfinite(tr.time_to_specialize())),
+            }
+        )
+    return rows
+
+
+def _plateau(base: TheoryConfig, ns: tuple[int, ...], steps: int) -> dict:
+    """Plateau vs N; N = 1024 needs a longer horizon. The gap at a fixed budget (the first
+    sixth of the horizon) is the prediction "at a fixed budget the gap grows with N"."""
+    plateau, curves = [], []
+    budget = steps // 6
+    for n in ns:
+        horizon = steps * (3 if n == 1024 else 1)
+        tr = simulate(replace(base, n_windows=n), steps=horizon, record_every=10)
+        t = tr.time_to_specialize()
+        at = int(np.searchsorted(tr.steps, budget))
+        acc = tr.accuracy[at]
+        plateau.append(
+            {
+                "n_windows": n,
+                "time": t if np.isfinite(t) else None,  # None: not within the horizon
+                "theory_md": THEORY_MD["plateau"][n],
+                "gap_at_budget": float(acc.max() - acc.min()),
+                "mean_at_budget": float(acc.mean()),
+            }
+        )
+        top = tr.weights.max(-1).mean(-1)
+        curves += [
+            {"n_windows": n, "time": float(s_ * 0.5), "mean_max_weight": float(v)}
+            for s_, v in zip(tr.steps[::5], top[::5], strict=True)
+        ]
+    fit = [r for r in plateau if r["time"] is not None]
+    slope = (
+        float(np.polyfit(*(np.log([r[k] for r in fit]) for k in ("n_windows", "time")), 1)[0])
+        if len(fit) >= 2
+        else None
+    )
+    return {
+        "plateau": plateau,
+        "plateau_curves": curves,
+        "plateau_setup": _setup(base, N="16..1024", budget_time=f"{budget * 0.5:g}"),
+        "plateau_loglog_slope": slope,
+    }
+
+
+def _capacity(base: TheoryConfig, steps: int) -> list[dict]:
+    """H heads against d slots."""
+    rows = []
+    for heads in (2, 4, 8, 12):
+        tr = simulate(replace(base, heads=heads), steps=steps)
+        rows.append(
+            {
+                "heads": heads,
+                "covered": tr.covered(),
+                "served": len(set(tr.weights[-1].argmax(1).tolist())),
+                "accuracy": tr.accuracy[-1].round(3).tolist(),
+            }
+        )
+    return rows
+
+
+def _handicap(hand: TheoryConfig, steps: int) -> list[dict]:
+    rows = []
     for off in ("aligned", "staggered", "random"):
         tr = simulate(replace(hand, offsets=off), steps=steps)
-        out["handicap"].append(
+        rows.append(
             {
                 "offsets": off,
                 "gap": tr.gap,
@@ -367,29 +402,39 @@ def predictions(scale: float = 1.0) -> dict:
                 "theory_md": THEORY_MD["handicap"][off],
             }
         )
-    out["handicap_setup"] = _setup(hand, c_l="0.8^(d-1-l)")
-    # training concentrated on one phase (all of it, or 80% with the rest spread)
-    out["concentrated"] = []
+    return rows
+
+
+def _concentrated(base: TheoryConfig, steps: int) -> list[dict]:
+    """Training concentrated on one phase (all of it, or 80% with the rest spread)."""
+    rows = []
     for share in (1.0, 0.8):
         pi = tuple([share] + [(1 - share) / (base.d - 1)] * (base.d - 1))
         tr = simulate(replace(base, pi=pi), steps=steps)
-        out["concentrated"].append(
+        rows.append(
             {"share": share, "covered": tr.covered(), "accuracy": tr.accuracy[-1].round(3).tolist()}
         )
-    # causal signature: removing a head hurts the phases its weights cover (aligned offsets:
-    # a head's slot is the phase it serves)
+    return rows
+
+
+def _ablation(base: TheoryConfig, steps: int) -> dict:
+    """Causal signature: removing a head hurts the phases its weights cover (aligned offsets:
+    a head's slot is the phase it serves)."""
     tr = simulate(base, steps=steps)
     drop = head_ablation(tr.theta, base)
-    out["ablation"] = {
+    return {
         "drop": drop.round(3).tolist(),
         "matches": int((drop.argmax(1) == softmax(tr.theta).argmax(1)).sum()),
         "heads": base.heads,
     }
-    out["setup"] = _setup(base)
+
+
+def _checks(out: dict, base: TheoryConfig) -> dict[str, bool]:
+    """The model's qualitative predictions, read off the numbers of :func:`predictions`."""
     times = [r["time"] for r in out["plateau"]]
     gaps = [r["gap_at_budget"] for r in out["plateau"]]
     by_off = {r["offsets"]: r for r in out["handicap"]}
-    out["checks"] = {
+    return {
         "uniform unstable iff eigenvalue > 0 (the flow leaves uniform pooling)": all(
             (r["eigenvalue"] > 0) == r["left_uniform"] for r in out["stability"]
         ),
@@ -408,7 +453,6 @@ def predictions(scale: float = 1.0) -> dict:
         "training on one phase leaves the others uncovered": out["concentrated"][0]["covered"] == 1,
         "ablating a head hurts the phase it weighs most": out["ablation"]["matches"] == base.heads,
     }
-    return out
 
 
 def fmt_time(t: float | None) -> str:

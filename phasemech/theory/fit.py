@@ -29,6 +29,7 @@ from datasets import Dataset
 from jaxtyping import Float
 from scipy import stats as sps
 
+from phasemech.core.device import model_device
 from phasemech.data.tasks import to_tensors
 from phasemech.theory.dynamics import TheoryConfig, g
 
@@ -70,7 +71,8 @@ def effective_weights(
     Returns one row per ``(layer, head, phase)``: ``weight`` (mean over targets of the target's
     share of its block's pooled entry), ``weight_sd``, ``bias_weight`` (``softmax(B)`` at that
     slot: what the learned bias alone would give), ``slot`` (under the head's eval-mode grid)
-    and ``n`` (targets). Phases are absolute (``pos mod d``).
+    and ``n`` (targets). Phases are absolute (``pos mod d``). The model runs where it is; the
+    weights are summed on the CPU, so the sums do not depend on the device.
     """
     if len(ds) == 0:
         raise ValueError("dataset is empty: no targets to weigh")
@@ -92,6 +94,7 @@ def effective_weights(
 
 def _effective_weights(model: Any, ds: Dataset, layers: list[int], batch_size: int) -> pd.DataFrame:
     d = model.cfg.compression.stride
+    dev = model_device(model)
     tokens, _, _ = to_tensors(ds)
     src = torch.tensor(
         [[int(p) for p in row] for row in ds["source_pos"]], dtype=torch.long
@@ -103,56 +106,79 @@ def _effective_weights(model: Any, ds: Dataset, layers: list[int], batch_size: i
     store: dict[str, torch.Tensor] = {}
 
     def keep(value: torch.Tensor, hook) -> None:
-        store[hook.name] = value.detach()
+        store[hook.name] = value.detach().cpu()  # the sums below stay on the CPU
 
     names = [f"blocks.{i}.attn.hook_block_weights" for i in layers]
     names += [f"blocks.{i}.attn.hook_grid_offset" for i in layers]
     for start in range(0, len(tokens), batch_size):
         tok, pos = tokens[start : start + batch_size], src[start : start + batch_size]
-        model.run_with_hooks(tok, return_type=None, fwd_hooks=[(n, keep) for n in names])
+        model.run_with_hooks(tok.to(dev), return_type=None, fwd_hooks=[(n, keep) for n in names])
         phase = pos % d  # [batch, target]
         counts += torch.bincount(phase.flatten(), minlength=d).float()
+        onehot = torch.nn.functional.one_hot(phase, d).float()  # [batch, target, phase]
         for i in layers:
-            w = store[f"blocks.{i}.attn.hook_block_weights"]  # [batch, kv_head, block, slot]
-            if w.ndim == 5:  # channel gates: one weight per channel; their mean, as attribution
-                w = w.mean(-1)
             off = store[f"blocks.{i}.attn.hook_grid_offset"]  # [batch, kv_head]
             offsets_seen[i] = off[0]
-            rel = pos[:, None, :] - off[:, :, None]  # [batch, kv_head, target]
-            block = torch.div(rel, d, rounding_mode="floor") + 1  # block i ends at i*d + o - 1
-            slot = rel % d
-            b_idx = torch.arange(w.shape[0])[:, None, None]
-            g_idx = torch.arange(w.shape[1])[None, :, None]
-            tw = w[b_idx, g_idx, block, slot]  # [batch, kv_head, target]
-            onehot = torch.nn.functional.one_hot(phase, d).float()  # [batch, target, phase]
+            tw = _target_weights(store[f"blocks.{i}.attn.hook_block_weights"], off, pos, d)
             sums[i] += torch.einsum("bgt,btp->gp", tw, onehot)
             sq[i] += torch.einsum("bgt,btp->gp", tw**2, onehot)
     rows = []
-    n = counts.clamp(min=1)
     for i in layers:
-        attn = model.blocks[i].attn
-        bias = attn.phase_bias.detach()
-        bias = bias.mean(-1) if bias.ndim == 3 else bias  # channel gates: mean over channels
-        bias_w = torch.softmax(bias, -1)  # [kv_head, slot]
-        mean = sums[i] / n
-        sd = (sq[i] / n - mean**2).clamp(min=0).sqrt()
-        for h in range(mean.shape[0]):
-            o = int(offsets_seen[i][h])
-            for phi in range(d):
-                slot = (phi - o) % d
-                rows.append(
-                    {
-                        "layer": i,
-                        "head": h,
-                        "phase": phi,
-                        "slot": slot,
-                        "weight": float(mean[h, phi]),
-                        "weight_sd": float(sd[h, phi]),
-                        "bias_weight": float(bias_w[h, slot]),
-                        "n": int(counts[phi]),
-                    }
-                )
+        rows += _layer_rows(model, i, sums[i], sq[i], counts, offsets_seen[i])
     return pd.DataFrame(rows)
+
+
+def _target_weights(
+    w: torch.Tensor, off: torch.Tensor, pos: torch.Tensor, d: int
+) -> Float[torch.Tensor, "batch kv_head target"]:
+    """Each target's share of the pooled entry of the block that holds it, on each KV head's
+    grid: ``w`` ``[batch, kv_head, block, slot(, channel)]``, ``off`` ``[batch, kv_head]``,
+    ``pos`` ``[batch, target]``."""
+    if w.ndim == 5:  # channel gates: one weight per channel; their mean, as attribution
+        w = w.mean(-1)
+    rel = pos[:, None, :] - off[:, :, None]  # [batch, kv_head, target]
+    block = torch.div(rel, d, rounding_mode="floor") + 1  # block i ends at i*d + o - 1
+    slot = rel % d
+    b_idx = torch.arange(w.shape[0], device=w.device)[:, None, None]
+    g_idx = torch.arange(w.shape[1], device=w.device)[None, :, None]
+    return w[b_idx, g_idx, block, slot]
+
+
+def _layer_rows(
+    model: Any,
+    layer: int,
+    sums: torch.Tensor,
+    sq: torch.Tensor,
+    counts: torch.Tensor,
+    offsets: torch.Tensor,
+) -> list[dict]:
+    """One row per ``(head, phase)`` of ``layer`` from its ``[kv_head, phase]`` sums of the
+    target weights and of their squares; ``offsets`` ``[kv_head]`` (the eval-mode grid)."""
+    d = len(counts)
+    bias = model.blocks[layer].attn.phase_bias.detach().cpu()
+    bias = bias.mean(-1) if bias.ndim == 3 else bias  # channel gates: mean over channels
+    bias_w = torch.softmax(bias, -1)  # [kv_head, slot]
+    n = counts.clamp(min=1)
+    mean = sums / n
+    sd = (sq / n - mean**2).clamp(min=0).sqrt()
+    rows = []
+    for h in range(mean.shape[0]):
+        o = int(offsets[h])
+        for phi in range(d):
+            slot = (phi - o) % d
+            rows.append(
+                {
+                    "layer": layer,
+                    "head": h,
+                    "phase": phi,
+                    "slot": slot,
+                    "weight": float(mean[h, phi]),
+                    "weight_sd": float(sd[h, phi]),
+                    "bias_weight": float(bias_w[h, slot]),
+                    "n": int(counts[phi]),
+                }
+            )
+    return rows
 
 
 def weight_matrix(weights: pd.DataFrame, layer: int | None = None) -> np.ndarray:

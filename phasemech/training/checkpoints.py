@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from phasemech.core.device import move, resolve_device
 from phasemech.model.transformer import PhaseTransformer
 from phasemech.training.config import TrainConfig
 
@@ -120,7 +121,8 @@ def load_checkpoint(ckpt: Path, model: PhaseTransformer, opt, sched) -> int:
     if not state_file.is_file():
         raise FileNotFoundError(f"{state_file} is missing: not a phasemech training checkpoint")
     try:
-        state = torch.load(state_file, weights_only=True)
+        # CPU first: the optimizer moves its state onto the parameters' device when it loads
+        state = torch.load(state_file, weights_only=True, map_location="cpu")
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["torch_rng"])
@@ -148,11 +150,14 @@ def resolve_checkpoint(path: str | Path) -> tuple[Path, TrainConfig | None]:
     return path, cfg
 
 
-def load_trained(path: str | Path) -> tuple[PhaseTransformer, TrainConfig | None, Path]:
-    """``(model in eval mode, its TrainConfig or None, the model folder)`` from a run folder,
-    a checkpoint or a saved model (see :func:`resolve_checkpoint`)."""
+def load_trained(
+    path: str | Path, device: str | torch.device = "cpu"
+) -> tuple[PhaseTransformer, TrainConfig | None, Path]:
+    """``(model in eval mode on ``device``, its TrainConfig or None, the model folder)`` from a
+    run folder, a checkpoint or a saved model (see :func:`resolve_checkpoint`)."""
+    dev = resolve_device(device)
     model_dir, cfg = resolve_checkpoint(path)
-    model = PhaseTransformer.load(model_dir)
+    model = move(PhaseTransformer.load(model_dir), dev)
     model.eval()
     return model, cfg, model_dir
 

@@ -81,6 +81,9 @@ class ModelSpec:
             positional_embedding_type=self.positional_embedding_type,
             seed=seed,
             compression=compression,
+            # built on the CPU everywhere (the same initial weights on any machine); train()
+            # moves the model to its device
+            device="cpu",
             **extra,
         )
 

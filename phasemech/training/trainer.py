@@ -30,6 +30,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from torch import Tensor
 
+from phasemech.core.device import model_device, move, resolve_device
 from phasemech.core.grid import (
     phase_of,
     reference_grid,  # reference_grid: re-exported
@@ -88,11 +89,14 @@ def held_out_accuracy(model: PhaseTransformer, data: HeldOut, stride: int, batch
     was_training = model.training
     model.eval()
     correct, losses = [], []
+    dev = model_device(model)
     for i in range(0, len(data.tokens), batch):
-        logits = answer_logits(model, data.tokens[i : i + batch], data.query_pos[i : i + batch])
-        ans = data.answer[i : i + batch]
-        correct.append((logits.argmax(-1) == ans).numpy())
-        losses.append(F.cross_entropy(logits.flatten(0, 1), ans.flatten(), reduction="sum"))
+        tokens, qp = data.tokens[i : i + batch].to(dev), data.query_pos[i : i + batch].to(dev)
+        logits = answer_logits(model, tokens, qp)
+        ans = data.answer[i : i + batch].to(dev)
+        correct.append((logits.argmax(-1) == ans).cpu().numpy())
+        loss = F.cross_entropy(logits.flatten(0, 1), ans.flatten(), reduction="sum")
+        losses.append(loss.cpu())  # summed as tensors, as before the device move
     model.train(was_training)
     ok = np.concatenate(correct).ravel()
     phase = data.phase.ravel()
@@ -137,12 +141,17 @@ def train(
     resume: bool = False,
     progress: bool = True,
     on_step: Callable[[int, float], None] | None = None,
+    device: str | torch.device = "cpu",
 ) -> TrainResult:
     """Train ``cfg`` into ``run_dir``; with ``resume`` continue from its last checkpoint.
 
     A folder that already holds a run is refused without ``resume`` (nothing is overwritten).
     ``on_step(step, loss)`` runs after every optimizer step (tests use it to interrupt a run).
+    ``device``: ``auto``, ``cpu`` (the default) or ``cuda``; the weights are initialised and the
+    data drawn on the CPU either way, and checkpoints hold CPU tensors, so a run may resume on
+    another device.
     """
+    dev = resolve_device(device)
     run_dir = Path(run_dir)
     cfg_file = run_dir / CONFIG_NAME
     _check_run_folder(run_dir)
@@ -155,7 +164,7 @@ def train(
         )
         if diffs:
             raise ValueError(f"{run_dir} was trained with another config: " + "; ".join(diffs))
-    model = cfg.build_model()  # a config that cannot build fails here, before any write
+    model = move(cfg.build_model(), dev)  # a config that cannot build fails here, before any write
     prev_threads = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
     try:
@@ -199,33 +208,71 @@ def _train(
     t0 = time.perf_counter()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
-    step, info = 0, {}
+    step, info = _restore(run_dir, model, opt, sched, resume)
+    if info.get("finished"):
+        return TrainResult(
+            run_dir,
+            step,
+            info["accuracy"],
+            info["accuracy_by_phase"],
+            info["stopped_early"],
+            0.0,
+        )
+    step, acc, by_phase, stopped_early = _run_steps(
+        cfg, model, opt, sched, run_dir, step, info, progress, on_step, t0
+    )
+    seconds = time.perf_counter() - t0
+    with (run_dir / METRICS_NAME).open("a") as log:
+        _log(
+            log,
+            {
+                "event": "done",
+                "step": step,
+                "accuracy": acc,
+                "stopped_early": stopped_early,
+                "seconds": seconds,
+            },
+        )
+    return TrainResult(run_dir, step, acc, by_phase, stopped_early, seconds)
+
+
+def _restore(run_dir: Path, model: PhaseTransformer, opt, sched, resume: bool) -> tuple[int, dict]:
+    """``(step, info)`` of the last checkpoint, loaded into ``model``, ``opt`` and ``sched``, or
+    ``(0, {})`` for a fresh run; the metrics log is cut back to the checkpoint (or removed)."""
     ckpts = checkpoint_dirs(run_dir)
     metrics_file = run_dir / METRICS_NAME
-    if resume and ckpts:
-        step = load_checkpoint(ckpts[-1], model, opt, sched)
-        info_file = ckpts[-1] / INFO_FILE
-        try:
-            info = json.loads(info_file.read_text())
-        except (OSError, json.JSONDecodeError) as err:
-            raise ValueError(f"{info_file} could not be read: {err}") from err
-        if info.get("finished"):
-            return TrainResult(
-                run_dir,
-                step,
-                info["accuracy"],
-                info["accuracy_by_phase"],
-                info["stopped_early"],
-                0.0,
-            )
-        # drop log lines written after the checkpoint by the interrupted process
+    if not (resume and ckpts):
         if metrics_file.exists():
-            rows = [json.loads(ln) for ln in metrics_file.read_text().splitlines() if ln.strip()]
-            kept = [r for r in rows if r.get("event") != "done" and r.get("step", 0) <= step]
-            write_text_atomic(metrics_file, "".join(json.dumps(r) + "\n" for r in kept))
-    elif metrics_file.exists():
-        metrics_file.unlink()
+            metrics_file.unlink()
+        return 0, {}
+    step = load_checkpoint(ckpts[-1], model, opt, sched)
+    info_file = ckpts[-1] / INFO_FILE
+    try:
+        info = json.loads(info_file.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"{info_file} could not be read: {err}") from err
+    if not info.get("finished") and metrics_file.exists():
+        # drop log lines written after the checkpoint by the interrupted process
+        rows = [json.loads(ln) for ln in metrics_file.read_text().splitlines() if ln.strip()]
+        kept = [r for r in rows if r.get("event") != "done" and r.get("step", 0) <= step]
+        write_text_atomic(metrics_file, "".join(json.dumps(r) + "\n" for r in kept))
+    return step, info
 
+
+def _run_steps(
+    cfg: TrainConfig,
+    model: PhaseTransformer,
+    opt,
+    sched,
+    run_dir: Path,
+    step: int,
+    info: dict,
+    progress: bool,
+    on_step,
+    t0: float,
+) -> tuple[int, float, list[float], bool]:
+    """Train from ``step`` to the end or the target accuracy, evaluating, logging and saving
+    checkpoints on the way; ``(step, accuracy, accuracy_by_phase, stopped_early)``."""
     data = held_out_set(cfg)
     stride, _ = reference_grid(cfg.compression)
     # a resumed run carries its checkpoint's accuracy (checkpoints sit on evaluation steps)
@@ -234,54 +281,21 @@ def _train(
     stopped_early = False
     model.train()
     recent: list[float] = []
-    bar = Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        TextColumn(
-            "{task.completed}/{task.total} loss {task.fields[loss]:.3f} "
-            "acc {task.fields[acc]} by phase {task.fields[phases]}"
-        ),
-        TimeRemainingColumn(),
-        console=Console(stderr=True),
-        disable=not progress,
-    )
-    with bar, metrics_file.open("a") as log:
+    bar = _progress_bar(progress)
+    with bar, (run_dir / METRICS_NAME).open("a") as log:
         name = f"{cfg.compression.design} d={cfg.compression.stride} h={cfg.model.n_heads}"
         task_id = bar.add_task(
             name, total=cfg.steps, completed=step, loss=math.nan, acc="-", phases="-"
         )
         while step < cfg.steps:
-            tokens, qp, ans = task_batch(cfg.task, cfg.batch_size, cfg.seed, step)
-            logits = answer_logits(model, tokens, qp)
-            loss = F.cross_entropy(logits.flatten(0, 1), ans.flatten())
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            opt.step()
-            sched.step()
+            recent.append(_train_step(cfg, model, opt, sched, step))
             step += 1
-            recent.append(loss.item())
             bar.update(task_id, completed=step, loss=float(np.mean(recent[-50:])))
             if on_step is not None:
                 on_step(step, recent[-1])
             last = step == cfg.steps
             if step % cfg.eval_every == 0 or last:
-                acc, by_phase, eval_loss = held_out_accuracy(model, data, stride)
-                log.write(
-                    json.dumps(
-                        {
-                            "step": step,
-                            "train_loss": float(np.mean(recent)),
-                            "eval_loss": eval_loss,
-                            "accuracy": acc,
-                            "accuracy_by_phase": by_phase,
-                            "lr": sched.get_last_lr()[0],
-                            "seconds": time.perf_counter() - t0,
-                        }
-                    )
-                    + "\n"
-                )
-                log.flush()
+                acc, by_phase = _evaluate(model, data, stride, log, step, recent, sched, t0)
                 recent = []
                 bar.update(task_id, acc=f"{acc:.3f}", phases=" ".join(f"{p:.2f}" for p in by_phase))
                 stopped_early = cfg.target_accuracy is not None and acc >= cfg.target_accuracy
@@ -296,21 +310,70 @@ def _train(
                 save_checkpoint(run_dir, step, model, opt, sched, info)
             if done:
                 break
-    seconds = time.perf_counter() - t0
-    with metrics_file.open("a") as log:
-        log.write(
-            json.dumps(
-                {
-                    "event": "done",
-                    "step": step,
-                    "accuracy": acc,
-                    "stopped_early": stopped_early,
-                    "seconds": seconds,
-                }
-            )
-            + "\n"
-        )
-    return TrainResult(run_dir, step, acc, by_phase, stopped_early, seconds)
+    return step, acc, by_phase, stopped_early
+
+
+def _evaluate(
+    model: PhaseTransformer,
+    data: HeldOut,
+    stride: int,
+    log,
+    step: int,
+    recent: list[float],
+    sched,
+    t0: float,
+) -> tuple[float, list[float]]:
+    """Score the held-out set and log it with the mean training loss since the last evaluation;
+    ``(accuracy, accuracy_by_phase)``."""
+    acc, by_phase, eval_loss = held_out_accuracy(model, data, stride)
+    _log(
+        log,
+        {
+            "step": step,
+            "train_loss": float(np.mean(recent)),
+            "eval_loss": eval_loss,
+            "accuracy": acc,
+            "accuracy_by_phase": by_phase,
+            "lr": sched.get_last_lr()[0],
+            "seconds": time.perf_counter() - t0,
+        },
+    )
+    return acc, by_phase
+
+
+def _train_step(cfg: TrainConfig, model: PhaseTransformer, opt, sched, step: int) -> float:
+    """One optimizer step on the batch of ``step`` (a pure function of the seed and the step,
+    which is what makes a resumed run exact); the batch's loss."""
+    dev = model_device(model)
+    tokens, qp, ans = (t.to(dev) for t in task_batch(cfg.task, cfg.batch_size, cfg.seed, step))
+    logits = answer_logits(model, tokens, qp)
+    loss = F.cross_entropy(logits.flatten(0, 1), ans.flatten())
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    opt.step()
+    sched.step()
+    return loss.item()
+
+
+def _progress_bar(progress: bool) -> Progress:
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        TextColumn(
+            "{task.completed}/{task.total} loss {task.fields[loss]:.3f} "
+            "acc {task.fields[acc]} by phase {task.fields[phases]}"
+        ),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+        disable=not progress,
+    )
+
+
+def _log(log, row: dict) -> None:
+    """Append one JSON line to the metrics log, flushed: a killed run keeps what it logged."""
+    log.write(json.dumps(row) + "\n")
+    log.flush()
 
 
 __all__ = ["HeldOut", "TrainResult", "held_out_accuracy", "held_out_set", "lr_factor", "train"]

@@ -31,6 +31,56 @@ from phasemech.viz.style import (
 )
 
 
+def _layer_titles(frame: pd.DataFrame, layers: list, names: dict[int, str]) -> list[str]:
+    titles = []
+    for layer in layers:
+        exact = bool(frame[frame.layer == layer].exact.all())
+        label = names.get(layer, f"layer {layer}")
+        titles.append(label if exact else f"{label} (approx.)")
+    return titles
+
+
+def _head_phase_trace(df: pd.DataFrame, layer: int, zmax: float, showscale: bool) -> go.Heatmap:
+    """One layer's heads x phases; every layer shares ``zmax`` so colours compare across them."""
+    wide = df.pivot(index="head", columns="phase", values="mass").sort_index()
+    n = df.pivot(index="head", columns="phase", values="n").sort_index()
+    return go.Heatmap(
+        z=wide.values,
+        x=[str(c) for c in wide.columns],
+        y=[f"H{h}" for h in wide.index],
+        customdata=n.values,
+        zmin=0.0,
+        zmax=zmax,
+        colorscale=PHASE_SCALE,
+        showscale=showscale,
+        colorbar=dict(title="mass", thickness=12),
+        texttemplate="%{z:.2f}",
+        hovertemplate=(
+            f"layer {layer}<br>head %{{y}}<br>phase %{{x}}<br>mass %{{z:.4f}}"
+            "<br>n %{customdata}<extra></extra>"
+        ),
+    )
+
+
+def _head_phase_layout(
+    fig: go.Figure, pa: Any, frame: pd.DataFrame, title: str | None, n_layers: int
+) -> go.Figure:
+    # a frame read back from disk has lost kind and stride: recover them from its columns
+    table = isinstance(pa, pd.DataFrame)
+    kind = str(frame["kind"].iloc[0]) if table else pa.kind
+    stride = int(frame["phase"].max()) + 1 if table else pa.stride
+    what = "mean over queries" if kind == "query_mean" else "answer -> needle"
+    fig.update_layout(
+        title=title or f"Attention mass by source phase ({what}, stride {stride})",
+        font=FONT,
+        template="simple_white",
+        width=max(360, 260 * n_layers + 120),
+        height=120 + 34 * int(frame["head"].nunique()) + 80,
+        margin=dict(l=60, r=20, t=70, b=50),
+    )
+    return fig
+
+
 def head_phase_heatmap(
     pa: Any,
     title: str | None = None,
@@ -47,53 +97,15 @@ def head_phase_heatmap(
     frame = getattr(pa, "frame", pa)
     _need("head_phase_heatmap", "pa", frame, ["layer", "head", "phase", "mass", "n", "exact"])
     layers = sorted(frame.layer.unique())
-    names = layer_names or {}
-    subtitles = []
-    for layer in layers:
-        exact = bool(frame[frame.layer == layer].exact.all())
-        label = names.get(layer, f"layer {layer}")
-        subtitles.append(label if exact else f"{label} (approx.)")
+    subtitles = _layer_titles(frame, layers, layer_names or {})
     fig = make_subplots(rows=1, cols=len(layers), subplot_titles=subtitles, shared_yaxes=True)
     zmax = float(frame.mass.max()) if frame.mass.notna().any() else 1.0
     for col, layer in enumerate(layers, start=1):
-        df = frame[frame.layer == layer]
-        wide = df.pivot(index="head", columns="phase", values="mass").sort_index()
-        n = df.pivot(index="head", columns="phase", values="n").sort_index()
-        fig.add_trace(
-            go.Heatmap(
-                z=wide.values,
-                x=[str(c) for c in wide.columns],
-                y=[f"H{h}" for h in wide.index],
-                customdata=n.values,
-                zmin=0.0,
-                zmax=zmax,
-                colorscale=PHASE_SCALE,
-                showscale=col == len(layers),
-                colorbar=dict(title="mass", thickness=12),
-                texttemplate="%{z:.2f}",
-                hovertemplate=(
-                    f"layer {layer}<br>head %{{y}}<br>phase %{{x}}<br>mass %{{z:.4f}}"
-                    "<br>n %{customdata}<extra></extra>"
-                ),
-            ),
-            row=1,
-            col=col,
-        )
+        trace = _head_phase_trace(frame[frame.layer == layer], layer, zmax, col == len(layers))
+        fig.add_trace(trace, row=1, col=col)
         fig.update_xaxes(title_text="source phase", row=1, col=col)
     fig.update_yaxes(title_text="head", autorange="reversed", row=1, col=1)
-    table = isinstance(pa, pd.DataFrame)
-    kind = str(frame["kind"].iloc[0]) if table else pa.kind
-    stride = int(frame["phase"].max()) + 1 if table else pa.stride
-    what = "mean over queries" if kind == "query_mean" else "answer -> needle"
-    fig.update_layout(
-        title=title or f"Attention mass by source phase ({what}, stride {stride})",
-        font=FONT,
-        template="simple_white",
-        width=max(360, 260 * len(layers) + 120),
-        height=120 + 34 * int(frame["head"].nunique()) + 80,
-        margin=dict(l=60, r=20, t=70, b=50),
-    )
-    return fig
+    return _head_phase_layout(fig, pa, frame, title, len(layers))
 
 
 # --------------------------------------------------------------------------- per-phase accuracy
@@ -142,6 +154,61 @@ def _series_items(where: str, series: Any) -> list[tuple[str, pd.DataFrame]]:
     return [(str(k), v) for k, v in series.items()]
 
 
+def _curve_style(label: str, color: str, dash: str, symbol: str) -> dict[str, Any]:
+    """Trace settings of a series' accuracy curve (the legend entry of its group)."""
+    return dict(
+        mode="lines+markers",
+        name=label,
+        legendgroup=label,
+        line=dict(color=color, dash=dash, width=2),
+        marker=dict(symbol=symbol, size=7, color=color),
+    )
+
+
+def _mean_style(label: str, color: str) -> dict[str, Any]:
+    """Trace settings of a series' dotted mean line."""
+    return dict(
+        mode="lines",
+        name=f"{label} mean",
+        legendgroup=label,
+        line=dict(color=color, dash=MEAN_DASH, width=1.5),
+    )
+
+
+def _accuracy_traces(label: str, i: int, c: dict[str, Any], d: int) -> list[go.Scatter]:
+    """One series of :func:`per_phase_accuracy`: [band,] line, mean."""
+    color, dash, symbol = _style(label, i)
+    traces = []
+    if c["lo"] is not None:
+        keep = np.isfinite(c["lo"]) & np.isfinite(c["hi"])
+        x = c["phase"][keep]
+        traces.append(
+            go.Scatter(
+                x=np.r_[x, x[::-1]],
+                y=np.r_[c["hi"][keep], c["lo"][keep][::-1]],
+                **_band_style(label, color),
+            )
+        )
+    custom = np.c_[c["lo"], c["hi"]] if c["lo"] is not None else np.full((len(c["acc"]), 2), np.nan)
+    line = go.Scatter(
+        x=c["phase"],
+        y=c["acc"],
+        customdata=custom,
+        hovertemplate=(
+            f"{label}<br>phase %{{x}}<br>accuracy %{{y:.3f}}"
+            "<br>95% CI [%{customdata[0]:.3f}, %{customdata[1]:.3f}]<extra></extra>"
+        ),
+        **_curve_style(label, color, dash, symbol),
+    )
+    mean = go.Scatter(
+        x=[-0.5, d - 0.5],
+        y=[c["mean"], c["mean"]],
+        hovertemplate=f"{label}<br>mean accuracy %{{y:.3f}}<extra></extra>",
+        **_mean_style(label, color),
+    )
+    return [*traces, line, mean]
+
+
 def per_phase_accuracy(
     series: Mapping[str, pd.DataFrame],
     stride: int,
@@ -165,53 +232,51 @@ def per_phase_accuracy(
     d = _check_stride(where, stride)
     fig = go.Figure()
     for i, (label, frame) in enumerate(_series_items(where, series)):
-        c = _phase_curve(where, label, frame, d)
-        color, dash, symbol = _style(label, i)
-        if c["lo"] is not None:
-            keep = np.isfinite(c["lo"]) & np.isfinite(c["hi"])
-            x = c["phase"][keep]
-            fig.add_trace(
-                go.Scatter(
-                    x=np.r_[x, x[::-1]],
-                    y=np.r_[c["hi"][keep], c["lo"][keep][::-1]],
-                    **_band_style(label, color),
-                )
-            )
-        custom = (
-            np.c_[c["lo"], c["hi"]] if c["lo"] is not None else np.full((len(c["acc"]), 2), np.nan)
-        )
-        fig.add_trace(
-            go.Scatter(
-                x=c["phase"],
-                y=c["acc"],
-                mode="lines+markers",
-                name=label,
-                legendgroup=label,
-                line=dict(color=color, dash=dash, width=2),
-                marker=dict(symbol=symbol, size=7, color=color),
-                customdata=custom,
-                hovertemplate=(
-                    f"{label}<br>phase %{{x}}<br>accuracy %{{y:.3f}}"
-                    "<br>95% CI [%{customdata[0]:.3f}, %{customdata[1]:.3f}]<extra></extra>"
-                ),
-            )
-        )
-        fig.add_trace(
-            go.Scatter(
-                x=[-0.5, d - 0.5],
-                y=[c["mean"], c["mean"]],
-                mode="lines",
-                name=f"{label} mean",
-                legendgroup=label,
-                line=dict(color=color, dash=MEAN_DASH, width=1.5),
-                hovertemplate=f"{label}<br>mean accuracy %{{y:.3f}}<extra></extra>",
-            )
-        )
+        for trace in _accuracy_traces(label, i, _phase_curve(where, label, frame, d), d):
+            fig.add_trace(trace)
     fig.update_xaxes(title_text="needle phase", tickvals=list(range(d)), range=[-0.5, d - 0.5])
     fig.update_yaxes(title_text="held-out accuracy")
     return apply_template(
         fig, width, height, title or f"Accuracy by phase (stride {d}); dotted: mean"
     )
+
+
+def _polar_traces(
+    label: str, i: int, c: dict[str, Any], d: int
+) -> tuple[list[go.Scatterpolar], float]:
+    """One series of :func:`per_phase_polar` ([band,] loop, mean circle) and its largest
+    radius."""
+    color, dash, symbol = _style(label, i)
+    theta = c["phase"] * 360.0 / d
+    traces, rmax = [], 0.0
+    if c["lo"] is not None:
+        keep = np.isfinite(c["lo"]) & np.isfinite(c["hi"])
+        t, lo, hi = theta[keep], c["lo"][keep], c["hi"][keep]
+        # outer loop, then inner loop backwards: a ring
+        traces.append(
+            go.Scatterpolar(
+                theta=np.r_[t, t[:1], t[:1], t[::-1]],
+                r=np.r_[hi, hi[:1], lo[:1], lo[::-1]],
+                **_band_style(label, color),
+            )
+        )
+        rmax = float(np.nanmax(hi, initial=0.0))
+    ok = np.isfinite(c["acc"])
+    t, r = theta[ok], c["acc"][ok]
+    loop = go.Scatterpolar(
+        theta=np.r_[t, t[:1]],
+        r=np.r_[r, r[:1]],
+        hovertemplate=f"{label}<br>accuracy %{{r:.3f}}<extra></extra>",
+        **_curve_style(label, color, dash, symbol),
+    )
+    circle = np.linspace(0.0, 360.0, 121)
+    mean = go.Scatterpolar(
+        theta=circle,
+        r=np.full(len(circle), c["mean"]),
+        hovertemplate=f"{label}<br>mean accuracy %{{r:.3f}}<extra></extra>",
+        **_mean_style(label, color),
+    )
+    return [*traces, loop, mean], max(rmax, float(np.nanmax(r, initial=0.0)))
 
 
 def per_phase_polar(
@@ -230,50 +295,12 @@ def per_phase_polar(
     where = "per_phase_polar"
     d = _check_stride(where, stride)
     fig = go.Figure()
-    circle = np.linspace(0.0, 360.0, 121)
     rmax = 0.0
     for i, (label, frame) in enumerate(_series_items(where, series)):
-        c = _phase_curve(where, label, frame, d)
-        color, dash, symbol = _style(label, i)
-        ok = np.isfinite(c["acc"])
-        theta = c["phase"] * 360.0 / d
-        if c["lo"] is not None:
-            keep = np.isfinite(c["lo"]) & np.isfinite(c["hi"])
-            t, lo, hi = theta[keep], c["lo"][keep], c["hi"][keep]
-            # outer loop, then inner loop backwards: a ring
-            fig.add_trace(
-                go.Scatterpolar(
-                    theta=np.r_[t, t[:1], t[:1], t[::-1]],
-                    r=np.r_[hi, hi[:1], lo[:1], lo[::-1]],
-                    **_band_style(label, color),
-                )
-            )
-            rmax = max(rmax, float(np.nanmax(hi, initial=0.0)))
-        t, r = theta[ok], c["acc"][ok]
-        fig.add_trace(
-            go.Scatterpolar(
-                theta=np.r_[t, t[:1]],
-                r=np.r_[r, r[:1]],
-                mode="lines+markers",
-                name=label,
-                legendgroup=label,
-                line=dict(color=color, dash=dash, width=2),
-                marker=dict(symbol=symbol, size=7, color=color),
-                hovertemplate=f"{label}<br>accuracy %{{r:.3f}}<extra></extra>",
-            )
-        )
-        fig.add_trace(
-            go.Scatterpolar(
-                theta=circle,
-                r=np.full(len(circle), c["mean"]),
-                mode="lines",
-                name=f"{label} mean",
-                legendgroup=label,
-                line=dict(color=color, dash=MEAN_DASH, width=1.5),
-                hovertemplate=f"{label}<br>mean accuracy %{{r:.3f}}<extra></extra>",
-            )
-        )
-        rmax = max(rmax, float(np.nanmax(r, initial=0.0)))
+        traces, top = _polar_traces(label, i, _phase_curve(where, label, frame, d), d)
+        for trace in traces:
+            fig.add_trace(trace)
+        rmax = max(rmax, top)
     fig.update_layout(
         polar=dict(
             angularaxis=dict(
@@ -293,10 +320,117 @@ def per_phase_polar(
     )
 
 
-# --------------------------------------------------------------------------- effect heatmap
+# --------------------------------------------------------------------------- attention pattern
 
 
-#: columns that select one analysis out of a tidy effects frame; several values = ambiguous
+def _check_keys(
+    where: str, pattern: Any, grid_offset: Any, key_positions: Sequence[int] | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(pattern, pos)``: the pattern as a float array and the position of every key column."""
+    a = np.asarray(pattern, dtype=float)
+    if a.ndim != 2 or 0 in a.shape:
+        raise ValueError(f"{where}: pattern has shape {a.shape}: expected [query_pos, key_pos]")
+    if isinstance(grid_offset, bool) or not isinstance(grid_offset, int | np.integer):
+        raise ValueError(f"{where}: grid_offset={grid_offset!r} is invalid: expected an int")
+    n_k = a.shape[1]
+    pos = np.arange(n_k) if key_positions is None else np.asarray(key_positions)
+    if pos.shape != (n_k,) or not np.issubdtype(pos.dtype, np.integer):
+        raise ValueError(
+            f"{where}: key_positions has shape {pos.shape}: expected {n_k} ints (one per key)"
+        )
+    return a, pos
+
+
+def _check_marks(where: str, needle: Any, query: Any, pos: np.ndarray, n_q: int) -> None:
+    if needle is not None and needle not in set(pos.tolist()):
+        raise ValueError(f"{where}: needle={needle!r} is not a key position")
+    if query is not None and not (
+        isinstance(query, int | np.integer) and not isinstance(query, bool) and 0 <= query < n_q
+    ):
+        raise ValueError(f"{where}: query={query!r} is not a row in 0..{n_q - 1}")
+
+
+def _pattern_traces(
+    a: np.ndarray, phase: np.ndarray, x: list[str], d: int
+) -> tuple[go.Heatmap, go.Heatmap]:
+    """The strip of key phases and the pattern under it."""
+    strip = go.Heatmap(
+        z=phase[None, :],
+        x=x,
+        y=["phase"],
+        colorscale=PHASE_SCALE,
+        zmin=0,
+        zmax=d - 1,
+        showscale=False,
+        hovertemplate="key %{x}<br>phase %{z}<extra></extra>",
+    )
+    weights = go.Heatmap(
+        z=a,
+        x=x,
+        y=[str(i) for i in range(a.shape[0])],
+        colorscale="Greys",
+        zmin=0.0,
+        colorbar=dict(title="attn", thickness=12, len=0.8, y=0.45),
+        hovertemplate="query %{y}<br>key %{x}<br>weight %{z:.4f}<extra></extra>",
+    )
+    return strip, weights
+
+
+#: needle and query boxes: vermilion stands out on the grey pattern and the blue chunk lines
+_MARK = dict(color="#D55E00", width=2)
+
+
+def _mark_needle(fig: go.Figure, j: int, x: list[str], phase: int, n_q: int) -> None:
+    fig.add_shape(
+        type="rect", x0=j - 0.5, x1=j + 0.5, y0=-0.5, y1=n_q - 0.5, line=_MARK, row=2, col=1
+    )
+    fig.add_annotation(  # above the phase strip, over the needle's column
+        x=x[j],
+        xref="x2",
+        y=1.0,
+        yref="paper",
+        yanchor="bottom",
+        text=f"needle (phase {phase})",
+        showarrow=False,
+        font=dict(size=10, color=_MARK["color"]),
+    )
+
+
+def _mark_query(fig: go.Figure, query: int, n_k: int) -> None:
+    fig.add_shape(
+        type="rect",
+        x0=-0.5,
+        x1=n_k - 0.5,
+        y0=query - 0.5,
+        y1=query + 0.5,
+        line=_MARK,
+        row=2,
+        col=1,
+    )
+    fig.add_annotation(
+        x=n_k - 0.5,
+        y=str(query),
+        text="query",
+        showarrow=False,
+        xanchor="left",
+        font=dict(size=10, color=_MARK["color"]),
+        row=2,
+        col=1,
+    )
+
+
+def _pattern_axes(fig: go.Figure, x: list[str]) -> None:
+    # at most ~24 key labels: a long context would print them on top of each other
+    step = max(1, math.ceil(len(x) / 24))
+    ticks = [x[j] for j in range(0, len(x), step)]
+    fig.update_xaxes(type="category", tickvals=ticks, row=2, col=1, title_text="key position")
+    fig.update_xaxes(type="category", showticklabels=False, ticks="", row=1, col=1)
+    fig.update_yaxes(showticklabels=False, ticks="", row=1, col=1)
+    fig.update_yaxes(
+        type="category", autorange="reversed", title_text="query position", row=2, col=1
+    )
+
+
 def attention_pattern_phases(
     pattern: Float[np.ndarray, "query key"],
     stride: int,
@@ -320,109 +454,29 @@ def attention_pattern_phases(
     """
     where = "attention_pattern_phases"
     d = _check_stride(where, stride)
-    a = np.asarray(pattern, dtype=float)
-    if a.ndim != 2 or 0 in a.shape:
-        raise ValueError(f"{where}: pattern has shape {a.shape}: expected [query_pos, key_pos]")
-    if isinstance(grid_offset, bool) or not isinstance(grid_offset, int | np.integer):
-        raise ValueError(f"{where}: grid_offset={grid_offset!r} is invalid: expected an int")
+    a, pos = _check_keys(where, pattern, grid_offset, key_positions)
     n_q, n_k = a.shape
-    pos = np.arange(n_k) if key_positions is None else np.asarray(key_positions)
-    if pos.shape != (n_k,) or not np.issubdtype(pos.dtype, np.integer):
-        raise ValueError(
-            f"{where}: key_positions has shape {pos.shape}: expected {n_k} ints (one per key)"
-        )
     phase = (pos - int(grid_offset)) % d
-    if needle is not None and needle not in set(pos.tolist()):
-        raise ValueError(f"{where}: needle={needle!r} is not a key position")
-    if query is not None and not (
-        isinstance(query, int | np.integer) and not isinstance(query, bool) and 0 <= query < n_q
-    ):
-        raise ValueError(f"{where}: query={query!r} is not a row in 0..{n_q - 1}")
+    _check_marks(where, needle, query, pos, n_q)
     x = [str(int(p)) for p in pos]
     fig = make_subplots(
         rows=2, cols=1, shared_xaxes=True, row_heights=[0.06, 0.94], vertical_spacing=0.02
     )
-    fig.add_trace(
-        go.Heatmap(
-            z=phase[None, :],
-            x=x,
-            y=["phase"],
-            colorscale=PHASE_SCALE,
-            zmin=0,
-            zmax=d - 1,
-            showscale=False,
-            hovertemplate="key %{x}<br>phase %{z}<extra></extra>",
-        ),
-        row=1,
-        col=1,
-    )
-    fig.add_trace(
-        go.Heatmap(
-            z=a,
-            x=x,
-            y=[str(i) for i in range(n_q)],
-            colorscale="Greys",
-            zmin=0.0,
-            colorbar=dict(title="attn", thickness=12, len=0.8, y=0.45),
-            hovertemplate="query %{y}<br>key %{x}<br>weight %{z:.4f}<extra></extra>",
-        ),
-        row=2,
-        col=1,
-    )
+    strip, weights = _pattern_traces(a, phase, x, d)
+    fig.add_trace(strip, row=1, col=1)
+    fig.add_trace(weights, row=2, col=1)
     for j in range(1, n_k):
         if phase[j] == 0:
             fig.add_vline(x=j - 0.5, line=dict(color="#56B4E9", width=1.5), row=2, col=1)
-    box = dict(color="#D55E00", width=2)
     if needle is not None:
         j = int(np.flatnonzero(pos == needle)[0])
-        fig.add_shape(
-            type="rect", x0=j - 0.5, x1=j + 0.5, y0=-0.5, y1=n_q - 0.5, line=box, row=2, col=1
-        )
-        fig.add_annotation(  # above the phase strip, over the needle's column
-            x=x[j],
-            xref="x2",
-            y=1.0,
-            yref="paper",
-            yanchor="bottom",
-            text=f"needle (phase {phase[j]})",
-            showarrow=False,
-            font=dict(size=10, color=box["color"]),
-        )
+        _mark_needle(fig, j, x, phase[j], n_q)
     if query is not None:
-        fig.add_shape(
-            type="rect",
-            x0=-0.5,
-            x1=n_k - 0.5,
-            y0=query - 0.5,
-            y1=query + 0.5,
-            line=box,
-            row=2,
-            col=1,
-        )
-        fig.add_annotation(
-            x=n_k - 0.5,
-            y=str(query),
-            text="query",
-            showarrow=False,
-            xanchor="left",
-            font=dict(size=10, color=box["color"]),
-            row=2,
-            col=1,
-        )
-    step = max(1, math.ceil(n_k / 24))
-    ticks = [x[j] for j in range(0, n_k, step)]
-    fig.update_xaxes(type="category", tickvals=ticks, row=2, col=1, title_text="key position")
-    fig.update_xaxes(type="category", showticklabels=False, ticks="", row=1, col=1)
-    fig.update_yaxes(showticklabels=False, ticks="", row=1, col=1)
-    fig.update_yaxes(
-        type="category", autorange="reversed", title_text="query position", row=2, col=1
-    )
+        _mark_query(fig, query, n_k)
+    _pattern_axes(fig, x)
     return apply_template(
         fig,
         width,
         height or max(260, min(720, 120 + 10 * n_q)),
         title or f"Attention pattern with the chunk grid (stride {d}, offset {grid_offset})",
     )
-
-
-# --------------------------------------------------------------------------- theory

@@ -22,6 +22,38 @@ from phasemech.viz.style import (
 )
 
 
+def _metric_rows(where: str, metrics: Any) -> list[Mapping[str, Any]]:
+    """The evaluation rows of ``metrics`` (the ``"done"`` line dropped), by step."""
+    if isinstance(metrics, pd.DataFrame):
+        rows = metrics.to_dict("records")
+    elif isinstance(metrics, Sequence) and not isinstance(metrics, str):
+        rows = list(metrics)
+    else:
+        raise ValueError(f"{where}: metrics is a {type(metrics).__name__}: expected rows or frame")
+    for r in rows:
+        if not isinstance(r, Mapping):
+            raise ValueError(f"{where}: metrics row {r!r} is not a dict")
+    rows = [r for r in rows if r.get("event") != "done"]
+    for key in ("step", "accuracy_by_phase", "accuracy"):
+        if not rows or not all(key in r for r in rows):
+            raise ValueError(f"{where}: metrics rows lack key {key!r}")
+    return sorted(rows, key=lambda r: r["step"])
+
+
+def _accuracy_by_phase(where: str, rows: list[Mapping[str, Any]], d: int) -> np.ndarray:
+    """``[step, phase]`` accuracies; a missing value (``None``) is NaN: a gap in its line."""
+    by = []
+    for r in rows:
+        v = r["accuracy_by_phase"]
+        if len(v) != d:
+            raise ValueError(
+                f"{where}: accuracy_by_phase at step {r['step']} has {len(v)} values, "
+                f"not stride={d}"
+            )
+        by.append([math.nan if x is None else float(x) for x in v])
+    return np.array(by, dtype=float)
+
+
 def training_dynamics(
     metrics: Sequence[Mapping[str, Any]] | pd.DataFrame,
     stride: int,
@@ -39,31 +71,9 @@ def training_dynamics(
     """
     where = "training_dynamics"
     d = _check_stride(where, stride)
-    if isinstance(metrics, pd.DataFrame):
-        rows = metrics.to_dict("records")
-    elif isinstance(metrics, Sequence) and not isinstance(metrics, str):
-        rows = list(metrics)
-    else:
-        raise ValueError(f"{where}: metrics is a {type(metrics).__name__}: expected rows or frame")
-    for r in rows:
-        if not isinstance(r, Mapping):
-            raise ValueError(f"{where}: metrics row {r!r} is not a dict")
-    rows = [r for r in rows if r.get("event") != "done"]
-    for key in ("step", "accuracy_by_phase", "accuracy"):
-        if not rows or not all(key in r for r in rows):
-            raise ValueError(f"{where}: metrics rows lack key {key!r}")
-    rows = sorted(rows, key=lambda r: r["step"])
+    rows = _metric_rows(where, metrics)
     steps = np.array([r["step"] for r in rows])
-    by = []
-    for r in rows:
-        v = r["accuracy_by_phase"]
-        if len(v) != d:
-            raise ValueError(
-                f"{where}: accuracy_by_phase at step {r['step']} has {len(v)} values, "
-                f"not stride={d}"
-            )
-        by.append([math.nan if x is None else float(x) for x in v])
-    acc = np.array(by, dtype=float)  # [step, phase]
+    acc = _accuracy_by_phase(where, rows, d)
     colors = pcolors.sample_colorscale(PHASE_SCALE, [p / max(1, d - 1) for p in range(d)])
     fig = go.Figure()
     for p in range(d):
@@ -91,6 +101,3 @@ def training_dynamics(
     fig.update_xaxes(title_text="training step")
     fig.update_yaxes(title_text="held-out accuracy")
     return apply_template(fig, width, height, title or f"Accuracy by phase during training (d={d})")
-
-
-# --------------------------------------------------------------------------- token pattern

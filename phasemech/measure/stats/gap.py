@@ -41,7 +41,6 @@ def _phase_gap(
     alpha: float,
     n_depth_bins: int,
 ) -> dict:
-    d = t.stride
     # Independent streams, so changing n_perm does not move the bootstrap draws and vice versa.
     perm_rng, split_rng, boot_rng = (
         np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(3)
@@ -52,70 +51,10 @@ def _phase_gap(
     seen = n > 0
     argmax = int(np.argmax(np.where(seen, p, -np.inf)))
     argmin = int(np.argmin(np.where(seen, p, np.inf)))
-
-    # Permutation null: shuffling phase labels within a (seed, depth bin) stratum keeps each
-    # stratum's phase counts and number correct, so a phase's correct count is the sum over
-    # strata of a multivariate hypergeometric draw: exact, and no target-level shuffling.
-    null_median = null_p95 = p_perm = math.nan
-    if n_perm:
-        stratum = t.seed * n_depth_bins + _depth_bins(t.depth, n_depth_bins)
-        k_perm = np.zeros((n_perm, d))  # (B, d)
-        for s in np.unique(stratum):
-            rows = stratum == s
-            colors = np.bincount(t.phase[rows], minlength=d)
-            k_perm += perm_rng.multivariate_hypergeometric(
-                colors, int(t.correct[rows].sum()), size=n_perm
-            )
-        null = _gap(_ratio(k_perm, n))
-        null_median, null_p95 = (float(q) for q in np.quantile(null, [0.5, 0.95]))
-        # 1e-12: equal gaps differ by round-off; ties count against the observed gap.
-        p_perm = float((1 + np.sum(null >= raw - 1e-12)) / (n_perm + 1))
-
-    # Split-sample gap on halves of the sequences (clusters never straddle halves).
+    null_median, null_p95, p_perm = _permutation_null(t, n, raw, n_perm, n_depth_bins, perm_rng)
     kc, nc = t.cluster_counts()  # (C, d)
-    masks = _half_masks(split_rng, t.cluster_seed, n_splits).astype(float)  # (splits, C)
-    k_a, n_a = masks @ kc, masks @ nc
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        debiased = float(np.nanmean(_split_gap(k_a, n_a, k - k_a, n - n_a)))
-
-    # Its cluster bootstrap: each replicate reweights clusters and is split afresh. Only
-    # n_inner = 2 splits per replicate, to keep the cost down; their mean varies more than a
-    # mean over n_splits splits, by E[Var(gap | data)] * (1/n_inner - 1/n_splits) (law of
-    # total variance). That split variance is estimated from the spread of the inner splits
-    # and the replicates are shrunk about their mean to remove it; left in, it made the
-    # interval ~1.7x too wide (d=8, 500 targets per phase, no phase effect).
-    lo = hi = math.nan
-    if n_boot:
-        n_inner = min(n_splits, 2)
-        w = _cluster_weights(boot_rng, t.cluster_seed, n_boot).astype(float)  # (B, C)
-        k_w, n_w = w @ kc, w @ nc  # (B, d)
-        inner = np.empty((n_inner, n_boot))
-        for j in range(n_inner):
-            wa = w * _half_masks(boot_rng, t.cluster_seed, n_boot)  # (B, C)
-            k_a, n_a = wa @ kc, wa @ nc
-            inner[j] = _split_gap(k_a, n_a, k_w - k_a, n_w - n_a)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)
-            reps = np.nanmean(inner, axis=0)  # (B,)
-            if n_inner < n_splits:
-                split_var = np.nanmean(np.var(inner, axis=0, ddof=1))
-                total_var = np.nanvar(reps)
-                excess = split_var * (1 / n_inner - 1 / n_splits)
-                if total_var > 0:
-                    shrink = math.sqrt(max(total_var - excess, 0.0) / total_var)
-                    reps = np.nanmean(reps) + shrink * (reps - np.nanmean(reps))
-        lo, hi = (float(v) for v in _percentile_ci(reps, alpha))
-
-    # First harmonic with its noise floor removed: E|A_1|^2 = |true A_1|^2 + E_noise under
-    # independent targets, E_noise = (4 / d^2) p_bar (1 - p_bar) sum_phi 1 / n_phi, which is
-    # 4 p_bar (1 - p_bar) / (d n) for equal counts n.
-    p2p = math.nan
-    if seen.all():
-        a1 = (2 / d) * abs((p * np.exp(-2j * np.pi * np.arange(d) / d)).sum())
-        p_bar = k.sum() / n.sum()
-        noise = 4 / d**2 * p_bar * (1 - p_bar) * (1 / n).sum()
-        p2p = float(2 * math.sqrt(max(a1**2 - noise, 0.0)))
+    debiased = _split_sample_gap(t, k, n, kc, nc, n_splits, split_rng)
+    lo, hi = _bootstrap_split_gap(t, kc, nc, n_boot, n_splits, alpha, boot_rng)
     return {
         "raw_gap": raw,
         "argmax_phase": argmax,
@@ -126,10 +65,112 @@ def _phase_gap(
         "debiased_gap": debiased,
         "debiased_lo": lo,
         "debiased_hi": hi,
-        "harmonic_p2p": p2p,
+        "harmonic_p2p": _harmonic_p2p(k, n, p, t.stride),
         "n_perm": n_perm,
         "n_boot": n_boot,
     }
+
+
+def _permutation_null(
+    t: _Targets,
+    n: np.ndarray,
+    raw: float,
+    n_perm: int,
+    n_depth_bins: int,
+    rng: np.random.Generator,
+) -> tuple[float, float, float]:
+    """``(null_median, null_p95, p_perm)`` of the raw gap; NaN when ``n_perm == 0``.
+
+    Shuffling phase labels within a (seed, depth bin) stratum keeps each stratum's phase counts
+    and number correct, so a phase's correct count is the sum over strata of a multivariate
+    hypergeometric draw: exact, and no target-level shuffling.
+    """
+    if not n_perm:
+        return math.nan, math.nan, math.nan
+    stratum = t.seed * n_depth_bins + _depth_bins(t.depth, n_depth_bins)
+    k_perm = np.zeros((n_perm, t.stride))  # (B, d)
+    for s in np.unique(stratum):
+        rows = stratum == s
+        colors = np.bincount(t.phase[rows], minlength=t.stride)
+        k_perm += rng.multivariate_hypergeometric(colors, int(t.correct[rows].sum()), size=n_perm)
+    null = _gap(_ratio(k_perm, n))
+    null_median, null_p95 = (float(q) for q in np.quantile(null, [0.5, 0.95]))
+    # 1e-12: equal gaps differ by round-off; ties count against the observed gap.
+    p_perm = float((1 + np.sum(null >= raw - 1e-12)) / (n_perm + 1))
+    return null_median, null_p95, p_perm
+
+
+def _split_sample_gap(
+    t: _Targets,
+    k: np.ndarray,
+    n: np.ndarray,
+    kc: np.ndarray,
+    nc: np.ndarray,
+    n_splits: int,
+    rng: np.random.Generator,
+) -> float:
+    """The split-sample gap on halves of the sequences (clusters never straddle halves)."""
+    masks = _half_masks(rng, t.cluster_seed, n_splits).astype(float)  # (splits, C)
+    k_a, n_a = masks @ kc, masks @ nc
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return float(np.nanmean(_split_gap(k_a, n_a, k - k_a, n - n_a)))
+
+
+def _bootstrap_split_gap(
+    t: _Targets,
+    kc: np.ndarray,
+    nc: np.ndarray,
+    n_boot: int,
+    n_splits: int,
+    alpha: float,
+    rng: np.random.Generator,
+) -> tuple[float, float]:
+    """Cluster-bootstrap interval of the split-sample gap; NaN when ``n_boot == 0``.
+
+    Each replicate reweights clusters and is split afresh. Only n_inner = 2 splits per
+    replicate, to keep the cost down; their mean varies more than a mean over n_splits splits,
+    by E[Var(gap | data)] * (1/n_inner - 1/n_splits) (law of total variance). That split
+    variance is estimated from the spread of the inner splits and the replicates are shrunk
+    about their mean to remove it; left in, it made the interval ~1.7x too wide (d=8, 500
+    targets per phase, no phase effect).
+    """
+    if not n_boot:
+        return math.nan, math.nan
+    n_inner = min(n_splits, 2)
+    w = _cluster_weights(rng, t.cluster_seed, n_boot).astype(float)  # (B, C)
+    k_w, n_w = w @ kc, w @ nc  # (B, d)
+    inner = np.empty((n_inner, n_boot))
+    for j in range(n_inner):
+        wa = w * _half_masks(rng, t.cluster_seed, n_boot)  # (B, C)
+        k_a, n_a = wa @ kc, wa @ nc
+        inner[j] = _split_gap(k_a, n_a, k_w - k_a, n_w - n_a)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        reps = np.nanmean(inner, axis=0)  # (B,)
+        if n_inner < n_splits:
+            split_var = np.nanmean(np.var(inner, axis=0, ddof=1))
+            total_var = np.nanvar(reps)
+            excess = split_var * (1 / n_inner - 1 / n_splits)
+            if total_var > 0:
+                shrink = math.sqrt(max(total_var - excess, 0.0) / total_var)
+                reps = np.nanmean(reps) + shrink * (reps - np.nanmean(reps))
+    lo, hi = (float(v) for v in _percentile_ci(reps, alpha))
+    return lo, hi
+
+
+def _harmonic_p2p(k: np.ndarray, n: np.ndarray, p: np.ndarray, d: int) -> float:
+    """``2 |A_1|`` with its noise floor removed; NaN if a phase has no target.
+
+    E|A_1|^2 = |true A_1|^2 + E_noise under independent targets, E_noise = (4 / d^2) p_bar
+    (1 - p_bar) sum_phi 1 / n_phi, which is 4 p_bar (1 - p_bar) / (d n) for equal counts n.
+    """
+    if not (n > 0).all():
+        return math.nan
+    a1 = (2 / d) * abs((p * np.exp(-2j * np.pi * np.arange(d) / d)).sum())
+    p_bar = k.sum() / n.sum()
+    noise = 4 / d**2 * p_bar * (1 - p_bar) * (1 / n).sum()
+    return float(2 * math.sqrt(max(a1**2 - noise, 0.0)))
 
 
 def phase_gap(
@@ -209,6 +250,10 @@ def design_guard(df: pd.DataFrame, stride: int, n_bins: int = 5) -> dict:
     return _design_guard(t, check_int("design_guard", "n_bins", n_bins, 1))
 
 
+#: the quantities :func:`compare_gaps` gives a bootstrap interval for
+_CI_KEYS = ("accuracy_diff", "gap_other", "reduction")
+
+
 def compare_gaps(
     baseline: pd.DataFrame,
     other: pd.DataFrame,
@@ -237,6 +282,30 @@ def compare_gaps(
     n_boot = check_int(where, "n_boot", n_boot, 0)
     n_splits = check_int(where, "n_splits", n_splits, 1)
     alpha = _check_alpha(where, alpha)
+    ka, na, kb, nb = _paired_counts(baseline, other, stride, where)
+    split_rng, boot_rng = (np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(2))
+    acc_a, gap_a = _point_split_gap(ka, na, n_splits, split_rng)
+    acc_b, gap_b = _point_split_gap(kb, nb, n_splits, split_rng)
+    out = {
+        "accuracy_baseline": acc_a,
+        "accuracy_other": acc_b,
+        "accuracy_diff": acc_b - acc_a,
+        "gap_baseline": gap_a,
+        "gap_other": gap_b,
+        "reduction": 1 - gap_b / gap_a if gap_a > 0 else math.nan,
+        "n_boot": n_boot,
+    }
+    if not n_boot:
+        return out | {f"{key}_{end}": math.nan for key in _CI_KEYS for end in ("lo", "hi")}
+    reps = _paired_bootstrap(ka, na, kb, nb, n_boot, boot_rng)
+    return out | _paired_intervals(reps, out["reduction"], alpha)
+
+
+def _paired_counts(
+    baseline: pd.DataFrame, other: pd.DataFrame, stride: int, where: str
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Check both frames; ``k, n`` per (seed, content, phase) of each, ``(S, C, d)``, with
+    content codes shared by the two frames."""
     cols = ("correct", "phase", "seq_id")
     ta = _load(baseline, stride, f"{where} (baseline)", cols)
     tb = _load(other, stride, f"{where} (other)", cols)
@@ -249,73 +318,77 @@ def compare_gaps(
     codes, uniq = pd.factorize(pd.concat([baseline["seq_id"], other["seq_id"]]), sort=True)
     ca, cb = codes[: len(baseline)], codes[len(baseline) :]
     n_contents = len(uniq)
-    ka, na = _content_seed_counts(ta, ca)
-    kb, nb = _content_seed_counts(tb, cb)
-    ka = np.pad(ka, ((0, 0), (0, n_contents - ka.shape[1]), (0, 0)))
-    na = np.pad(na, ((0, 0), (0, n_contents - na.shape[1]), (0, 0)))
-    kb = np.pad(kb, ((0, 0), (0, n_contents - kb.shape[1]), (0, 0)))
-    nb = np.pad(nb, ((0, 0), (0, n_contents - nb.shape[1]), (0, 0)))
-    split_rng, boot_rng = (np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(2))
+    counts = [*_content_seed_counts(ta, ca), *_content_seed_counts(tb, cb)]
+    ka, na, kb, nb = (np.pad(x, ((0, 0), (0, n_contents - x.shape[1]), (0, 0))) for x in counts)
+    return ka, na, kb, nb
+
+
+def _split_gaps(
+    w_seed: np.ndarray, w_content: np.ndarray, k: np.ndarray, n: np.ndarray, masks: np.ndarray
+) -> np.ndarray:
+    """The split gap of each replicate: ``w_seed (B, S)``, ``w_content`` and ``masks (B, C)``,
+    counts ``k, n (S, C, d)``."""
+    full_k = np.einsum("bs,bc,scp->bp", w_seed, w_content, k)
+    full_n = np.einsum("bs,bc,scp->bp", w_seed, w_content, n)
+    half_k = np.einsum("bs,bc,scp->bp", w_seed, w_content * masks, k)
+    half_n = np.einsum("bs,bc,scp->bp", w_seed, w_content * masks, n)
+    return _split_gap(half_k, half_n, full_k - half_k, full_n - half_n)
+
+
+def _point_split_gap(
+    k: np.ndarray, n: np.ndarray, n_splits: int, rng: np.random.Generator
+) -> tuple[float, float]:
+    """``(accuracy, split gap averaged over n_splits random halves of the contents)``."""
+    # contents are split as one pool: the masks ignore seeds (every seed is split alike)
+    one_seed = np.zeros(k.shape[1], dtype=np.int64)
+    masks = _half_masks(rng, one_seed, n_splits).astype(float)
+    ones_s = np.ones((n_splits, k.shape[0]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        gap = float(np.nanmean(_split_gaps(ones_s, np.ones_like(masks), k, n, masks)))
+    return float(k.sum() / n.sum()), gap
+
+
+def _paired_bootstrap(
+    ka: np.ndarray,
+    na: np.ndarray,
+    kb: np.ndarray,
+    nb: np.ndarray,
+    n_boot: int,
+    rng: np.random.Generator,
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``[(accuracy, split gap)]`` replicates ``(B,)`` of baseline and other: contents drawn once
+    for both (they share the test set), seeds independently for each (different models)."""
+    n_contents = ka.shape[1]
     one_seed = np.zeros(n_contents, dtype=np.int64)
+    w_c = rng.multinomial(n_contents, np.full(n_contents, 1 / n_contents), size=n_boot).astype(
+        float
+    )
+    reps = []
+    for k, n in ((ka, na), (kb, nb)):
+        s = k.shape[0]
+        w_s = rng.multinomial(s, np.full(s, 1 / s), size=n_boot).astype(float)
+        gaps = [_split_gaps(w_s, w_c, k, n, _half_masks(rng, one_seed, n_boot)) for _ in range(2)]
+        acc = np.einsum("bs,bc,scp->b", w_s, w_c, k) / np.einsum("bs,bc,scp->b", w_s, w_c, n)
+        reps.append((acc, np.mean(gaps, axis=0)))
+    return reps
 
-    def split_gaps(w_seed: np.ndarray, w_content: np.ndarray, k, n, masks) -> np.ndarray:
-        # w_seed (B, S), w_content and masks (B, C): the split gap of each replicate
-        full_k = np.einsum("bs,bc,scp->bp", w_seed, w_content, k)
-        full_n = np.einsum("bs,bc,scp->bp", w_seed, w_content, n)
-        half_k = np.einsum("bs,bc,scp->bp", w_seed, w_content * masks, k)
-        half_n = np.einsum("bs,bc,scp->bp", w_seed, w_content * masks, n)
-        return _split_gap(half_k, half_n, full_k - half_k, full_n - half_n)
 
-    def point(k, n) -> tuple[float, float]:
-        masks = _half_masks(split_rng, one_seed, n_splits).astype(float)
-        ones_s = np.ones((n_splits, k.shape[0]))
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)
-            gap = float(np.nanmean(split_gaps(ones_s, np.ones_like(masks), k, n, masks)))
-        return float(k.sum() / n.sum()), gap
-
-    acc_a, gap_a = point(ka, na)
-    acc_b, gap_b = point(kb, nb)
-    out = {
-        "accuracy_baseline": acc_a,
-        "accuracy_other": acc_b,
-        "accuracy_diff": acc_b - acc_a,
-        "gap_baseline": gap_a,
-        "gap_other": gap_b,
-        "reduction": 1 - gap_b / gap_a if gap_a > 0 else math.nan,
-        "n_boot": n_boot,
-    }
-    lo = {k: math.nan for k in ("accuracy_diff", "gap_other", "reduction")}
-    hi = dict(lo)
-    if n_boot:
-        w_c = boot_rng.multinomial(
-            n_contents, np.full(n_contents, 1 / n_contents), size=n_boot
-        ).astype(float)
-        reps = {}
-        for name, k, n in (("a", ka, na), ("b", kb, nb)):
-            s = k.shape[0]
-            w_s = boot_rng.multinomial(s, np.full(s, 1 / s), size=n_boot).astype(float)
-            gaps = [
-                split_gaps(w_s, w_c, k, n, _half_masks(boot_rng, one_seed, n_boot))
-                for _ in range(2)
-            ]
-            acc = np.einsum("bs,bc,scp->b", w_s, w_c, k) / np.einsum("bs,bc,scp->b", w_s, w_c, n)
-            reps[name] = (acc, np.mean(gaps, axis=0))
-        with np.errstate(divide="ignore", invalid="ignore"):
-            red = np.where(reps["a"][1] > 0, 1 - reps["b"][1] / reps["a"][1], np.nan)
-        # a replicate without a positive baseline gap has no reduction: the interval is
-        # conditional on the others, so say how many were left out
-        out["reduction_dropped"] = float(np.mean(np.isnan(red)))
-        if not np.isfinite(out["reduction"]):
-            red = np.full_like(red, np.nan)
-        for key, x in (
-            ("accuracy_diff", reps["b"][0] - reps["a"][0]),
-            ("gap_other", reps["b"][1]),
-            ("reduction", red),
-        ):
-            lo[key], hi[key] = (float(v) for v in _percentile_ci(x, alpha))
-    for key in lo:
-        out[f"{key}_lo"], out[f"{key}_hi"] = lo[key], hi[key]
+def _paired_intervals(
+    reps: list[tuple[np.ndarray, np.ndarray]], reduction: float, alpha: float
+) -> dict:
+    """``reduction_dropped`` and the percentile intervals ``{key}_lo, {key}_hi`` of
+    ``_CI_KEYS`` from the baseline and other replicates of :func:`_paired_bootstrap`."""
+    (acc_a, gap_a), (acc_b, gap_b) = reps
+    with np.errstate(divide="ignore", invalid="ignore"):
+        red = np.where(gap_a > 0, 1 - gap_b / gap_a, np.nan)
+    # a replicate without a positive baseline gap has no reduction: the interval is
+    # conditional on the others, so say how many were left out
+    out = {"reduction_dropped": float(np.mean(np.isnan(red)))}
+    if not np.isfinite(reduction):
+        red = np.full_like(red, np.nan)
+    for key, x in zip(_CI_KEYS, (acc_b - acc_a, gap_b, red), strict=True):
+        out[f"{key}_lo"], out[f"{key}_hi"] = (float(v) for v in _percentile_ci(x, alpha))
     return out
 
 

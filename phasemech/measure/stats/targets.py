@@ -76,75 +76,15 @@ def _load(df: Any, stride: Any, where: str, columns: tuple[str, ...] = REQUIRED)
     """Check ``df`` (only the listed ``columns``; ``stride`` unless it is None) and flatten it."""
     if stride is not None:
         stride = check_int(where, "stride", stride, 2)
-    if not isinstance(df, pd.DataFrame):
-        raise ValueError(f"{where}: expected a pandas DataFrame, got {type(df).__name__}")
-    missing = [c for c in columns if c not in df.columns]
-    if missing:
-        raise ValueError(
-            f"{where}: missing column(s) {missing}; required: {list(columns)} "
-            f"(optional: 'seed'); got {list(df.columns)}"
-        )
-    if len(df) == 0:
-        raise ValueError(f"{where}: the frame is empty: need at least one evaluated target")
+    _check_frame(df, where, columns)
     n_rows = len(df)
-
-    correct = np.zeros(n_rows)
-    if "correct" in columns:
-        col = df["correct"]
-        num = pd.to_numeric(col, errors="coerce").astype(float).to_numpy()
-        bad = ~np.isin(num, (0.0, 1.0))  # also catches NaN / NA
-        if bad.any():
-            raise ValueError(
-                f"{where}: column 'correct' has value {_first_bad(col, bad)}: "
-                "allowed are bool or 0/1"
-            )
-        correct = num
-
-    phase = np.zeros(n_rows, dtype=np.int64)
-    if "phase" in columns:
-        col = df["phase"]
-        num = pd.to_numeric(col, errors="coerce").astype(float).to_numpy()
-        with np.errstate(invalid="ignore"):
-            bad = ~np.isfinite(num) | (num != np.round(num))
-        if bad.any():
-            raise ValueError(
-                f"{where}: column 'phase' has value {_first_bad(col, bad)}: phases must be ints"
-            )
-        if stride is not None:
-            bad = (num < 0) | (num >= stride)
-            if bad.any():
-                raise ValueError(
-                    f"{where}: column 'phase' has value {_first_bad(col, bad)} outside "
-                    f"[0, stride={stride}): allowed are ints 0..{stride - 1}"
-                )
-        phase = num.astype(np.int64)
-
-    depth = np.zeros(n_rows)
-    if "depth" in columns:
-        col = df["depth"]
-        num = pd.to_numeric(col, errors="coerce").astype(float).to_numpy()
-        with np.errstate(invalid="ignore"):
-            bad = ~np.isfinite(num) | (num < 0) | (num > 1)
-        if bad.any():
-            raise ValueError(
-                f"{where}: column 'depth' has value {_first_bad(col, bad)}: "
-                "allowed are floats in [0, 1]"
-            )
-        depth = num
-
-    seed = np.zeros(n_rows, dtype=np.int64)
-    if "seed" in df.columns:
-        bad = df["seed"].isna().to_numpy()
-        if bad.any():
-            raise ValueError(f"{where}: column 'seed' has {int(bad.sum())} missing value(s)")
-        seed = pd.factorize(df["seed"], sort=True)[0].astype(np.int64)
-
-    seq = np.zeros(n_rows, dtype=np.int64)
-    if "seq_id" in columns:
-        bad = df["seq_id"].isna().to_numpy()
-        if bad.any():
-            raise ValueError(f"{where}: column 'seq_id' has {int(bad.sum())} missing value(s)")
-        seq = pd.factorize(df["seq_id"], sort=True)[0].astype(np.int64)
+    correct = _correct_column(df, where) if "correct" in columns else np.zeros(n_rows)
+    phase = (
+        _phase_column(df, stride, where) if "phase" in columns else np.zeros(n_rows, dtype=np.int64)
+    )
+    depth = _depth_column(df, where) if "depth" in columns else np.zeros(n_rows)
+    seed = _codes(df, "seed", where) if "seed" in df.columns else np.zeros(n_rows, dtype=np.int64)
+    seq = _codes(df, "seq_id", where) if "seq_id" in columns else np.zeros(n_rows, dtype=np.int64)
     # A sequence is a (seed, seq_id) pair; sorting by seed first keeps each seed's clusters
     # contiguous, which the two-level bootstrap and the within-seed splits rely on.
     pair_key = seed * (int(seq.max()) + 1) + seq
@@ -159,6 +99,75 @@ def _load(df: Any, stride: Any, where: str, columns: tuple[str, ...] = REQUIRED)
         cluster_seed=cluster_seed.astype(np.int64),
         stride=0 if stride is None else stride,
     )
+
+
+def _check_frame(df: Any, where: str, columns: tuple[str, ...]) -> None:
+    if not isinstance(df, pd.DataFrame):
+        raise ValueError(f"{where}: expected a pandas DataFrame, got {type(df).__name__}")
+    missing = [c for c in columns if c not in df.columns]
+    if missing:
+        raise ValueError(
+            f"{where}: missing column(s) {missing}; required: {list(columns)} "
+            f"(optional: 'seed'); got {list(df.columns)}"
+        )
+    if len(df) == 0:
+        raise ValueError(f"{where}: the frame is empty: need at least one evaluated target")
+
+
+def _numeric(col: pd.Series) -> np.ndarray:
+    """The column as floats, NaN where an entry is not a number."""
+    return pd.to_numeric(col, errors="coerce").astype(float).to_numpy()
+
+
+def _correct_column(df: pd.DataFrame, where: str) -> np.ndarray:
+    col = df["correct"]
+    num = _numeric(col)
+    bad = ~np.isin(num, (0.0, 1.0))  # also catches NaN / NA
+    if bad.any():
+        raise ValueError(
+            f"{where}: column 'correct' has value {_first_bad(col, bad)}: allowed are bool or 0/1"
+        )
+    return num
+
+
+def _phase_column(df: pd.DataFrame, stride: int | None, where: str) -> np.ndarray:
+    col = df["phase"]
+    num = _numeric(col)
+    with np.errstate(invalid="ignore"):
+        bad = ~np.isfinite(num) | (num != np.round(num))
+    if bad.any():
+        raise ValueError(
+            f"{where}: column 'phase' has value {_first_bad(col, bad)}: phases must be ints"
+        )
+    if stride is not None:
+        bad = (num < 0) | (num >= stride)
+        if bad.any():
+            raise ValueError(
+                f"{where}: column 'phase' has value {_first_bad(col, bad)} outside "
+                f"[0, stride={stride}): allowed are ints 0..{stride - 1}"
+            )
+    return num.astype(np.int64)
+
+
+def _depth_column(df: pd.DataFrame, where: str) -> np.ndarray:
+    col = df["depth"]
+    num = _numeric(col)
+    with np.errstate(invalid="ignore"):
+        bad = ~np.isfinite(num) | (num < 0) | (num > 1)
+    if bad.any():
+        raise ValueError(
+            f"{where}: column 'depth' has value {_first_bad(col, bad)}: "
+            "allowed are floats in [0, 1]"
+        )
+    return num
+
+
+def _codes(df: pd.DataFrame, name: str, where: str) -> np.ndarray:
+    """Integer codes ``0..K-1`` of a label column, in sorted order of the labels."""
+    bad = df[name].isna().to_numpy()
+    if bad.any():
+        raise ValueError(f"{where}: column {name!r} has {int(bad.sum())} missing value(s)")
+    return pd.factorize(df[name], sort=True)[0].astype(np.int64)
 
 
 def _depth_bins(depth: np.ndarray, n_bins: int) -> np.ndarray:
