@@ -270,7 +270,6 @@ def _shape(r: dict) -> str:
 
 def claim_theory(src: Sources) -> str:
     t = src.theory
-    md = t["theory_md"]
     out = ["## 4. Gradient-flow theory", ""]
     out.append(
         "*Paper*: gradient flow of an idealized retrieval model favours sharp phase "
@@ -280,6 +279,39 @@ def claim_theory(src: Sources) -> str:
         "on every `make figures` (`phasemech theory`, `python analyses/theory_predictions.py`)."
     )
     out.append("")
+    lines, (held, failed) = _theory_model_lines(src.theory)
+    out += lines
+    lines, pooled = _theory_trained_lines(src)
+    out += lines
+    ranked = pooled is not None and pooled["p"] == pooled["p"] and pooled["p"] < 0.05
+    verdict = (
+        f"**{'Supported' if not failed and ranked else 'Partly supported'}**: "
+        f"{len(held)} of {len(t['checks'])} of the model's predictions hold in the idealized "
+        "model; "
+        + (
+            "trained models' weak phases follow the theory read off their own pooling weights "
+            f"(pooled p {pooled['p']:.2g})"
+            if ranked
+            else "trained models' weak phases are not significantly ranked by the theory"
+            if pooled is not None
+            else "trained models not compared"
+        )
+    )
+    out += [
+        "",
+        "Verdict (rule: every qualitative prediction holds, and the pooled rank test against "
+        "trained models has p < 0.05): " + verdict + ".",
+        "",
+        _fig(src, "theory_plateau", "theory_vs_trained"),
+    ]
+    return "\n".join(out)
+
+
+def _theory_model_lines(t: dict) -> tuple[list[str], tuple[list[str], list[str]]]:
+    """The theory model's own predictions, recomputed on this run, as report lines; and its
+    qualitative checks that held and that failed."""
+    md = t["theory_md"]
+    out: list[str] = []
     shifts = [r["critical_beta_over_d"] - r["log_n_minus_1"] for r in t["critical"]]
     crit = ", ".join(
         f"N={r['n_windows']}: {r['critical_beta_over_d']:.2f} vs {r['log_n_minus_1']:.2f}"
@@ -358,6 +390,12 @@ def claim_theory(src: Sources) -> str:
         + (f"; not reproduced: {'; '.join(failed)}" if failed else "")
         + "."
     )
+    return out, (held, failed)
+
+
+def _theory_trained_lines(src: Sources) -> tuple[list[str], dict | None]:
+    """Theory vs the recorded trained gated models: report lines and the pooled rank test."""
+    out: list[str] = []
     tt = _load_json(src.results / "theory_trained_default.json")
     pooled = None
     if tt:
@@ -410,28 +448,7 @@ def claim_theory(src: Sources) -> str:
                 "phasemech run theory_trained --profile default",
             )
         )
-    ranked = pooled is not None and pooled["p"] == pooled["p"] and pooled["p"] < 0.05
-    verdict = (
-        f"**{'Supported' if not failed and ranked else 'Partly supported'}**: "
-        f"{len(held)} of {len(t['checks'])} of the model's predictions hold in the idealized "
-        "model; "
-        + (
-            "trained models' weak phases follow the theory read off their own pooling weights "
-            f"(pooled p {pooled['p']:.2g})"
-            if ranked
-            else "trained models' weak phases are not significantly ranked by the theory"
-            if pooled is not None
-            else "trained models not compared"
-        )
-    )
-    out += [
-        "",
-        "Verdict (rule: every qualitative prediction holds, and the pooled rank test against "
-        "trained models has p < 0.05): " + verdict + ".",
-        "",
-        _fig(src, "theory_plateau", "theory_vs_trained"),
-    ]
-    return "\n".join(out)
+    return out, pooled
 
 
 def claim_evaluation(src: Sources) -> str:

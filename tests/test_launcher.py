@@ -131,3 +131,30 @@ def test_an_unreachable_cluster_fails_fast_and_names_the_address(tmp_path):
     with pytest.raises(ConnectionError, match=r"'127.0.0.1:1'.*ray start --head"):
         launch([EchoJob(1)], tmp_path, address="127.0.0.1:1", progress=False)
     assert not list(tmp_path.glob("*.json"))
+
+
+def test_each_running_job_gets_a_progress_row_with_its_own_eta():
+    from phasemech.core.progress import progress_bar
+    from phasemech.experiments.launcher import _Rows
+
+    a, b = EchoJob(1), EchoJob(2)
+    reports = {a.key: (3.0, 10.0)}
+    bar = progress_bar(disable=True)
+    rows = _Rows(bar, lambda: dict(reports), "2 jobs", 2)
+    rows.poll({"ref-a": a, "ref-b": b})
+    [row] = [t for t in bar.tasks if t.description.strip() == a.label]
+    assert (row.completed, row.total) == (3.0, 10.0)  # rich's ETA column reads these
+    reports[b.key] = (1.0, 4.0)
+    reports[a.key] = (7.0, 10.0)
+    rows.poll({"ref-a": a, "ref-b": b})
+    assert {t.description.strip(): t.completed for t in bar.tasks} == {
+        "2 jobs": 0,
+        a.label: 7.0,
+        b.label: 1.0,
+    }
+    rows.finish(a, failed=False)  # a finished job's row goes, the overall bar advances
+    assert {t.description.strip() for t in bar.tasks} == {"2 jobs", b.label}
+    assert bar.tasks[0].completed == 1
+    reports.pop(b.key)
+    rows.poll({"ref-b": b, "ref-c": EchoJob(3)})  # a job that never reports gets no row
+    assert len(bar.tasks) == 2

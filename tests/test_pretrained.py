@@ -123,6 +123,30 @@ def test_sweep_in_process_and_report(smol):
         run_sweep([Setting("x", CompressionConfig("mean", stride=8, window=8))], cfg, model=model)
 
 
+@needs_model
+def test_pretrained_experiment_on_the_launcher(tmp_path):
+    # the tiny profile as jobs on an embedded Ray: the same statistics the report reads, from
+    # chunks scored in worker processes that load the model once each
+    import json
+
+    from phasemech.experiments.experiment import run_experiment
+    from phasemech.experiments.pretrained import PRETRAINED, passkey_jobs
+
+    profile = PRETRAINED.profile("tiny")
+    jobs = passkey_jobs(profile)
+    assert [j.attention for j in jobs] == [True, True]  # one chunk per setting at this size
+    run = run_experiment(PRETRAINED, "tiny", tmp_path, num_cpus=2, progress=False)
+    assert not run.failures and run.ran == len(jobs)
+    summary = json.loads((run.folder / "summary.json").read_text())
+    assert [r["setting"] for r in summary["rows"]] == ["null", "route_d4_w32_k2_L2"]
+    assert summary["rows"][0]["accuracy"] == 1.0 and summary["prompts"] == 16
+    for name in ("targets", "attention", "summary", "per_phase"):
+        assert (run.folder / f"{name}.parquet").is_file()
+    assert (run.folder / "accuracy_by_phase.html").is_file()
+    again = run_experiment(PRETRAINED, "tiny", tmp_path, num_cpus=2, progress=False)
+    assert again.ran == 0 and again.cached == len(jobs)
+
+
 def test_mcnemar_pairs_counts_discordant_contents():
     # phase 0 always right; phase 1 wrong in 6 of 8 contents; phases 2, 3 like phase 0
     rows = []

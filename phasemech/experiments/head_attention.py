@@ -34,7 +34,7 @@ import pandas as pd
 
 from phasemech.core.io import atomic_write, json_safe, write_json_atomic, write_text_atomic
 from phasemech.experiments.experiment import Done, Experiment, Profile
-from phasemech.experiments.jobs import Job, payload, report_progress
+from phasemech.experiments.jobs import Job, job_device, payload, report_progress
 
 # torch and the model are imported inside the functions that use them: the CLI imports every
 # experiment just to list them, and importing torch costs seconds
@@ -125,6 +125,7 @@ def build_model(job: CopyTaskJob):
         normalization_type="LN",
         seed=job.seed,
         compression=CompressionConfig("gated", stride=job.stride, window=2 * job.stride),
+        device="cpu",  # initialised on the CPU everywhere; the job moves it to its device
     )
     return PhaseTransformer(cfg)
 
@@ -143,13 +144,16 @@ def train_copy_model(job: CopyTaskJob, workdir: Path):
     (from the last checkpoint in ``workdir`` if any) and saved there."""
     import torch
 
+    from phasemech.core.device import move
     from phasemech.model.transformer import PhaseTransformer
 
+    dev = job_device()
     final = workdir / MODEL_DIR
     if (final / "model.safetensors").is_file() and (workdir / LOSS_FILE).is_file():
-        return PhaseTransformer.load(final).eval(), json.loads((workdir / LOSS_FILE).read_text())
+        losses = json.loads((workdir / LOSS_FILE).read_text())
+        return move(PhaseTransformer.load(final), dev).eval(), losses
     torch.manual_seed(job.seed)
-    model = build_model(job)
+    model = move(build_model(job), dev)
     gen = torch.Generator().manual_seed(job.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.OneCycleLR(
@@ -160,7 +164,8 @@ def train_copy_model(job: CopyTaskJob, workdir: Path):
     losses = _restore(state, model, opt, sched, gen)
     model.train()
     for step in range(len(losses), job.steps):
-        tokens = copy_batch(gen, job.batch, job.half, job.vocab)
+        # drawn on the CPU generator: the same batches on any device
+        tokens = copy_batch(gen, job.batch, job.half, job.vocab).to(dev)
         loss = copy_loss(model, tokens, job.half, job.vocab)
         opt.zero_grad()
         loss.backward()
@@ -205,7 +210,7 @@ def _restore(path: Path, model, opt, sched, gen) -> list[float]:
 
     if not path.is_file():
         return []
-    state = torch.load(path, weights_only=True)
+    state = torch.load(path, weights_only=True, map_location="cpu")  # copied onto the model
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["optimizer"])
     sched.load_state_dict(state["scheduler"])
@@ -222,6 +227,7 @@ def measure(model, job: CopyTaskJob) -> dict[str, Any]:
     needle phase on ``eval_sequences`` fresh copy sequences, as column dicts."""
     import torch
 
+    from phasemech.core.device import model_device
     from phasemech.core.grid import phase_of
     from phasemech.model.phase import phase_attention
 
@@ -236,7 +242,7 @@ def measure(model, job: CopyTaskJob) -> dict[str, Any]:
     needle = (i + 1).expand(len(tokens), -1)
     pair_pa = phase_attention(model, tokens, query_pos=query, key_pos=needle)
     with torch.no_grad():
-        logits = model(tokens)
+        logits = model(tokens.to(model_device(model))).cpu()
     correct = logits[:, half + i].argmax(-1) == tokens[:, i + 1]
     phases = phase_of(i + 1, stride)
     rows = [

@@ -46,7 +46,7 @@ import pandas as pd
 
 from phasemech.core.io import atomic_write, json_safe, write_json_atomic, write_text_atomic
 from phasemech.experiments.experiment import Done, Experiment, Profile
-from phasemech.experiments.jobs import Job, TrainJob, report_progress, trained_run
+from phasemech.experiments.jobs import Job, TrainJob, job_device, report_progress, trained_run
 from phasemech.experiments.sweep import PROFILES as SWEEP_PROFILES
 from phasemech.experiments.sweep import train_jobs
 
@@ -132,7 +132,7 @@ class InterventionJob(Job):
         timings: dict[str, float] = {}
         # one BLAS thread: the workers already fill the cores
         with threadpool_limits(1):
-            model, cfg, model_dir = load_trained(trained_run(workdir, self.train))
+            model, cfg, model_dir = load_trained(trained_run(workdir, self.train), job_device())
             grid = reference_grid(cfg.compression)
             ds = balanced_test_set(cfg.task, self.sequences, self.test_seed)
             with _timed(timings, "ablation_s"):

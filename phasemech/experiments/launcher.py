@@ -230,7 +230,8 @@ def _run_all(todo, results, out, address, num_cpus, resources, progress):
             for job in todo
         }
         with progress_bar(Console(stderr=True), disable=not progress) as bar:
-            rows = _Rows(bar, board, f"{len(todo)} jobs", len(todo))
+            snapshot = None if board is None else lambda: ray.get(board.snapshot.remote())
+            rows = _Rows(bar, snapshot, f"{len(todo)} jobs", len(todo))
             while pending:
                 done, _ = ray.wait(list(pending), num_returns=1, timeout=0.5)
                 rows.poll(pending)
@@ -260,17 +261,16 @@ class _Rows:
     """The progress display: one bar over all jobs, plus one row per running job that reports
     progress (its own completed/total and ETA), removed when the job ends."""
 
-    def __init__(self, bar, board, what: str, total: int) -> None:
-        self.bar, self.board, self.rows = bar, board, {}
+    def __init__(self, bar, snapshot, what: str, total: int) -> None:
+        # snapshot(): {job key: (done, total)} of the jobs that reported (None: no rows)
+        self.bar, self.snapshot, self.rows = bar, snapshot, {}
         self.all = bar.add_task(what, total=total, item="")
 
     def poll(self, pending: dict) -> None:
-        if self.board is None:
+        if self.snapshot is None:
             return
-        import ray
-
         running = {job.key: job for job in pending.values()}
-        for key, (done, total) in ray.get(self.board.snapshot.remote()).items():
+        for key, (done, total) in self.snapshot().items():
             if key not in running:
                 continue
             if key not in self.rows:

@@ -32,7 +32,7 @@ from phasemech.core.config import CompressionConfig
 from phasemech.core.io import atomic_write, json_safe, write_json_atomic, write_text_atomic
 from phasemech.data.passkey import PasskeyTask
 from phasemech.experiments.experiment import Done, Experiment, Profile
-from phasemech.experiments.jobs import Job, report_progress
+from phasemech.experiments.jobs import Job, job_device, report_progress
 from phasemech.measure.pretrained import Scorer, Setting, SweepConfig, check_settings, report
 
 
@@ -102,8 +102,9 @@ class PasskeyJob(Job):
         return f"{self.setting.name} [{self.start}:{self.stop}]"
 
     def run(self, workdir: Path) -> dict[str, Any]:
-        if not _SCORER or _SCORER[0].model_name != self.sweep.model:
-            _SCORER[:] = [Scorer(model_name=self.sweep.model)]
+        dev = job_device()
+        if not _SCORER or (_SCORER[0].model_name, _SCORER[0].device) != (self.sweep.model, dev):
+            _SCORER[:] = [Scorer(model_name=self.sweep.model, device=dev)]
         ids = range(self.start, self.stop)
         scored, pa = _SCORER[0].score(self.setting, self.sweep, ids, self.attention)
         report_progress(1, 1)

@@ -27,7 +27,7 @@ import pandas as pd
 from phasemech.core.grid import phase_of
 from phasemech.core.io import atomic_write, json_safe, write_json_atomic
 from phasemech.experiments.experiment import Done, Experiment, Profile
-from phasemech.experiments.jobs import Job, TrainJob, scored_targets, trained_run
+from phasemech.experiments.jobs import Job, TrainJob, job_device, scored_targets, trained_run
 from phasemech.experiments.panels import PanelConfig
 from phasemech.experiments.sweep import PROFILES as SWEEP_PROFILES
 from phasemech.experiments.sweep import grids, train_jobs
@@ -77,7 +77,7 @@ class PanelJob(Job):
         from phasemech.interventions.ablation import AblationResult
 
         run = trained_run(workdir, self.train)
-        panel = model_panel(run, self.panel)
+        panel = model_panel(run, self.panel, device=job_device())
         panel["name"] = self.train.name
         folder = panel_dir(run, self.panel)
         effects = AblationResult.load(folder / "ablate").effects
@@ -110,7 +110,7 @@ class PatchJob(Job):
         from phasemech.interventions.patching_fast import patch_heads
         from phasemech.training.checkpoints import load_trained
 
-        model, cfg, _ = load_trained(trained_run(workdir, self.train))
+        model, cfg, _ = load_trained(trained_run(workdir, self.train), job_device())
         stride, offset = reference_grid(cfg.compression)
         p = self.panel
         ds = balanced_test_set(cfg.task, p.sequences, p.data_seed).shuffle(seed=0)

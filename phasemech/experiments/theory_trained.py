@@ -28,7 +28,14 @@ from phasemech.core.config import CompressionConfig
 from phasemech.core.io import atomic_write, json_safe, write_json_atomic, write_text_atomic
 from phasemech.data.tasks import MQARTask
 from phasemech.experiments.experiment import Done, Experiment, Profile
-from phasemech.experiments.jobs import Job, TrainJob, payload, scored_targets, trained_run
+from phasemech.experiments.jobs import (
+    Job,
+    TrainJob,
+    job_device,
+    payload,
+    scored_targets,
+    trained_run,
+)
 from phasemech.measure.learning import PLATEAU_EXIT, off_plateau
 from phasemech.training.config import ModelSpec, TrainConfig
 
@@ -132,7 +139,7 @@ class TheoryFitJob(Job):
         from phasemech.training.checkpoints import load_trained
 
         d = self.theory.d
-        model, cfg, model_dir = load_trained(trained_run(workdir, self.train))
+        model, cfg, model_dir = load_trained(trained_run(workdir, self.train), job_device())
         w = effective_weights(model, balanced_test_set(cfg.task, self.weight_sequences, seed=778))
         targets = scored_targets(self.train, self.result)
         targets = targets.assign(phase=targets["source_pos"] % d)

@@ -1,0 +1,5 @@
+"""``python -m phasemech.cli``."""
+
+from phasemech.cli import app
+
+app()
