@@ -124,27 +124,32 @@ def test_sweep_in_process_and_report(smol):
 
 
 @needs_model
-def test_pretrained_experiment_on_the_launcher(tmp_path):
-    # the tiny profile as jobs on an embedded Ray: the same statistics the report reads, from
-    # chunks scored in worker processes that load the model once each
+def test_pretrained_experiment_jobs_and_tables(tmp_path, smol, monkeypatch):
+    # the tiny profile's jobs and finish, run inline on the session's loaded model (the
+    # launcher itself is tested in test_launcher.py; a Ray start and a model load per worker
+    # would cost a minute here)
     import json
 
-    from phasemech.experiments.experiment import run_experiment
-    from phasemech.experiments.pretrained import PRETRAINED, passkey_jobs
+    from phasemech.experiments import pretrained as exp
+    from phasemech.experiments.experiment import Done
+    from phasemech.experiments.pretrained import PRETRAINED, finish, passkey_jobs
+    from phasemech.measure.pretrained import Scorer
 
     profile = PRETRAINED.profile("tiny")
+    monkeypatch.setattr(exp, "_SCORER", [Scorer(smol[2], profile.get("sweep").model)])
     jobs = passkey_jobs(profile)
     assert [j.attention for j in jobs] == [True, True]  # one chunk per setting at this size
-    run = run_experiment(PRETRAINED, "tiny", tmp_path, num_cpus=2, progress=False)
-    assert not run.failures and run.ran == len(jobs)
-    summary = json.loads((run.folder / "summary.json").read_text())
+    done = Done()
+    for job in jobs:
+        done.jobs[job.key] = job
+        done.results[job.key] = json.loads(json.dumps(job.run(tmp_path)))  # as the cache holds
+    summary = finish(profile, done, tmp_path / "out")
     assert [r["setting"] for r in summary["rows"]] == ["null", "route_d4_w32_k2_L2"]
     assert summary["rows"][0]["accuracy"] == 1.0 and summary["prompts"] == 16
     for name in ("targets", "attention", "summary", "per_phase"):
-        assert (run.folder / f"{name}.parquet").is_file()
-    assert (run.folder / "accuracy_by_phase.html").is_file()
-    again = run_experiment(PRETRAINED, "tiny", tmp_path, num_cpus=2, progress=False)
-    assert again.ran == 0 and again.cached == len(jobs)
+        assert (tmp_path / "out" / f"{name}.parquet").is_file()
+    assert (tmp_path / "out" / "accuracy_by_phase.html").is_file()
+    assert json.loads((tmp_path / "out" / "summary.json").read_text()) == summary
 
 
 def test_mcnemar_pairs_counts_discordant_contents():

@@ -74,7 +74,13 @@ def _profile(cfg: SweepConfig, settings: str) -> Profile:
 
 
 PROFILES = {
-    "tiny": _profile(SweepConfig(contents=2, n_boot=50, n_perm=50, attention_prompts=4), "tiny"),
+    # seconds: short prompts (48 filler tokens), 2 contents; the smoke test
+    "tiny": _profile(
+        SweepConfig(
+            task=PasskeyTask(context=48), contents=2, n_boot=50, n_perm=50, attention_prompts=4
+        ),
+        "tiny",
+    ),
     "default": _profile(SweepConfig(contents=200), "default"),
     # stride-8 prompts (balanced for d=4 too), 25 contents x 8 phases per setting
     "map": _profile(SweepConfig(task=PasskeyTask(stride=8), contents=25), "map"),
