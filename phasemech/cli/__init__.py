@@ -67,6 +67,27 @@ def _print_frame(df, title: str, floats: str = ".3f") -> None:
     console.print(table)
 
 
+def _load_model_and_data(
+    checkpoint: Path, data_path: Path | None, sequences: int, data_seed: int, device: torch.device
+):
+    """``(model on device, dataset, model folder)``; the dataset is the run's phase-balanced
+    test set unless ``--data`` (``data_path``) is given."""
+    from phasemech.data.tasks import balanced_test_set, load_dataset
+    from phasemech.training.checkpoints import load_trained
+
+    model, cfg, model_dir = load_trained(checkpoint, device)
+    if data_path is not None:
+        return model, load_dataset(data_path), model_dir
+    if cfg is None:
+        raise ValueError(f"{checkpoint} is not part of a training run: pass --data")
+    if sequences % cfg.task.stride:
+        raise ValueError(
+            f"--sequences {sequences} is invalid: the phase-balanced test set needs a multiple "
+            f"of the task's stride {cfg.task.stride}"
+        )
+    return model, balanced_test_set(cfg.task, sequences, data_seed), model_dir
+
+
 @app.command()
 def info() -> None:
     """Version and available compression designs."""

@@ -9,7 +9,7 @@ import torch
 import typer
 from rich.table import Table
 
-from phasemech.cli import DeviceOpt, _device, _fail, app, console
+from phasemech.cli import DeviceOpt, _device, _fail, _load_model_and_data, app, console
 from phasemech.model.phase import phase_attention
 
 
@@ -71,20 +71,13 @@ def eval_cmd(
     device: DeviceOpt = "auto",
 ) -> None:
     """Per-phase accuracy with the full statistics template (parquet + JSON)."""
-    from phasemech.data.tasks import balanced_test_set, load_dataset, task_of
+    from phasemech.data.tasks import task_of
     from phasemech.measure.evaluate import evaluate
-    from phasemech.training.checkpoints import load_trained
 
     dev = _device(device)
     torch.set_num_threads(1)
     try:
-        model, cfg, model_dir = load_trained(checkpoint, dev)
-        if data is not None:
-            ds = load_dataset(data)
-        elif cfg is not None:
-            ds = balanced_test_set(cfg.task, sequences, data_seed)
-        else:
-            raise ValueError(f"{checkpoint} is not part of a training run: pass --data")
+        model, ds, model_dir = _load_model_and_data(checkpoint, data, sequences, data_seed, dev)
         evaluation = evaluate(
             model,
             ds,

@@ -8,33 +8,22 @@ from typing import Annotated, Literal
 import torch
 import typer
 
-from phasemech.cli import DeviceOpt, _device, _fail, _layers, _print_frame, _split, app, console
+from phasemech.cli import (
+    DeviceOpt,
+    _device,
+    _fail,
+    _layers,
+    _load_model_and_data,
+    _print_frame,
+    _split,
+    app,
+    console,
+)
 from phasemech.core.config import SELECTING_DESIGNS
 from phasemech.interventions.ablation import METRICS as ABLATION_METRICS
 from phasemech.interventions.contrasts import CONTRASTS
 from phasemech.interventions.contrasts import METRICS as PATCH_METRICS
 from phasemech.interventions.patching import SITES
-
-
-def _load_for_intervention(
-    checkpoint: Path, data: Path | None, sequences: int, data_seed: int, device: torch.device
-):
-    """``(model on device, dataset, model folder)``; the dataset is the run's phase-balanced
-    test set unless ``--data`` is given."""
-    from phasemech.data.tasks import balanced_test_set, load_dataset
-    from phasemech.training.checkpoints import load_trained
-
-    model, cfg, model_dir = load_trained(checkpoint, device)
-    if data is not None:
-        return model, load_dataset(data), model_dir
-    if cfg is None:
-        raise ValueError(f"{checkpoint} is not part of a training run: pass --data")
-    if sequences % cfg.task.stride:
-        raise ValueError(
-            f"--sequences {sequences} is invalid: the phase-balanced test set needs a multiple "
-            f"of the task's stride {cfg.task.stride}"
-        )
-    return model, balanced_test_set(cfg.task, sequences, data_seed), model_dir
 
 
 @app.command()
@@ -66,7 +55,7 @@ def ablate(
     dev = _device(device)
     torch.set_num_threads(1)
     try:
-        model, ds, model_dir = _load_for_intervention(checkpoint, data, sequences, data_seed, dev)
+        model, ds, model_dir = _load_model_and_data(checkpoint, data, sequences, data_seed, dev)
         design = model.cfg.compression.design
         default = ["head"]
         if design != "none":
@@ -158,7 +147,7 @@ def _contrast_pairs(checkpoint, contrast, shift, pairs, data, data_seed, seed, d
     # enough balanced sequences for the pairs (a multiple of the task's stride)
     step = cfg.task.stride if cfg is not None else 1
     n_seq = -(-pairs // step) * step
-    model, ds, model_dir = _load_for_intervention(checkpoint, data, n_seq, data_seed, dev)
+    model, ds, model_dir = _load_model_and_data(checkpoint, data, n_seq, data_seed, dev)
     stride, offset = reference_grid(model.cfg.compression)
     ds = ds.shuffle(seed=seed)  # balanced sets come in blocks of one content
     made = make_contrast(
