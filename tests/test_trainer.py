@@ -137,7 +137,7 @@ def test_existing_run_needs_resume_and_a_matching_config(tmp_path):
     train(cfg, tmp_path / "r", progress=False)
     with pytest.raises(FileExistsError, match="resume"):
         train(cfg, tmp_path / "r", progress=False)
-    with pytest.raises(ValueError, match=r"lr: 0.001 \(saved\) != 0.002 \(given\)"):
+    with pytest.raises(ValueError, match=r"lr: 0.003 \(saved\) != 0.002 \(given\)"):
         train(dataclasses.replace(cfg, lr=2e-3), tmp_path / "r", resume=True, progress=False)
 
 
@@ -176,8 +176,15 @@ def test_early_stop_at_target_accuracy(tmp_path):
     assert info["stopped_early"] is True
 
 
+def test_constant_schedule_after_warmup():
+    cfg = tiny_config(steps=100, warmup_steps=10)
+    assert cfg.schedule == "constant"
+    assert lr_factor(0, cfg) == pytest.approx(0.1)
+    assert [lr_factor(s, cfg) for s in (9, 10, 55, 100)] == [pytest.approx(1.0)] * 4
+
+
 def test_learning_rate_schedule():
-    cfg = tiny_config(steps=100, warmup_steps=10, min_lr_ratio=0.1)
+    cfg = tiny_config(steps=100, warmup_steps=10, min_lr_ratio=0.1, schedule="cosine")
     assert lr_factor(0, cfg) == pytest.approx(0.1)
     assert lr_factor(9, cfg) == pytest.approx(1.0)
     assert lr_factor(10, cfg) == pytest.approx(1.0)
@@ -203,6 +210,7 @@ def test_training_reduces_the_loss(tmp_path):
         ("eval_sequences", 10, "multiple of the task stride"),
         ("checkpoint_every", 0, "checkpoint_every=0"),
         ("min_lr_ratio", 2.0, "min_lr_ratio=2.0"),
+        ("schedule", "linear", "schedule='linear'"),
     ],
 )
 def test_bad_train_config_is_refused(field, value, match):

@@ -32,6 +32,8 @@ def train(
     steps: PosInt = None,
     batch_size: PosInt = None,
     lr: float | None = None,
+    weight_decay: Annotated[float | None, typer.Option(min=0)] = None,
+    schedule: Annotated[Literal["constant", "cosine"] | None, typer.Option()] = None,
     warmup_steps: Annotated[int | None, typer.Option(min=0)] = None,
     eval_every: PosInt = None,
     eval_sequences: Annotated[
@@ -50,7 +52,8 @@ def train(
     flags = dict(
         design=design, stride=stride, window=window, layers=layers, offsets=offsets, heads=heads,
         d_model=d_model, n_layers=n_layers, seq_len=seq_len, pairs=pairs, jitter=jitter,
-        steps=steps, batch_size=batch_size, lr=lr, warmup_steps=warmup_steps,
+        steps=steps, batch_size=batch_size, lr=lr, weight_decay=weight_decay,
+        schedule=schedule, warmup_steps=warmup_steps,
         eval_every=eval_every, eval_sequences=eval_sequences, target_accuracy=target_accuracy,
         seed=seed, threads=threads,
     )  # fmt: skip
@@ -73,7 +76,6 @@ def _train_config(out: Path, config: Path | None, resume: bool, flags: dict):
     """The run's ``TrainConfig``: the ``--config`` file, else the run's own config when
     resuming, else the defaults; then the flags given on the command line."""
     import dataclasses
-    import math
 
     from phasemech.core.config import CompressionConfig
     from phasemech.training.checkpoints import CONFIG_NAME
@@ -101,9 +103,11 @@ def _train_config(out: Path, config: Path | None, resume: bool, flags: dict):
         comp["block_len"] = None
         if "window" not in f:
             comp["window"] = None
-        if task.stride % f["stride"]:
-            # keep phases balanced on the new grid: the task stride must be a multiple of it
-            task = dataclasses.replace(task, stride=math.lcm(task.stride, f["stride"]))
+        if task.stride != f["stride"] and not resume:
+            # the task's random prefix spans one stride: phases balanced on the model's grid with
+            # the least positional spread (a prefix spread over a wider stride than the model's
+            # keeps models on the loss plateau far longer, see docs/training.md)
+            task = dataclasses.replace(task, stride=f["stride"])
     if comp["design"] not in SELECTING_DESIGNS:
         comp["top_k"] = None
     if comp["design"] != "evict":
@@ -117,7 +121,8 @@ def _train_config(out: Path, config: Path | None, resume: bool, flags: dict):
         # the default held-out size (never set, or a run's config that kept it) follows the
         # new task stride; a size the user chose stays, and an invalid one is an error
         f["eval_sequences"] = None
-    keys = ("steps", "batch_size", "lr", "warmup_steps", "eval_every", "eval_sequences",
+    keys = ("steps", "batch_size", "lr", "weight_decay", "schedule", "warmup_steps", "eval_every",
+            "eval_sequences",
             "target_accuracy", "seed", "threads")  # fmt: skip
     return dataclasses.replace(
         cfg,

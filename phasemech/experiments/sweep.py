@@ -29,22 +29,56 @@ from phasemech.core.io import atomic_write, json_safe, write_json_atomic, write_
 from phasemech.data.tasks import MQARTask
 from phasemech.experiments.experiment import Done, Experiment, Profile
 from phasemech.experiments.jobs import Job, TrainJob, payload, scored_targets
-from phasemech.experiments.sweep_summary import summary_markdown
+from phasemech.experiments.lr_search import (
+    chosen_runs,
+    convergence_table,
+    curves,
+    search_stages,
+    search_table,
+    with_lr,
+)
+from phasemech.experiments.sweep_summary import convergence_markdown, summary_markdown
 from phasemech.training.config import ModelSpec, TrainConfig
 
 _SWEEP = dict(strides=(4, 8), heads=(2, 4), seeds=(0, 1, 2))
+_TINY = dict(
+    steps=30,
+    designs=("none", "gated"),
+    strides=(4,),
+    heads=(2,),
+    seq_lens=(32,),
+    eval_every=10,
+    checkpoint_every=10,
+    target_accuracy=None,
+    test_sequences=64,
+    n_boot=50,
+    n_perm=50,
+    n_pairs=4,
+)
 PROFILES = {
-    "tiny": Profile(
-        steps=30, designs=("none", "gated"), strides=(4,), heads=(2,), seq_lens=(32,),
-        eval_every=10, checkpoint_every=10, target_accuracy=None, test_sequences=64,
-        n_boot=50, n_perm=50, n_pairs=4,
-    ),
+    "tiny": Profile(**_TINY),
+    # the learning-rate search's smoke test: two rates on seed 0, seed 1 at the better one
+    "tiny_search": Profile(**{**_TINY, "seeds": (0, 1)}, extra=(("lrs", (1e-3, 3e-2)),)),
     "default": Profile(
         steps=2000, **_SWEEP, seq_lens=(64, 128), long_designs=("none", "gated"),
         long_strides=(8,),
     ),
     # the budget axis: does a longer run escape the plateau, and does the gap close?
     "long": Profile(steps=5000, **{**_SWEEP, "heads": (4,)}, designs=("none", "gated")),
+    # the from-scratch claims at convergence: the training recipe's defaults (8000 steps, early
+    # stop at 0.99), a learning-rate search on seed 0, seeds 1-2 at the best rate, and only
+    # models that reached 0.95 held-out accuracy pooled into a gap
+    "converged": Profile(
+        steps=8000, strides=(4,), heads=(2, 4), seeds=(0, 1, 2), designs=("none", "mean",
+        "gated", "mlp"), target_accuracy=0.99, checkpoint_every=500, test_sequences=2048,
+        extra=(("lrs", (1e-3, 3e-3)), ("pool_min_accuracy", 0.95)),
+    ),
+    # the same at d = 8 (its prefix spans 8 positions: longer plateaus, the budget may not do)
+    "converged_d8": Profile(
+        steps=8000, strides=(8,), heads=(2, 4), seeds=(0, 1, 2), designs=("none", "mean",
+        "gated", "mlp"), target_accuracy=0.99, checkpoint_every=500, test_sequences=2048,
+        extra=(("lrs", (3e-3,)), ("pool_min_accuracy", 0.95)),
+    ),
     "full": Profile(
         steps=4000, **{**_SWEEP, "seeds": (0, 1, 2, 3, 4)}, seq_lens=(64, 128),
         long_designs=("none", "gated", "mean"), long_heads=(2, 4), target_accuracy=None,
@@ -74,7 +108,9 @@ def run_specs(p: Profile) -> list[RunSpec]:
         heads = p.heads if t_i == 0 else p.long_heads
         strides = p.strides if t_i == 0 else p.long_strides
         for design in designs:
-            for d in (max(strides),) if design == "none" else strides:
+            # a dense control per stride: it sees the same data stream as the compressed
+            # models of that stride (the task's prefix spans one stride)
+            for d in strides:
                 specs += [RunSpec(design, d, h, seq_len, s) for h in heads for s in p.seeds]
     if p.models is None:
         return specs
@@ -86,8 +122,10 @@ def run_specs(p: Profile) -> list[RunSpec]:
 
 
 def train_config(spec: RunSpec, p: Profile) -> TrainConfig:
-    # one task stride for all runs: the same data stream and test set for every design
-    task = MQARTask(vocab_size=64, seq_len=spec.seq_len, n_pairs=p.n_pairs, stride=max(p.strides))
+    # the task's random prefix spans the model's own stride: phases uniform on its grid with the
+    # least positional spread (one shared prefix over the largest stride kept d = 4 models on
+    # the loss plateau, docs/training.md); dense and compressed models of a stride share it
+    task = MQARTask(vocab_size=64, seq_len=spec.seq_len, n_pairs=p.n_pairs, stride=spec.stride)
     if spec.design == "none":
         comp = CompressionConfig("none", stride=spec.stride)
     else:
@@ -107,17 +145,29 @@ def train_config(spec: RunSpec, p: Profile) -> TrainConfig:
     )
 
 
+def make_jobs(p: Profile, lr: float | None, seeds: tuple[int, ...]) -> list[TrainJob]:
+    """The train jobs of ``seeds`` at learning rate ``lr`` (None: the config's default)."""
+    jobs = []
+    for s in run_specs(p):
+        if s.seed in seeds:
+            name = s.name if lr is None else f"{s.name}_lr{lr:g}"
+            cfg = with_lr(train_config(s, p), lr)
+            jobs.append(TrainJob(cfg, name=name, test_sequences=p.test_sequences, score_all=True))
+    return jobs
+
+
+search_jobs, seed_jobs = search_stages(make_jobs)
+
+
 def train_jobs(p: Profile, done: Done | None = None) -> list[TrainJob]:
-    """Stage 1: train and score every model at every checkpoint."""
-    return [
-        TrainJob(train_config(s, p), name=s.name, test_sequences=p.test_sequences, score_all=True)
-        for s in run_specs(p)
-    ]
+    """Every model of a profile without a learning-rate search (each seed at the default)."""
+    return make_jobs(p, None, p.seeds)
 
 
 def grids(design: str, stride: int, strides: tuple[int, ...]) -> list[int]:
-    """Phase grids a run is reported on: a dense run on every stride that divides its own."""
-    return [s for s in strides if s <= stride] if design == "none" else [stride]
+    """Phase grids a run is reported on: its own stride (a dense control is trained per stride,
+    on that stride's data)."""
+    return [stride]
 
 
 # --------------------------------------------------------------------------------- statistics
@@ -208,7 +258,10 @@ def report_row(key: dict, df: pd.DataFrame, stride: int, n_boot: int, n_perm: in
 def stats_jobs(p: Profile, done: Done) -> list[SweepStatsJob]:
     """Stage 2: one statistics job per (design, stride, heads, T) group of trained runs."""
     groups: dict[tuple, list[tuple[TrainJob, dict]]] = {}
-    for job, result in done.of(TrainJob):
+    floor = p.get("pool_min_accuracy", 0.0)  # models below it never enter a gap
+    for job, result in chosen_runs(done):
+        if result["heldout_accuracy"] < floor:
+            continue
         c = job.train
         key = (c.compression.design, c.compression.stride, c.model.n_heads, c.task.seq_len)
         groups.setdefault(key, []).append((job, result))
@@ -235,7 +288,7 @@ def gap_curve(done: Done, p: Profile) -> pd.DataFrame:
     """Held-out raw gap along training, per evaluation of every run (for matching compressed
     runs to dense ones at equal accuracy)."""
     rows = []
-    for job, result in done.of(TrainJob):
+    for job, result in chosen_runs(done):
         c = job.train
         for m in result["curve"]:
             by = np.asarray(m["accuracy_by_phase"], dtype=float)
@@ -264,7 +317,10 @@ def finish(p: Profile, done: Done, out: Path) -> dict[str, Any]:
     atomic_write(out / "results.parquet", lambda tmp: results.to_parquet(tmp))
     curve = gap_curve(done, p)
     atomic_write(out / "gap_vs_accuracy.parquet", lambda tmp: curve.to_parquet(tmp))
-    trained = done.of(TrainJob)
+    conv, search = convergence_table(done), search_table(done)
+    for name, df in (("convergence", conv), ("lr_search", search), ("curves", curves(done))):
+        atomic_write(out / f"{name}.parquet", lambda tmp, df=df: df.to_parquet(tmp))
+    trained = chosen_runs(done)
     summary = {
         "models": len(trained),
         "train_seconds": sum(r["train_seconds"] for _, r in trained),
@@ -279,10 +335,13 @@ def finish(p: Profile, done: Done, out: Path) -> dict[str, Any]:
             for j, r in trained
         ],
         "rows": rows,
+        "convergence": conv.to_dict("records"),
+        "lr_search": search.to_dict("records"),
     }
     summary = json_safe(summary)
     write_json_atomic(out / "summary.json", summary)
     text = summary_markdown(out.name, results, curve, summary["train_seconds"], p, len(trained))
+    text += convergence_markdown(conv, search)
     write_text_atomic(out / "summary.md", text)
     return summary
 
@@ -290,7 +349,7 @@ def finish(p: Profile, done: Done, out: Path) -> dict[str, Any]:
 PHASE_SWEEP = Experiment(
     name="phase_sweep",
     profiles=PROFILES,
-    stages=(train_jobs, stats_jobs),
+    stages=(search_jobs, seed_jobs, stats_jobs),
     finish=finish,
     about="from-scratch models of every design, trained, scored and reported per phase",
 )

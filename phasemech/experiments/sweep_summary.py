@@ -150,4 +150,42 @@ def _matched_table(curve: pd.DataFrame) -> list[str]:
     return lines
 
 
-__all__ = ["summary_markdown"]
+def convergence_markdown(conv: pd.DataFrame, search: pd.DataFrame) -> str:
+    """The convergence table (setting x seed at the chosen rate) and the learning-rate search."""
+    if not len(conv):
+        return ""
+    lines = [
+        "",
+        "## Convergence (chosen learning rate; converged = held-out accuracy reached 0.95)",
+        "",
+        "| design | d | heads | T | lr | seed | budget | steps to 0.95 | final step | held-out acc "
+        "| converged |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    keys = ["seq_len", "stride", "heads", "design", "seed"]
+    for r in conv.sort_values(keys).itertuples():
+        first = "never" if pd.isna(r.steps_to_95) else str(int(r.steps_to_95))
+        lines.append(
+            f"| {r.design} | {r.stride} | {r.heads} | {r.seq_len} | {r.lr:g} | {r.seed} | "
+            f"{r.budget} | {first} | {r.step} | {r.heldout_accuracy:.3f} | "
+            f"{'yes' if r.converged else 'NO'} |"
+        )
+    if search["lr"].nunique() > 1:
+        lines += [
+            "",
+            "## Learning-rate search (search seed; every rate tried)",
+            "",
+            "| design | d | heads | T | lr | steps to 0.95 | final step | held-out acc | kept |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        first_seed = search.groupby(keys[:4])["seed"].transform("min")
+        for r in search[search["seed"] == first_seed].sort_values(keys[:4] + ["lr"]).itertuples():
+            first = "never" if pd.isna(r.steps_to_95) else str(int(r.steps_to_95))
+            lines.append(
+                f"| {r.design} | {r.stride} | {r.heads} | {r.seq_len} | {r.lr:g} | {first} | "
+                f"{r.step} | {r.heldout_accuracy:.3f} | {'yes' if r.chosen else ''} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+__all__ = ["convergence_markdown", "summary_markdown"]

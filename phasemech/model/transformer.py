@@ -29,6 +29,7 @@ from transformer_lens import HookedTransformer, HookedTransformerConfig
 from phasemech.attention import DESIGN_CLASSES, CompressedAttentionMixin, make_attention_class
 from phasemech.core.config import CompressionConfig, PhaseTransformerConfig
 from phasemech.core.io import atomic_write
+from phasemech.model.fast import use_fast_modules
 
 CONFIG_FILE = "config.json"
 #: compressed-layer hooks without a position axis (no ``pos_slice`` when caching)
@@ -130,6 +131,8 @@ class PhaseTransformer(HookedTransformer):
             super().__init__(cfg, tokenizer, move_to_device, default_padding_side)
         self.grid_state = GridState(cfg.compression)
         self._swap_attention()
+        # fused LayerNorm and dense attention while their extra hooks are free (model/fast.py)
+        use_fast_modules(self)
         self.setup()
 
     # ------------------------------------------------------------------ construction

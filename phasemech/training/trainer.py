@@ -56,9 +56,12 @@ from phasemech.training.config import TrainConfig
 
 
 def lr_factor(step: int, cfg: TrainConfig) -> float:
-    """Linear warm-up, then cosine decay to ``min_lr_ratio`` at ``cfg.steps``."""
+    """Linear warm-up, then a constant rate, or (``schedule="cosine"``) a cosine decay to
+    ``min_lr_ratio`` at ``cfg.steps``."""
     if step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return 1.0
     span = max(cfg.steps - cfg.warmup_steps, 1)
     progress = min((step - cfg.warmup_steps) / span, 1.0)
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))

@@ -1,0 +1,172 @@
+"""A learning-rate search in the style of Zoology's sweeps, as two launcher stages.
+
+A *setting* is every field of a training config except the learning rate and the seed (design,
+stride, heads, context, steps, ...). Stage 1 trains each setting on the search seed at every
+learning rate of the profile; stage 2 reads those runs, keeps the best rate per setting
+(:func:`best_lr`) and trains the other seeds at it. Every run is recorded
+(:func:`search_table`), the chosen ones make the convergence table (:func:`convergence_table`:
+steps to 0.95 held-out accuracy, final accuracy, converged or not), and only chosen runs reach
+an experiment's statistics (:func:`chosen_runs`). Spending the search on one seed and the seeds
+on one rate is what keeps the compute affordable; the launcher's cache lets a long search stop
+and continue.
+
+Axes: rows are runs (setting x learning rate x seed); ``curve`` rows are evaluations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from typing import Any
+
+import pandas as pd
+
+from phasemech.experiments.experiment import Done, Profile
+from phasemech.experiments.jobs import TrainJob
+from phasemech.training.config import TrainConfig
+
+#: held-out accuracy a converged model reaches (the convergence table's threshold)
+CONVERGED = 0.95
+
+#: ``make(profile, lr, seeds) -> train jobs`` of every setting of a profile
+MakeJobs = Callable[[Profile, float | None, tuple[int, ...]], list[TrainJob]]
+
+
+def lrs(p: Profile) -> tuple[float, ...]:
+    """The profile's learning rates (extra ``lrs``); empty: no search, the config's default."""
+    return tuple(p.get("lrs", ()))
+
+
+def setting(cfg: TrainConfig) -> str:
+    """The setting a config belongs to: its JSON without learning rate and seed."""
+    d = cfg.to_dict()
+    d.pop("lr"), d.pop("seed")
+    return json.dumps(d, sort_keys=True)
+
+
+def steps_to(curve: list[dict[str, Any]], accuracy: float = CONVERGED) -> int | None:
+    """The first evaluated step at which held-out accuracy reached ``accuracy`` (None: never)."""
+    return next((int(m["step"]) for m in curve if m["accuracy"] >= accuracy), None)
+
+
+def _rank(result: dict[str, Any]) -> tuple:
+    """Converged runs first, by fewer steps to 0.95; then the rest by held-out accuracy."""
+    first = steps_to(result["curve"])
+    return (0, first) if first is not None else (1, -result["heldout_accuracy"])
+
+
+def best_lr(runs: list[tuple[TrainJob, dict[str, Any]]]) -> float:
+    """The learning rate of the best run (ties: the smaller rate)."""
+    return min(runs, key=lambda jr: (*_rank(jr[1]), jr[0].train.lr))[0].train.lr
+
+
+def chosen_lrs(done: Done) -> dict[str, float]:
+    """Per setting, the best learning rate among its finished runs on the search seed (the
+    runs of the lowest seed of the setting)."""
+    by: dict[str, list[tuple[TrainJob, dict]]] = {}
+    for job, result in done.of(TrainJob):
+        by.setdefault(setting(job.train), []).append((job, result))
+    out = {}
+    for key, runs in by.items():
+        seed = min(j.train.seed for j, _ in runs)
+        out[key] = best_lr([(j, r) for j, r in runs if j.train.seed == seed])
+    return out
+
+
+def chosen_runs(done: Done) -> list[tuple[TrainJob, dict[str, Any]]]:
+    """The finished runs at their setting's chosen learning rate (what statistics read)."""
+    best = chosen_lrs(done)
+    return [(j, r) for j, r in done.of(TrainJob) if j.train.lr == best[setting(j.train)]]
+
+
+def search_stages(make: MakeJobs) -> tuple[Callable, Callable]:
+    """The two stages of a search over ``make``'s settings: (1) the first seed at every rate
+    of the profile (every seed at the default rate when the profile has none); (2) the other
+    seeds at each setting's best rate."""
+
+    def search(p: Profile, done: Done) -> list[TrainJob]:
+        if not lrs(p):
+            return make(p, None, p.seeds)
+        return [j for lr in lrs(p) for j in make(p, lr, p.seeds[:1])]
+
+    def seeds(p: Profile, done: Done) -> list[TrainJob]:
+        if not lrs(p) or len(p.seeds) < 2:
+            return []
+        best = chosen_lrs(done)
+        jobs = []
+        for lr in lrs(p):
+            for job in make(p, lr, p.seeds[1:]):
+                if best.get(setting(job.train)) == lr:
+                    jobs.append(job)
+        return jobs
+
+    return search, seeds
+
+
+def with_lr(cfg: TrainConfig, lr: float | None) -> TrainConfig:
+    return cfg if lr is None else dataclasses.replace(cfg, lr=lr)
+
+
+def _row(job: TrainJob, result: dict[str, Any]) -> dict[str, Any]:
+    c = job.train
+    return {
+        "name": job.name,
+        "design": c.compression.design,
+        "stride": c.compression.stride,
+        "heads": c.model.n_heads,
+        "seq_len": c.task.seq_len,
+        "lr": c.lr,
+        "seed": c.seed,
+        "budget": c.steps,
+        "step": result["step"],
+        "steps_to_95": steps_to(result["curve"]),
+        "heldout_accuracy": result["heldout_accuracy"],
+        "test_accuracy": result["test_accuracy"],
+        "train_seconds": result["train_seconds"],
+    }
+
+
+def search_table(done: Done) -> pd.DataFrame:
+    """Every run of the search: setting, rate, seed, steps to 0.95, accuracies, and whether
+    the rate is the one kept for its setting."""
+    best = chosen_lrs(done)
+    rows = [
+        {**_row(j, r), "chosen": j.train.lr == best[setting(j.train)]} for j, r in done.of(TrainJob)
+    ]
+    return pd.DataFrame(rows)
+
+
+def convergence_table(done: Done) -> pd.DataFrame:
+    """The chosen runs: setting x seed with steps to 0.95 and final held-out accuracy; a run
+    is ``converged`` when its held-out accuracy reached :data:`CONVERGED`."""
+    df = pd.DataFrame([_row(j, r) for j, r in chosen_runs(done)])
+    if len(df):
+        df["converged"] = df["steps_to_95"].notna()
+    return df
+
+
+def curves(done: Done) -> pd.DataFrame:
+    """Held-out accuracy along training of every run (the learning curves of the report)."""
+    rows = []
+    for job, result in done.of(TrainJob):
+        base = _row(job, result)
+        keep = {k: base[k] for k in ("name", "design", "stride", "heads", "seq_len", "lr", "seed")}
+        rows += [{**keep, "step": m["step"], "accuracy": m["accuracy"]} for m in result["curve"]]
+    return pd.DataFrame(rows)
+
+
+__all__ = [
+    "CONVERGED",
+    "best_lr",
+    "chosen_lrs",
+    "chosen_runs",
+    "convergence_table",
+    "curves",
+    "lrs",
+    "search_stages",
+    "search_table",
+    "setting",
+    "steps_to",
+    "with_lr",
+]

@@ -1,0 +1,115 @@
+"""Fast paths for TransformerLens' dense attention and LayerNorm when nothing is hooked.
+
+Axes: ``batch, pos, head, d_head, d_model``.
+
+TransformerLens computes LayerNorm in five elementwise steps (so that ``hook_scale`` and
+``hook_normalized`` exist) and dense attention through an explicit score matrix, a causal mask
+and a NaN scrub (so that ``hook_attn_scores`` and ``hook_pattern`` exist). In training nothing
+is attached to those hooks, and the two cost a small model most of its step time beyond the
+plain-PyTorch equivalent (``bench/train_step.py``). The classes here are TransformerLens'
+own modules with one change: in training mode, when none of the hooks that only the slow path
+can feed is attached, ``forward`` runs the fused kernel (``F.layer_norm``, ``F.scaled_dot_product_attention``)
+and feeds every other hook as before (``hook_q``, ``hook_k``, ``hook_v``, ``hook_z`` still
+run). With any such hook attached (``run_with_cache``, patching, ablation) the module runs
+TransformerLens' own code, unchanged; in eval mode too, so every analysis reads
+TransformerLens' exact arithmetic (the fused kernels agree with it to float rounding, ~1e-6,
+not bit for bit). A model is switched by swapping module classes in place:
+the same parameters, names and hook points.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from jaxtyping import Float
+from torch import Tensor, nn
+from transformer_lens.components import Attention, LayerNorm
+
+
+class FastLayerNorm(LayerNorm):
+    """``LayerNorm`` with a fused forward in training while ``hook_scale`` and
+    ``hook_normalized`` are free."""
+
+    def forward(self, x: Float[Tensor, "... d_model"]) -> Float[Tensor, "... d_model"]:
+        if (
+            not self.training
+            or self.hook_scale.has_hooks()
+            or self.hook_normalized.has_hooks()
+            or self.cfg.dtype not in (torch.float32, torch.float64)
+        ):
+            return super().forward(x)
+        return F.layer_norm(x, (x.shape[-1],), self.w, self.b, self.eps)
+
+
+class FastAttention(Attention):
+    """Dense causal ``Attention`` through SDPA in training while its score, pattern and result
+    hooks are free."""
+
+    def _fast_ok(self, kw: dict) -> bool:
+        c = self.cfg
+        return (
+            self.training
+            and all(kw.get(k) is None for k in kw)
+            and not self.hook_attn_scores.has_hooks()
+            and not self.hook_pattern.has_hooks()
+            and not self.hook_result.has_hooks()
+            and not c.use_attn_result
+            and c.positional_embedding_type in ("standard", "shortformer")
+            and (self._attention_dir_override or c.attention_dir) == "causal"
+            and c.attn_scores_soft_cap <= 0
+            and not c.use_attention_sinks
+            and not c.use_qk_norm
+            and c.clip_qkv is None
+            and not c.load_in_4bit
+            and c.original_architecture not in _QK_NORM_ARCHS
+        )
+
+    def forward(
+        self,
+        query_input: Tensor,
+        key_input: Tensor,
+        value_input: Tensor,
+        past_kv_cache_entry=None,
+        additive_attention_mask=None,
+        attention_mask=None,
+        position_bias=None,
+    ) -> Float[Tensor, "batch pos d_model"]:
+        kw = dict(
+            past_kv_cache_entry=past_kv_cache_entry,
+            additive_attention_mask=additive_attention_mask,
+            attention_mask=attention_mask,
+            position_bias=position_bias,
+        )
+        if not self._fast_ok(kw):
+            return super().forward(query_input, key_input, value_input, **kw)
+        q, k, v = self.calculate_qkv_matrices(query_input, key_input, value_input)
+        z = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            is_causal=True,
+            scale=1.0 / self.attn_scale,
+        )
+        z = self.hook_z(z.transpose(1, 2))  # [batch, pos, head, d_head]
+        w = self.W_O.reshape(-1, self.W_O.shape[-1]).T  # [d_model, head * d_head]
+        return F.linear(z.reshape(z.shape[0], z.shape[1], -1), w, self.b_O)
+
+
+_QK_NORM_ARCHS = ("OlmoeForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM")
+
+
+def use_fast_modules(model: nn.Module) -> int:
+    """Swap every plain ``LayerNorm`` and dense ``Attention`` of ``model`` for its fast
+    subclass, in place (same parameters and hooks); the number of modules swapped."""
+    n = 0
+    for module in model.modules():
+        if type(module) is LayerNorm:
+            module.__class__ = FastLayerNorm
+            n += 1
+        elif type(module) is Attention:
+            module.__class__ = FastAttention
+            n += 1
+    return n
+
+
+__all__ = ["FastAttention", "FastLayerNorm", "use_fast_modules"]
