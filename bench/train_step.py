@@ -48,9 +48,10 @@ class PlainCompressed(nn.Module):
         h, d, nb = self.h, self.d, seq // self.d
         q, k, v = self.qkv(x).view(b, seq, 3, h, m // h).permute(2, 0, 3, 1, 4)
         if self.gated:
-            logits = torch.einsum("btm,hm->bht", x, self.w_gate).view(b, h, nb, d) + self.bias[
-                None, :, None
-            ]
+            logits = (
+                torch.einsum("btm,hm->bht", x, self.w_gate).view(b, h, nb, d)
+                + self.bias[None, :, None]
+            )
             a = logits.softmax(-1)[..., None]
         else:
             a = torch.full((1, 1, 1, d, 1), 1.0 / d)
@@ -142,16 +143,16 @@ def compare(design: str, heads: int, stride: int, repeats: int, steps: int) -> d
 
 
 def main(
-    design: list[str] = typer.Option(["gated", "mean"]),
-    heads: list[int] = typer.Option([2, 4]),
+    design: str = "gated,mean",
+    heads: str = "2,4",
     stride: int = 4,
     repeats: int = 7,
     steps: int = 10,
 ) -> None:
     torch.set_num_threads(1)
     print("design heads | phasemech ms | plain ms | ratio | phasemech with hooks ms")
-    for dsg in design:
-        for h in heads:
+    for dsg in design.split(","):
+        for h in map(int, heads.split(",")):
             r = compare(dsg, h, stride, repeats, steps)
             print(
                 f"{dsg:6s} {h:5d} | {r['phasemech']:12.1f} | {r['plain']:8.1f} | "

@@ -8,8 +8,9 @@ and a NaN scrub (so that ``hook_attn_scores`` and ``hook_pattern`` exist). In tr
 is attached to those hooks, and the two cost a small model most of its step time beyond the
 plain-PyTorch equivalent (``bench/train_step.py``). The classes here are TransformerLens'
 own modules with one change: in training mode, when none of the hooks that only the slow path
-can feed is attached, ``forward`` runs the fused kernel (``F.layer_norm``, ``F.scaled_dot_product_attention``)
-and feeds every other hook as before (``hook_q``, ``hook_k``, ``hook_v``, ``hook_z`` still
+can feed is attached, ``forward`` runs the fused kernel (``F.layer_norm``,
+``F.scaled_dot_product_attention``) and feeds every other hook as before (``hook_q``,
+``hook_k``, ``hook_v``, ``hook_z`` still
 run). With any such hook attached (``run_with_cache``, patching, ablation) the module runs
 TransformerLens' own code, unchanged; in eval mode too, so every analysis reads
 TransformerLens' exact arithmetic (the fused kernels agree with it to float rounding, ~1e-6,
