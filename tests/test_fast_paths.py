@@ -16,11 +16,11 @@ from phasemech.model.fast import FastAttention, FastLayerNorm
 from phasemech.training.config import ModelSpec, TrainConfig
 
 
-def _model(design: str = "gated"):
+def _model(design: str = "gated", offsets: str = "aligned"):
     cfg = TrainConfig(
         task=MQARTask(vocab_size=32, seq_len=32, n_pairs=4, stride=4),
         model=ModelSpec(d_model=32, n_heads=2),
-        compression=CompressionConfig(design, stride=4, layers=(1,)),
+        compression=CompressionConfig(design, stride=4, layers=(1,), offsets=offsets),
         seed=1,
     )
     return cfg.build_model(), training_batch(cfg.task, 8, 0, 0)
@@ -48,11 +48,19 @@ def test_modules_are_swapped_in_place():
     assert "blocks.0.attn.hook_pattern" in model.hook_dict
 
 
-@pytest.mark.parametrize("design", ["none", "gated", "mean"])
-def test_fast_training_step_equals_the_hooked_path(design):
-    model, batch = _model(design)
+@pytest.mark.parametrize(
+    "design, offsets",
+    [("none", "aligned"), ("gated", "aligned"), ("mean", "aligned"), ("mlp", "aligned"),
+     ("gated", "per_head"), ("mean", "random")],
+)  # fmt: skip
+def test_fast_training_step_equals_the_hooked_path(design, offsets):
+    """Fused LN and SDPA, the dense short-context layout of compressed layers and the shared-
+    grid slot gather, against TransformerLens' modules and the banded layout (hooked)."""
+    model, batch = _model(design, offsets)
     model.train()
+    torch.manual_seed(0)  # random offsets: the same draw on both paths
     loss_fast, grads_fast = _loss_and_grads(model, batch)
+    torch.manual_seed(0)
     with _slow(model):
         loss_slow, grads_slow = _loss_and_grads(model, batch)
     torch.testing.assert_close(loss_fast, loss_slow, atol=1e-5, rtol=1e-5)
@@ -87,3 +95,17 @@ def test_kept_hooks_still_fire_on_the_fast_path():
     assert seen == [torch.Size([8, 32, 2, 16])]
     # zeroing z changed the output: the hook's return value is used
     assert not torch.allclose(out, model(tokens))
+
+
+@pytest.mark.parametrize("design", ["gated", "mean"])
+def test_dense_layout_respects_padding(design):
+    """A left-padded batch in training mode: the dense layout masks pad keys as the band does."""
+    model, (tokens, _, _) = _model(design)
+    model.train()
+    mask = torch.ones_like(tokens)
+    mask[:3, :5] = 0  # three sequences left-padded by 5
+    fast_out = model(tokens, attention_mask=mask)
+    with _slow(model):
+        slow_out = model(tokens, attention_mask=mask)
+    real = mask.bool()
+    torch.testing.assert_close(fast_out[real], slow_out[real], atol=1e-5, rtol=1e-5)

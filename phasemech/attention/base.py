@@ -58,6 +58,10 @@ def _masked_softmax(
     return torch.softmax(filled, dim=-1) * visible
 
 
+#: longest context the training fast path lays raw keys out densely for (``O(T^2)`` scores)
+DENSE_MAX_POS = 256
+
+
 class CompressedAttentionMixin:
     """Forward pass shared by every compressed design. A weighted-sum design implements
     ``pooling_weights``; ``mlp`` overrides ``pool`` and ``route`` overrides ``attend``."""
@@ -123,8 +127,15 @@ class CompressedAttentionMixin:
         """``x`` at every block slot; missing slots are zero."""
         b, seq, g, dd = x.shape
         nb, sl = geo.slot_pos.shape[2], geo.slot_pos.shape[3]
-        idx = geo.slot_pos.clamp(0, seq - 1).reshape(b, g, nb * sl, 1).expand(-1, -1, -1, dd)
-        out = torch.gather(x.transpose(1, 2), 2, idx).reshape(b, g, nb, sl, dd)
+        pos = geo.slot_pos.clamp(0, seq - 1)
+        if bool((pos == pos[:1]).all()):
+            # one grid for the whole batch (no per-sequence shift): an index_select per KV
+            # head, about twice as fast as the batched gather forward and backward
+            rows = [x[:, :, i].index_select(1, pos[0, i].reshape(-1)) for i in range(g)]
+            out = torch.stack(rows, 1).reshape(b, g, nb, sl, dd)
+        else:
+            idx = pos.reshape(b, g, nb * sl, 1).expand(-1, -1, -1, dd)
+            out = torch.gather(x.transpose(1, 2), 2, idx).reshape(b, g, nb, sl, dd)
         return out * geo.slot_valid[..., None]
 
     def _output(
@@ -296,6 +307,8 @@ class CompressedAttentionMixin:
         qh = q.transpose(1, 2)  # [batch, head, pos, d]
         kh = self._repeat_kv(k.transpose(1, 2), 1)
         vh = self._repeat_kv(v.transpose(1, 2), 1)
+        if self._dense_ok(seq):
+            return self._attend_dense(qh, kh, vh, k_blk, v_blk, geo).transpose(1, 2), None
         s_blk = qh @ self._repeat_kv(k_blk, 1).transpose(-1, -2)  # [batch, head, pos, block]
         s_raw = self._band_scores(qh, kh, geo.band)  # [batch, head, pos, w]
         visible = self._repeat_kv(torch.cat([geo.block_used, geo.band_valid], dim=-1), 1)
@@ -310,6 +323,45 @@ class CompressedAttentionMixin:
             a = self._blocks_to_tokens(weights, geo, seq)  # [batch, kv_head, block, key_pos]
             token_pattern = p_blk @ self._repeat_kv(a, 1) + self._unband(p_raw)
         return z.transpose(1, 2), token_pattern
+
+    def _dense_ok(self, seq: int) -> bool:
+        """The short-context training path: nothing hooked that only the banded path feeds."""
+        return (
+            self.training
+            and seq <= DENSE_MAX_POS
+            and not self.hook_attn_scores.has_hooks()
+            and not self.hook_pattern.has_hooks()
+            and not self._token_pattern_wanted()
+        )
+
+    def _attend_dense(
+        self,
+        qh: Float[Tensor, "batch head pos d"],
+        kh: Float[Tensor, "batch head pos d"],
+        vh: Float[Tensor, "batch head pos d"],
+        k_blk: Float[Tensor, "batch kv_head block d"],
+        v_blk: Float[Tensor, "batch kv_head block d"],
+        geo: Geometry,
+    ) -> Float[Tensor, "batch head pos d"]:
+        """``attend``'s softmax over [blocks, raw window] with the raw keys laid out on every
+        position (``[pos, block + key_pos]``, the window a mask): two matmuls instead of the
+        band's gathers and scatters, which dominate a training step at short context."""
+        seq = qh.shape[2]
+        t = torch.arange(seq, device=qh.device)
+        raw = (t[None, :] >= geo.raw_start[..., None]) & (t[None, :] <= t[:, None])
+        if geo.key_valid is not None:
+            raw = raw & geo.key_valid[:, None, None, :].to(raw.device)
+        visible = self._repeat_kv(torch.cat([geo.block_used, raw], dim=-1), 1)
+        keys = torch.cat([self._repeat_kv(k_blk, 1), kh], dim=2)
+        values = torch.cat([self._repeat_kv(v_blk, 1), vh], dim=2)
+        # scaling q (not the larger score matrix) is the same product
+        scores = apply_softcap(
+            (qh / self.attn_scale) @ keys.transpose(-1, -2), self.cfg.attn_scores_soft_cap
+        )
+        scores = scores.masked_fill(~visible, float("-inf"))
+        if self.window >= 1 and geo.key_valid is None:  # each query sees itself: no empty row
+            return torch.softmax(scores, dim=-1) @ values
+        return _masked_softmax(scores, visible, neg_inf_masked=True) @ values
 
     # ------------------------------------------------------------------ one query row
     def forward_rows(
