@@ -19,9 +19,9 @@ def test_readme_quick_start_runs(capsys):
 def test_readme_training_example_runs(tmp_path, monkeypatch, capsys):
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
     code = blocks[1]
-    assert "steps=2000" in code and "balanced_test_set(cfg.task)" in code
+    assert "steps=8000" in code and "balanced_test_set(cfg.task)" in code
     # the same code at toy size: few steps, a small test set
-    code = code.replace("steps=2000", "steps=2, eval_every=1, eval_sequences=16")
+    code = code.replace("steps=8000", "steps=2, eval_every=1, eval_sequences=16")
     code = code.replace("balanced_test_set(cfg.task)", "balanced_test_set(cfg.task, 16)")
     monkeypatch.chdir(tmp_path)
     namespace: dict = {}
@@ -32,7 +32,7 @@ def test_readme_training_example_runs(tmp_path, monkeypatch, capsys):
 
 def test_readme_interventions_example_runs(tmp_path, monkeypatch, capsys):
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-    train_code = blocks[1].replace("steps=2000", "steps=2, eval_every=1, eval_sequences=16")
+    train_code = blocks[1].replace("steps=8000", "steps=2, eval_every=1, eval_sequences=16")
     train_code = train_code.replace(
         "balanced_test_set(cfg.task)", "balanced_test_set(cfg.task, 16)"
     )

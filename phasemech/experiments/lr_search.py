@@ -29,8 +29,8 @@ from phasemech.training.config import TrainConfig
 #: held-out accuracy a converged model reaches (the convergence table's threshold)
 CONVERGED = 0.95
 
-#: ``make(profile, lr, seeds) -> train jobs`` of every setting of a profile
-MakeJobs = Callable[[Profile, float | None, tuple[int, ...]], list[TrainJob]]
+#: ``make(profile, lr, seeds, steps) -> train jobs`` of every setting of a profile
+MakeJobs = Callable[[Profile, float | None, tuple[int, ...], int], list[TrainJob]]
 
 
 def lrs(p: Profile) -> tuple[float, ...]:
@@ -38,10 +38,16 @@ def lrs(p: Profile) -> tuple[float, ...]:
     return tuple(p.get("lrs", ()))
 
 
+def search_steps(p: Profile) -> int:
+    """The search runs' step budget (extra ``search_steps``; default the profile's steps)."""
+    return int(p.get("search_steps", p.steps))
+
+
 def setting(cfg: TrainConfig) -> str:
-    """The setting a config belongs to: its JSON without learning rate and seed."""
+    """The setting a config belongs to: its JSON without learning rate, seed and step budget
+    (a search may spend a shorter budget than the seeds)."""
     d = cfg.to_dict()
-    d.pop("lr"), d.pop("seed")
+    d.pop("lr"), d.pop("seed"), d.pop("steps")
     return json.dumps(d, sort_keys=True)
 
 
@@ -75,30 +81,47 @@ def chosen_lrs(done: Done) -> dict[str, float]:
 
 
 def chosen_runs(done: Done) -> list[tuple[TrainJob, dict[str, Any]]]:
-    """The finished runs at their setting's chosen learning rate (what statistics read)."""
+    """The finished runs at their setting's chosen learning rate (what statistics read); a
+    seed trained on both the search budget and the full one counts with the full one."""
     best = chosen_lrs(done)
-    return [(j, r) for j, r in done.of(TrainJob) if j.train.lr == best[setting(j.train)]]
+    kept: dict[tuple[str, int], tuple[TrainJob, dict[str, Any]]] = {}
+    for job, result in done.of(TrainJob):
+        key = (setting(job.train), job.train.seed)
+        if job.train.lr != best[key[0]]:
+            continue
+        if key not in kept or job.train.steps > kept[key][0].train.steps:
+            kept[key] = (job, result)
+    return list(kept.values())
 
 
 def search_stages(make: MakeJobs) -> tuple[Callable, Callable]:
     """The two stages of a search over ``make``'s settings: (1) the first seed at every rate
-    of the profile (every seed at the default rate when the profile has none); (2) the other
-    seeds at each setting's best rate."""
+    of the profile, on the search budget (every seed at the default rate when the profile has
+    no rates); (2) the other seeds at each setting's best rate, on the full budget."""
 
     def search(p: Profile, done: Done) -> list[TrainJob]:
         if not lrs(p):
-            return make(p, None, p.seeds)
-        return [j for lr in lrs(p) for j in make(p, lr, p.seeds[:1])]
+            return make(p, None, p.seeds, p.steps)
+        return [j for lr in lrs(p) for j in make(p, lr, p.seeds[:1], search_steps(p))]
 
     def seeds(p: Profile, done: Done) -> list[TrainJob]:
         if not lrs(p) or len(p.seeds) < 2:
             return []
         best = chosen_lrs(done)
+        # the search seed again on the full budget where its search run did not converge
+        unconverged = {
+            setting(j.train)
+            for j, r in done.of(TrainJob)
+            if j.train.lr == best[setting(j.train)] and steps_to(r["curve"]) is None
+        }
         jobs = []
         for lr in lrs(p):
-            for job in make(p, lr, p.seeds[1:]):
-                if best.get(setting(job.train)) == lr:
-                    jobs.append(job)
+            for job in make(p, lr, p.seeds, p.steps):
+                key = setting(job.train)
+                again = job.train.seed == p.seeds[0] and key in unconverged
+                if best.get(key) == lr and (job.train.seed != p.seeds[0] or again):
+                    if search_steps(p) < p.steps or not again:
+                        jobs.append(job)
         return jobs
 
     return search, seeds
