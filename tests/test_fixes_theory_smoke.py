@@ -50,6 +50,11 @@ def test_fixes_tiny_trains_every_fix_and_compares_with_its_baseline(tmp_path):
     assert all(r["n_boot"] == 50 for r in summary["comparison"])
     assert summary["profile"]["steps"] == 20 and summary["goal_reduction"] == 0.7
     assert "meets goal" in (out / "summary.md").read_text()
+    # equal budget: every fix at every evaluation (10, 20), beside its named baseline
+    budget = pd.read_parquet(out / "budget.parquet")
+    assert set(budget["step"]) == {10, 20} and len(budget) == 12
+    row = budget[(budget["fix"] == "random_offset") & (budget["step"] == 20)].iloc[0]
+    assert row["baseline"] == "aligned" and 0 <= row["raw_gap"] <= 1 and row["seeds"] == 1
     assert "12 jobs run, 0 cached" in stdout  # 6 models (one seed), 6 statistics jobs
     # the grids really differ: per-layer staggering shifts the third layer's grid
     run = next(r for r in find_runs(out) if r.name == "staggered_layer_s0")

@@ -23,6 +23,8 @@ def summary_markdown(
 ) -> str:
     """The fixes' ``summary.md``: per fix seeds pooled, and against its baseline."""
     timing = f"Training {train_min:.0f} min summed over the models (1 thread each). "
+    threshold = p.get("min_accuracy", PLATEAU_EXIT)
+    learned = "converged" if threshold > PLATEAU_EXIT else "off the plateau"
     design, d, heads, seq_len = p.designs[0], p.strides[0], p.heads[0], p.seq_lens[0]
     lines = [
         f"# Fixes for phase weak spots ({design}, d = {d}, {heads} heads, "
@@ -40,7 +42,7 @@ def summary_markdown(
         "seeds pooled (clusters: seed, then content).",
         "",
         "| fix | acc | acc by phase | weakest | debiased gap [95% CI] | null p95 | p (perm) | "
-        "p (paired) | per seed: acc / debiased gap | seeds off the plateau |",
+        f"p (paired) | per seed: acc / debiased gap | seeds {learned} |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     pooled = results[(results["seed"] == "pooled") & (results["targets"] == "all")]
@@ -55,14 +57,14 @@ def summary_markdown(
             f"| {r.fix} | {r.accuracy:.3f} | {' '.join(f'{x:.3f}' for x in r.acc_by_phase)} | "
             f"{r.weak_phase} | {_f(r.debiased_gap)} [{_f(r.debiased_lo)}, {_f(r.debiased_hi)}] "
             f"| {_f(r.null_p95)} | {r.p_perm:.2g} | {r.p_paired:.2g} | {seed_cells} | "
-            "{} / {} |".format(*seeds_off_plateau(results, r.fix))
+            "{} / {} |".format(*seeds_off_plateau(results, r.fix, threshold))
         )
     lines += [
         "",
         f"## Against the aligned baseline (goal: debiased gap cut by >= {GOAL_REDUCTION:.0%}, "
         "its CI above 0, "
         f"mean accuracy not lower by more than {NONINFERIORITY:.0%} (95% CI), every seed of the "
-        "fix off the plateau)",
+        f"fix {learned}: test accuracy >= {threshold})",
         "",
         "Paired cluster bootstrap: test contents resampled once for both models, seeds "
         "independently. Far: targets at distance >= 3d - 1 (read only through blocks). "
@@ -85,4 +87,28 @@ def summary_markdown(
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["summary_markdown"]
+def budget_markdown(budget: pd.DataFrame, every: int = 500) -> str:
+    """Each fix beside its baseline at equal training budget (every ``every`` steps)."""
+    if not len(budget):
+        return ""
+    lines = [
+        "",
+        "## At equal training budget (held-out, mean over seeds: accuracy / raw gap)",
+        "",
+        "A run that stopped early at its target accuracy keeps its last evaluation.",
+        "",
+    ]
+    steps = sorted(s for s in budget["step"].unique() if s % every == 0)
+    lines += ["| fix | " + " | ".join(f"step {s}" for s in steps) + " |"]
+    lines += ["|---|" + "---|" * len(steps)]
+    for fix, g in budget.groupby("fix", sort=False):
+        at = g.set_index("step")
+        cells = [
+            f"{at.loc[s, 'accuracy']:.3f} / {at.loc[s, 'raw_gap']:.3f}" if s in at.index else ""
+            for s in steps
+        ]
+        lines.append(f"| {fix} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+__all__ = ["budget_markdown", "summary_markdown"]

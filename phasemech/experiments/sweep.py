@@ -38,7 +38,11 @@ from phasemech.experiments.lr_search import (
     search_table,
     with_lr,
 )
-from phasemech.experiments.sweep_summary import convergence_markdown, summary_markdown
+from phasemech.experiments.sweep_summary import (
+    convergence_markdown,
+    matched_gaps,
+    summary_markdown,
+)
 from phasemech.training.config import ModelSpec, TrainConfig
 
 _SWEEP = dict(strides=(4, 8), heads=(2, 4), seeds=(0, 1, 2))
@@ -343,6 +347,7 @@ def finish(p: Profile, done: Done, out: Path) -> dict[str, Any]:
             for j, r in trained
         ],
         "rows": rows,
+        "matched": matched_gaps(curve).to_dict("records"),
         "convergence": conv.to_dict("records"),
         "lr_search": search.to_dict("records"),
     }

@@ -121,6 +121,21 @@ def _budget_table(results: pd.DataFrame) -> list[str]:
 ACC_BINS = [0.0, 0.3, 0.6, 0.9, 0.99, 1.0001]
 
 
+BAND_LABELS = ["<0.3", "0.3-0.6", "0.6-0.9", "0.9-0.99", ">=0.99"]
+
+
+def matched_gaps(curve: pd.DataFrame) -> pd.DataFrame:
+    """Held-out raw gap by accuracy band: one row per (design, stride, heads, T, band) with the
+    mean gap over every evaluation of every seed in that band (``n`` evaluations)."""
+    if not len(curve):
+        return pd.DataFrame()
+    c = curve.assign(band=pd.cut(curve["accuracy"], ACC_BINS, labels=BAND_LABELS, right=False))
+    keys = ["design", "stride", "heads", "seq_len", "band"]
+    out = c.groupby(keys, observed=True)["raw_gap"].agg(["mean", "count"]).reset_index()
+    out["band"] = out["band"].astype(str)
+    return out.rename(columns={"mean": "raw_gap", "count": "n"})
+
+
 def _matched_table(curve: pd.DataFrame) -> list[str]:
     """Held-out raw gap along training, binned by held-out accuracy: designs vs dense."""
     curve = curve.copy()
@@ -188,4 +203,4 @@ def convergence_markdown(conv: pd.DataFrame, search: pd.DataFrame) -> str:
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["convergence_markdown", "summary_markdown"]
+__all__ = ["convergence_markdown", "matched_gaps", "summary_markdown"]

@@ -1,0 +1,109 @@
+"""The from-scratch gap claim at convergence, read from a phase sweep's ``summary.json`` (a
+profile with a learning-rate search and ``pool_min_accuracy``, e.g. ``converged``).
+
+The verdict rules, stated where the report prints them:
+
+- only models that reached :data:`~phasemech.experiments.lr_search.CONVERGED` held-out
+  accuracy are pooled into a setting's gap (the sweep's stats already leave the rest out); a
+  setting none of whose seeds converged has no gap, and is listed as such;
+- a compressed setting *has a gap* when its debiased gap's CI lies above 0 and above the CI of
+  the dense control of the same stride, heads and context (trained on the same data to the
+  same early-stop accuracy): a gap dense models show too is the task's, not the design's;
+- along training, each design's held-out raw gap is set against the dense one at the same
+  accuracy band (the excess is what compression adds there).
+
+Axes: rows are settings (design x stride x heads x T); bands are held-out accuracy bands.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+KEYS = ["stride", "heads", "seq_len"]
+
+
+def _fmt(x: Any) -> str:
+    return "nan" if x is None or not np.isfinite(x) else f"{x:.3f}"
+
+
+def converged_settings(summary: dict[str, Any]) -> pd.DataFrame:
+    """One row per setting: converged seeds, pooled accuracy and debiased gap with its CI,
+    the dense control's gap and CI, and ``has_gap`` by the rule above."""
+    conv = pd.DataFrame(summary.get("convergence", []))
+    rows = pd.DataFrame(summary.get("rows", []))
+    if not len(conv):
+        return pd.DataFrame()
+    n = conv.groupby(["design", *KEYS])["converged"].agg(["sum", "count"]).reset_index()
+    pooled = rows[
+        (rows["seed"] == "pooled") & (rows["targets"] == "all") & (rows["step"] == "final")
+    ]
+    cols = ["design", *KEYS, "accuracy", "debiased_gap", "debiased_lo", "debiased_hi"]
+    out = n.merge(pooled[cols] if len(pooled) else pd.DataFrame(columns=cols), how="left")
+    dense = out[out["design"] == "none"][[*KEYS, "debiased_gap", "debiased_lo", "debiased_hi"]]
+    dense = dense.rename(columns=lambda c: c if c in KEYS else f"dense_{c.split('_', 1)[1]}")
+    out = out.merge(dense, on=KEYS, how="left")
+    above_dense = out["debiased_lo"] > out["dense_hi"].fillna(np.inf)
+    out["has_gap"] = (out["design"] != "none") & (out["debiased_lo"] > 0) & above_dense
+    return out.rename(columns={"sum": "converged", "count": "seeds"})
+
+
+def matched_excess(summary: dict[str, Any]) -> pd.DataFrame:
+    """Per design and accuracy band: its mean held-out raw gap minus the dense one's."""
+    m = pd.DataFrame(summary.get("matched", []))
+    if not len(m):
+        return m
+    dense = m[m["design"] == "none"][[*KEYS, "band", "raw_gap"]]
+    out = m[m["design"] != "none"].merge(
+        dense.rename(columns={"raw_gap": "dense_raw_gap"}), on=[*KEYS, "band"], how="inner"
+    )
+    return out.assign(excess=out["raw_gap"] - out["dense_raw_gap"])
+
+
+def converged_claim_lines(summary: dict[str, Any], source: str) -> tuple[list[str], str]:
+    """Markdown lines for the report and the verdict."""
+    s = converged_settings(summary)
+    if not len(s):
+        return [f"- `{source}` holds no convergence table."], "not measured"
+    lines = [
+        "| design | d | H | T | converged seeds | accuracy | debiased gap [95% CI] | dense gap "
+        "[95% CI] | gap beyond dense |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in s.sort_values([*KEYS, "design"]).itertuples():
+        gap = (
+            f"{_fmt(r.debiased_gap)} [{_fmt(r.debiased_lo)}, {_fmt(r.debiased_hi)}]"
+            if r.converged
+            else "none converged: no gap"
+        )
+        dense = f"{_fmt(r.dense_gap)} [{_fmt(r.dense_lo)}, {_fmt(r.dense_hi)}]"
+        lines.append(
+            f"| {r.design} | {r.stride} | {r.heads} | {r.seq_len} | {r.converged} of {r.seeds} "
+            f"| {_fmt(r.accuracy)} | {gap} | {dense} | {'yes' if r.has_gap else 'no'} |"
+        )
+    ex = matched_excess(summary)
+    if len(ex):
+        top = ex.loc[ex["excess"].idxmax()]
+        lines += [
+            "",
+            f"Along training, at equal held-out accuracy, the largest excess of a design's raw "
+            f"gap over the dense one is {_fmt(top['excess'])} ({top['design']} d={top['stride']} "
+            f"H={top['heads']} T={top['seq_len']}, accuracy band {top['band']}, {top['n']} "
+            "evaluations).",
+        ]
+    gapped = s[s["has_gap"]]
+    verdict = (
+        "**Supported at convergence** for "
+        + ", ".join(
+            f"{r.design} d={r.stride} H={r.heads} T={r.seq_len}" for r in gapped.itertuples()
+        )
+        if len(gapped)
+        else "**Not supported at convergence**: no converged compressed setting has a gap "
+        "beyond its dense control"
+    )
+    return lines, verdict
+
+
+__all__ = ["converged_claim_lines", "converged_settings", "matched_excess"]
