@@ -313,7 +313,7 @@ def test_dashboard_in_a_real_browser(tiny_figures, tmp_path):
         assert title != before and title == f"{model['name']} · {head['label']}"
         rows = [r.split("\t") for r in table.strip().splitlines()[1 : 1 + model["phase_stride"]]]
         for ph, cells in enumerate(rows):
-            fmt = lambda v: "–" if v is None else f"{v:.3f}"  # noqa: E731
+            fmt = _js_fixed3
             assert cells[1] == fmt(head["mass"][ph]) and cells[2] == fmt(head["effect"][ph])
         # the clicked column's phase is highlighted in the strip, the table and the slider
         assert page.input_value("#phase") == "2"
@@ -415,3 +415,13 @@ def test_dashboard_switches_strides_and_shows_missing_numbers(tmp_path):
         assert cells[2] == "–" and cells[3] == "[–, –]"
         assert "debiased phase gap –" in page.text_content("#summary")
     assert errors == []
+
+
+def _js_fixed3(v: float | None) -> str:
+    """``v.toFixed(3)`` as the browser writes it: ties away from zero on the exact binary
+    value (Python's format rounds ties to even: -0.0625 gives -0.062, the browser -0.063)."""
+    if v is None:
+        return "–"
+    from decimal import ROUND_HALF_UP, Decimal
+
+    return str(Decimal(v).quantize(Decimal("0.001"), rounding=ROUND_HALF_UP))

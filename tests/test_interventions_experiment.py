@@ -42,10 +42,31 @@ def test_train_jobs_are_the_phase_sweeps():
     assert {j.key for j in default} <= {j.key for j in train_jobs(SWEEP_PROFILES["default"])}
     assert detailed([f"m{i}" for i in range(3)]) == {"m0", "m1", "m2"}
     # the old script's sizes: 1024 test sequences, 256 pairs, 1000 draws, seed 0
-    done = Done(jobs={j.key: j for j in default}, results={j.key: {} for j in default})
+    fake = {"curve": [], "heldout_accuracy": 1.0}
+    done = Done(jobs={j.key: j for j in default}, results={j.key: fake for j in default})
     sizes = {(j.sequences, j.pairs, j.n_boot, j.n_perm, j.seed, j.test_seed)
              for j in intervention_jobs(PROFILES["default"], done)}  # fmt: skip
     assert sizes == {(1024, 256, 1000, 1000, 0, 777)}
+
+
+def test_converged_profile_reads_the_converged_sweeps_models():
+    """The search stage's jobs are the converged sweep's (one cache); only models that reached
+    the pooling threshold, seed 0, get analysed."""
+    from phasemech.experiments.sweep import search_jobs
+
+    ours, sweep = PROFILES["converged"], SWEEP_PROFILES["converged"]
+    assert {j.key for j in search_jobs(ours, Done())} == {j.key for j in search_jobs(sweep, Done())}
+    assert INTERVENTIONS.folders["converged"] == "phase_sweep_converged"
+    jobs = [j for j in search_jobs(ours, Done()) if j.train.lr == 3e-3][:2]
+    curve = [{"step": 100, "accuracy": 0.99}]
+    done = Done(
+        jobs={j.key: j for j in jobs},
+        results={
+            jobs[0].key: {"curve": curve, "heldout_accuracy": 0.99},
+            jobs[1].key: {"curve": [], "heldout_accuracy": 0.4},  # never converged
+        },
+    )
+    assert [j.train for j in intervention_jobs(ours, done)] == [jobs[0]]
 
 
 def test_tiny_run_writes_every_table(runs):

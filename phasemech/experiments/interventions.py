@@ -47,8 +47,9 @@ import pandas as pd
 from phasemech.core.io import atomic_write, json_safe, write_json_atomic, write_text_atomic
 from phasemech.experiments.experiment import Done, Experiment, Profile
 from phasemech.experiments.jobs import Job, TrainJob, job_device, report_progress, trained_run
+from phasemech.experiments.lr_search import chosen_runs
 from phasemech.experiments.sweep import PROFILES as SWEEP_PROFILES
-from phasemech.experiments.sweep import train_jobs
+from phasemech.experiments.sweep import search_jobs, seed_jobs
 
 OUT_DIR = "interventions"
 
@@ -73,6 +74,13 @@ PROFILES = {
     "default": replace(
         SWEEP_PROFILES["default"], models=DEFAULT_MODELS, n_boot=1000, n_perm=1000,
         extra=(("sequences", 1024), ("pairs", 256)),
+    ),
+    # the converged phase sweep's models (its search and seeds stages: the same cache), only
+    # those that reached its pooling threshold, seed 0 of each setting
+    "converged": replace(
+        SWEEP_PROFILES["converged"], n_boot=1000, n_perm=1000,
+        extra=SWEEP_PROFILES["converged"].extra + (("sequences", 1024), ("pairs", 256),
+                                                   ("analyse_seeds", (0,))),
     ),
 }  # fmt: skip
 
@@ -219,13 +227,17 @@ class InterventionJob(Job):
 
 
 def intervention_jobs(p: Profile, done: Done) -> list[Job]:
-    """Stage 2: every analysis of each trained model."""
+    """Stage 2: every analysis of each trained model (at its setting's chosen learning rate;
+    with ``pool_min_accuracy`` only models that reached it, with ``analyse_seeds`` only those
+    seeds)."""
+    floor, seeds = p.get("pool_min_accuracy", 0.0), p.get("analyse_seeds")
     return [
         InterventionJob(
             job, sequences=p.get("sequences"), pairs=p.get("pairs"), n_boot=p.n_boot,
             n_perm=p.n_perm,
         )
-        for job, _ in done.of(TrainJob)
+        for job, r in chosen_runs(done)
+        if r["heldout_accuracy"] >= floor and (seeds is None or job.train.seed in seeds)
     ]  # fmt: skip
 
 
@@ -274,10 +286,10 @@ def finish(p: Profile, done: Done, out: Path) -> dict[str, Any]:
 INTERVENTIONS = Experiment(
     name="interventions",
     profiles=PROFILES,
-    stages=(train_jobs, intervention_jobs),
+    stages=(search_jobs, seed_jobs, intervention_jobs),
     finish=finish,
     about="ablation, patching, attribution, probes and head clusters on phase-sweep models",
-    folders={"default": "phase_sweep_default"},
+    folders={"default": "phase_sweep_default", "converged": "phase_sweep_converged"},
 )
 
 __all__ = [

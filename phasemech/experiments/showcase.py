@@ -28,9 +28,10 @@ from phasemech.core.grid import phase_of
 from phasemech.core.io import atomic_write, json_safe, write_json_atomic
 from phasemech.experiments.experiment import Done, Experiment, Profile
 from phasemech.experiments.jobs import Job, TrainJob, job_device, scored_targets, trained_run
+from phasemech.experiments.lr_search import chosen_runs
 from phasemech.experiments.panels import PanelConfig
 from phasemech.experiments.sweep import PROFILES as SWEEP_PROFILES
-from phasemech.experiments.sweep import grids, train_jobs
+from phasemech.experiments.sweep import grids, search_jobs, seed_jobs
 from phasemech.viz.dashboard import head_rank_key
 
 SHOWCASE_DIR = "showcase"
@@ -51,6 +52,14 @@ PROFILES = {
         models=("mean_d8_h2_T64_s0", "mean_d4_h2_T64_s0", "route_d4_h2_T64_s0",
                 "gated_d4_h2_T64_s1", "none_d8_h2_T64_s0"),
         extra=(("panel", PanelConfig(sequences=2048, n_boot=400, n_perm=400)),),
+    ),
+    # the dashboard panels of the converged phase sweep's models (its search and seeds
+    # stages: the same cache), those that reached 0.95, seed 0 of each setting
+    "converged": replace(
+        SWEEP_PROFILES["converged"],
+        extra=SWEEP_PROFILES["converged"].extra
+        + (("panel", PanelConfig(sequences=2048, n_boot=400, n_perm=400)),
+           ("analyse_seeds", (0,))),
     ),
     # every run of the phase sweep's default profile (its train jobs: the same cache keys)
     "full": replace(
@@ -148,7 +157,12 @@ def pick_showcase(panels: list[dict]) -> dict:
 
 def panel_jobs(p: Profile, done: Done) -> list[Job]:
     """Stage 2: a panel per trained model, and the theory's predictions."""
-    jobs: list[Job] = [PanelJob(job, p.get("panel")) for job, _ in done.of(TrainJob)]
+    floor, seeds = p.get("pool_min_accuracy", 0.0), p.get("analyse_seeds")
+    jobs: list[Job] = [
+        PanelJob(job, p.get("panel"))
+        for job, r in chosen_runs(done)
+        if r["heldout_accuracy"] >= floor and (seeds is None or job.train.seed in seeds)
+    ]
     return jobs + [TheoryJob(p.get("theory_scale", 1.0))]
 
 
@@ -168,7 +182,7 @@ def per_phase_table(p: Profile, done: Done) -> pd.DataFrame:
     from phasemech.measure.stats import per_phase, phase_gap
 
     frames = []
-    for job, result in done.of(TrainJob):
+    for job, result in chosen_runs(done):
         df = scored_targets(job, result)
         c = job.train
         frames.append(
@@ -232,10 +246,10 @@ def finish(p: Profile, done: Done, out: Path) -> dict[str, Any]:
 FIGURES = Experiment(
     name="figures",
     profiles=PROFILES,
-    stages=(train_jobs, panel_jobs, patch_jobs),
+    stages=(search_jobs, seed_jobs, panel_jobs, patch_jobs),
     finish=finish,
     about="the models, panels, patching and theory that make figures draws",
-    folders={"full": "phase_sweep_default"},
+    folders={"full": "phase_sweep_default", "converged": "phase_sweep_converged"},
 )
 
 __all__ = ["FIGURES", "PROFILES", "PanelJob", "PatchJob", "TheoryJob", "best_head", "pick_showcase"]
