@@ -1,0 +1,71 @@
+"""The from-scratch claim at convergence: a gap counts only above its dense control, only
+converged models count, and the matched-accuracy excess is design minus dense."""
+
+from __future__ import annotations
+
+from phasemech.experiments.converged_claims import (
+    converged_claim_lines,
+    converged_settings,
+    matched_excess,
+)
+
+
+def _row(design, gap, lo, hi, acc=0.99, heads=2):
+    return {"design": design, "stride": 4, "heads": heads, "seq_len": 64, "seed": "pooled",
+            "targets": "all", "step": "final", "accuracy": acc, "debiased_gap": gap,
+            "debiased_lo": lo, "debiased_hi": hi}  # fmt: skip
+
+
+def _conv(design, converged, heads=2):
+    return [{"design": design, "stride": 4, "heads": heads, "seq_len": 64, "seed": s,
+             "converged": c} for s, c in enumerate(converged)]  # fmt: skip
+
+
+def _summary():
+    return {
+        "rows": [
+            _row("none", 0.01, 0.0, 0.02),
+            _row("mean", 0.05, 0.03, 0.07),  # above 0 and above dense's CI: a gap
+            _row("gated", 0.02, 0.01, 0.03),  # above 0 but inside dense's CI: the task's
+            # (mlp: no pooled row, none of its seeds converged)
+        ],
+        "convergence": _conv("none", [True] * 3)
+        + _conv("mean", [True, True, False])
+        + _conv("gated", [True] * 3)
+        + _conv("mlp", [False] * 3),
+        "matched": [
+            {"design": d, "stride": 4, "heads": 2, "seq_len": 64, "band": b, "raw_gap": g, "n": 5}
+            for d, b, g in [
+                ("none", "0.6-0.9", 0.05),
+                ("mean", "0.6-0.9", 0.12),
+                ("mean", "0.9-0.99", 0.04),
+                ("gated", "0.6-0.9", 0.04),
+            ]
+        ],  # fmt: skip
+    }
+
+
+def test_settings_apply_the_dense_rule_and_list_unconverged_settings():
+    s = converged_settings(_summary()).set_index("design")
+    assert s.loc["mean", "has_gap"] and not s.loc["gated", "has_gap"]
+    assert not s.loc["none", "has_gap"] and not s.loc["mlp", "has_gap"]
+    assert (s.loc["mean", "converged"], s.loc["mean", "seeds"]) == (2, 3)
+    assert s.loc["mlp", "converged"] == 0 and s.loc["mean", "dense_hi"] == 0.02
+
+
+def test_matched_excess_is_design_minus_dense_at_the_same_band():
+    ex = matched_excess(_summary()).set_index(["design", "band"])
+    assert len(ex) == 2  # mean 0.9-0.99 has no dense partner in that band
+    assert abs(ex.loc[("mean", "0.6-0.9"), "excess"] - 0.07) < 1e-12
+    assert abs(ex.loc[("gated", "0.6-0.9"), "excess"] + 0.01) < 1e-12
+
+
+def test_claim_lines_and_verdict():
+    lines, verdict = converged_claim_lines(_summary(), "x.json")
+    text = "\n".join(lines)
+    assert "none converged: no gap" in text and "| mlp | 4 | 2 | 64 | 0 of 3 |" in text
+    assert verdict.startswith("**Supported at convergence** for mean d=4 H=2 T=64")
+    no_gap = _summary()
+    no_gap["rows"][1] = _row("mean", 0.015, 0.005, 0.03)
+    assert converged_claim_lines(no_gap, "x.json")[1].startswith("**Not supported")
+    assert converged_claim_lines({}, "x.json")[1] == "not measured"
