@@ -100,12 +100,14 @@ def make_hooked(**kw):
 
 
 def randomize_compressors(model: PhaseTransformer, seed: int = 0, scale: float = 0.5) -> None:
-    """Give compressor parameters non-trivial values (gated starts at near-mean pooling)."""
+    """Give compressor parameters non-trivial values (gated and mlp start at mean pooling)."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "phase_bias" in name or "W_gate" in name:
                 p.copy_(torch.randn(p.shape, generator=gen) * scale)
+            elif ".compress_" in name and ".2." in name:  # mlp starts as the block mean
+                p.copy_(torch.randn(p.shape, generator=gen) * scale / p.shape[-1] ** 0.5)
 
 
 def tokens(batch: int = 2, seq: int = 24, seed: int = 0, d_vocab: int = D_VOCAB) -> torch.Tensor:

@@ -3,16 +3,23 @@
 NSA paper; lucidrains ``native-sparse-attention``. Axes: ``batch, kv_head, block, slot, d_head``.
 For keys (and, with separate weights, values)::
 
-    K_b = MLP_K( flatten_j (k_j + pe_K[slot(j)]) ),   MLP: l*D -> l*D -> D, ReLU
+    K_b = mean_j k_j + MLP_K( flatten_j (k_j + pe_K[slot(j)]) ),   MLP: l*D -> l*D -> D, ReLU
 
 with learned intra-block position embeddings ``pos_embed_k/v [kv_head, slot, d_head]``; the MLP is
-shared by the KV heads. Missing slots (before position 0, padding) enter as zeros.
+shared by the KV heads. Missing slots (before position 0, padding) enter as zeros and are left
+out of the mean. The MLP's output layer starts at zero, so the compressor starts as mean pooling
+(as ``gated`` does) and learns what the MLP adds: with a randomly initialised output layer the
+MLP's entries start as noise that the retrieval head must first learn to ignore, and models at
+d = 4 stayed on the MQAR loss plateau for the whole 2000-step search budget (see
+``docs/training.md``). The mean path is a linear function the MLP could represent anyway; it
+changes where training starts, not what the design can compute.
 
 Token attribution is NOT exact here: an MLP entry is not a convex mixture of tokens. The block
 weights ``A[b, j]`` reported through ``hook_block_weights`` and used by ``hook_token_pattern`` are a
 gradient x input attribution of the value entry along its own direction,
 ``|(v_j + pe_j) . d(u . V_b)/d(v_j)|`` with ``u = V_b / |V_b|``, normalised over the block's slots
-(closed form, since the MLP is piecewise linear). ``token_pattern_exact`` is ``False``.
+(closed form, since the MLP is piecewise linear and the mean linear). ``token_pattern_exact``
+is ``False``.
 """
 
 from __future__ import annotations
@@ -29,10 +36,11 @@ from phasemech.core.grid import Geometry
 def _compressor(width: int, d_head: int, gen: torch.Generator, dtype: torch.dtype) -> nn.Sequential:
     mlp = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, d_head))
     with torch.no_grad():
-        for lin in (mlp[0], mlp[2]):
-            bound = 1.0 / lin.in_features**0.5
-            lin.weight.copy_(torch.rand(lin.weight.shape, generator=gen) * 2 * bound - bound)
-            lin.bias.zero_()
+        bound = 1.0 / width**0.5
+        mlp[0].weight.copy_(torch.rand(mlp[0].weight.shape, generator=gen) * 2 * bound - bound)
+        mlp[0].bias.zero_()
+        mlp[2].weight.zero_()  # the compressor starts as the mean of its block
+        mlp[2].bias.zero_()
     return mlp.to(dtype)
 
 
@@ -58,10 +66,15 @@ class MLPCompressorAttention(CompressedAttentionMixin):
         slots = (self._gather_slots(x, geo) + pe[None, :, None]) * geo.slot_valid[..., None]
         return slots.flatten(-2)
 
+    def _mean(self, x: Tensor, geo: Geometry) -> Float[Tensor, "b g n d"]:
+        valid = geo.slot_valid[..., None].to(x.dtype)
+        return (self._gather_slots(x, geo) * valid).sum(3) / valid.sum(3).clamp(min=1)
+
     def pool(self, x, k, v, geo):
         xk = self._inputs(k, self.pos_embed_k, geo)
         xv = self._inputs(v, self.pos_embed_v, geo)
-        k_blk, v_blk = self.compress_k(xk), self.compress_v(xv)
+        k_blk = self._mean(k, geo) + self.compress_k(xk)
+        v_blk = self._mean(v, geo) + self.compress_v(xv)
         weights = None
         if self.hook_block_weights.has_hooks():
             # Read-only view: the MLP does not use these weights, so patching them changes nothing.
@@ -70,7 +83,7 @@ class MLPCompressorAttention(CompressedAttentionMixin):
 
     def block_attribution(self, x, k, v, geo):
         xv = self._inputs(v, self.pos_embed_v, geo)
-        return self._attribution(xv, self.compress_v(xv), geo)
+        return self._attribution(xv, self._mean(v, geo) + self.compress_v(xv), geo)
 
     def _attribution(
         self, xv: Tensor, v_blk: Tensor, geo: Geometry
@@ -78,7 +91,11 @@ class MLPCompressorAttention(CompressedAttentionMixin):
         lin1, lin2 = self.compress_v[0], self.compress_v[2]
         u = v_blk / v_blk.norm(dim=-1, keepdim=True).clamp(min=1e-12)
         active = (xv @ lin1.weight.T + lin1.bias > 0).to(xv.dtype)
-        grad = ((u @ lin2.weight) * active) @ lin1.weight  # d(u . V_b) / d(input)
+        grad = ((u @ lin2.weight) * active) @ lin1.weight  # d(u . MLP) / d(input)
+        # the mean path: d(u . mean_j v_j) / d(v_j) = u / (valid slots), on every valid slot
+        n = geo.slot_valid.sum(-1, keepdim=True).clamp(min=1).to(xv.dtype)
+        mean_grad = (u[..., None, :] / n[..., None]) * geo.slot_valid[..., None]
+        grad = grad + mean_grad.flatten(-2)
         rel = (xv * grad).unflatten(-1, (self.block_len, -1)).sum(-1).abs() * geo.slot_valid
         total = rel.sum(-1, keepdim=True)
         uniform = geo.slot_valid / geo.slot_valid.sum(-1, keepdim=True).clamp(min=1)
