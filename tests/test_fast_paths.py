@@ -12,14 +12,14 @@ from phasemech.core.config import CompressionConfig
 from phasemech.data.tasks import MQARTask, training_batch
 from phasemech.measure.readout import answer_logits
 from phasemech.model import fast
-from phasemech.model.fast import FastAttention, FastLayerNorm
+from phasemech.model.fast import FastAttention, FastBlock, FastLayerNorm
 from phasemech.training.config import ModelSpec, TrainConfig
 
 
-def _model(design: str = "gated", offsets: str = "aligned"):
+def _model(design: str = "gated", offsets: str = "aligned", attn_only: bool = True):
     cfg = TrainConfig(
         task=MQARTask(vocab_size=32, seq_len=32, n_pairs=4, stride=4),
-        model=ModelSpec(d_model=32, n_heads=2),
+        model=ModelSpec(d_model=32, n_heads=2, attn_only=attn_only),
         compression=CompressionConfig(design, stride=4, layers=(1,), offsets=offsets),
         seed=1,
     )
@@ -36,27 +36,30 @@ def _loss_and_grads(model, batch):
 
 def _slow(model):
     """Force TransformerLens' own code: a no-op hook on every score/pattern/LN hook."""
-    names = ("hook_pattern", "hook_scale")
+    names = ("hook_pattern", "hook_scale", "hook_normalized")
     return model.hooks(fwd_hooks=[(lambda n: n.endswith(names), lambda t, hook: t)])
 
 
 def test_modules_are_swapped_in_place():
     model, _ = _model()
     assert type(model.blocks[0].attn) is FastAttention  # the dense layer
+    assert type(model.blocks[1]) is FastBlock
     assert type(model.blocks[0].ln1) is FastLayerNorm and type(model.ln_final) is FastLayerNorm
     assert isinstance(model.blocks[0].attn, Attention) and isinstance(model.ln_final, LayerNorm)
     assert "blocks.0.attn.hook_pattern" in model.hook_dict
 
 
 @pytest.mark.parametrize(
-    "design, offsets",
-    [("none", "aligned"), ("gated", "aligned"), ("mean", "aligned"), ("mlp", "aligned"),
-     ("gated", "per_head"), ("mean", "random")],
+    "design, offsets, attn_only",
+    [("none", "aligned", True), ("gated", "aligned", True), ("mean", "aligned", True),
+     ("mlp", "aligned", True), ("gated", "per_head", True), ("mean", "random", True),
+     ("gated", "aligned", False)],
 )  # fmt: skip
-def test_fast_training_step_equals_the_hooked_path(design, offsets):
-    """Fused LN and SDPA, the dense short-context layout of compressed layers and the shared-
-    grid slot gather, against TransformerLens' modules and the banded layout (hooked)."""
-    model, batch = _model(design, offsets)
+def test_fast_training_step_equals_the_hooked_path(design, offsets, attn_only):
+    """Fused LN, QKV and SDPA, one ln1 per block, the dense short-context layout of compressed
+    layers and the shared-grid slot gather, against TransformerLens' modules and the banded
+    layout (hooked)."""
+    model, batch = _model(design, offsets, attn_only)
     model.train()
     torch.manual_seed(0)  # random offsets: the same draw on both paths
     loss_fast, grads_fast = _loss_and_grads(model, batch)
@@ -109,3 +112,25 @@ def test_dense_layout_respects_padding(design):
         slow_out = model(tokens, attention_mask=mask)
     real = mask.bool()
     torch.testing.assert_close(fast_out[real], slow_out[real], atol=1e-5, rtol=1e-5)
+
+
+def test_training_projects_qkv_once_per_layer(monkeypatch):
+    """One ln1 per block hands attention one tensor, so Q/K/V take the fused projection instead
+    of TransformerLens' three; hooks on q, k and v still see their tensors."""
+    from transformer_lens.components.abstract_attention import AbstractAttention
+
+    calls = []
+    real = AbstractAttention.calculate_qkv_matrices
+    monkeypatch.setattr(
+        AbstractAttention, "calculate_qkv_matrices", lambda *a: calls.append(1) or real(*a)
+    )
+    model, (tokens, _, _) = _model()
+    model.train()
+    seen = []
+    names = ("hook_q", "hook_k", "hook_v")
+    with model.hooks(fwd_hooks=[(lambda n: n.endswith(names), lambda t, hook: seen.append(t))]):
+        model(tokens)
+    assert calls == [] and len(seen) == 6
+    model.eval()
+    model(tokens)
+    assert len(calls) == 2  # eval: TransformerLens' projections, one call per layer

@@ -41,6 +41,7 @@ from transformer_lens.components import Attention, GroupedQueryAttention
 from transformer_lens.hook_points import HookPoint
 from transformer_lens.utilities.activation_functions import apply_softcap
 
+from phasemech.attention.projection import fused_qkv
 from phasemech.core.grid import Geometry, build_geometry, left_padding
 
 
@@ -233,11 +234,8 @@ class CompressedAttentionMixin:
         weights = self.hook_block_weights(self.pooling_weights(x, geo).to(k.dtype))
         ks, vs = self._gather_slots(k, geo), self._gather_slots(v, geo)
         if weights.ndim == 4:  # one weight per slot
-            return (
-                einops.einsum(weights, ks, "b g n s, b g n s d -> b g n d"),
-                einops.einsum(weights, vs, "b g n s, b g n s d -> b g n d"),
-                weights,
-            )
+            w = weights[..., None]  # a broadcast product beats a batch of 1 x l matmuls here
+            return (w * ks).sum(3), (w * vs).sum(3), weights
         # per-channel weights [b, g, n, s, d]; token attribution uses the channel mean
         return (ks * weights).sum(3), (vs * weights).sum(3), weights.mean(-1)
 
@@ -262,7 +260,10 @@ class CompressedAttentionMixin:
                 f"layer {self.layer_id} ({self.design}): additive masks and position biases "
                 "are not supported on compressed layers"
             )
-        q, k, v = self.calculate_qkv_matrices(query_input, key_input, value_input)
+        if self.training:  # one fused projection; the same q, k, v and hooks
+            q, k, v = fused_qkv(self, query_input, key_input, value_input)
+        else:
+            q, k, v = self.calculate_qkv_matrices(query_input, key_input, value_input)
         if self.cfg.positional_embedding_type == "rotary":
             # Pool post-RoPE keys (fla-org NSA, MoBA): each entry keeps its tokens' rotations.
             q = self.hook_rot_q(self.apply_rotary(q, 0, attention_mask))
@@ -280,7 +281,19 @@ class CompressedAttentionMixin:
         self, offsets: Int[Tensor, "batch kv_head"], seq: int, key_valid: Tensor | None
     ) -> Geometry:
         c = self.cfg.compression
-        return build_geometry(
+        # a training step rebuilds the same geometry every forward: keep the last one while
+        # the offsets and length repeat (no padding mask; random offsets simply miss)
+        cached = getattr(self, "_geo_cache", None)
+        if (
+            key_valid is None
+            and cached is not None
+            and cached[0] == seq
+            and cached[1].shape == offsets.shape
+            and cached[1].device == offsets.device
+            and torch.equal(cached[1], offsets)
+        ):
+            return cached[2]
+        geo = build_geometry(
             offsets,
             seq,
             self.stride,
@@ -290,6 +303,9 @@ class CompressedAttentionMixin:
             key_valid,
             c.block_scope,
         )
+        if key_valid is None:
+            self._geo_cache = (seq, offsets.clone(), geo)
+        return geo
 
     def attend(
         self,

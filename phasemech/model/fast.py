@@ -6,7 +6,8 @@ TransformerLens computes LayerNorm in five elementwise steps (so that ``hook_sca
 ``hook_normalized`` exist) and dense attention through an explicit score matrix, a causal mask
 and a NaN scrub (so that ``hook_attn_scores`` and ``hook_pattern`` exist). In training nothing
 is attached to those hooks, and the two cost a small model most of its step time beyond the
-plain-PyTorch equivalent (``bench/train_step.py``). The classes here are TransformerLens'
+plain-PyTorch equivalent (``bench/train_step.py``); a block also normalises its input three
+times (once each for Q, K and V). The classes here are TransformerLens'
 own modules with one change: in training mode, when none of the hooks that only the slow path
 can feed is attached, ``forward`` runs the fused kernel (``F.layer_norm``,
 ``F.scaled_dot_product_attention``) and feeds every other hook as before (``hook_q``,
@@ -24,7 +25,10 @@ import torch
 import torch.nn.functional as F
 from jaxtyping import Float
 from torch import Tensor, nn
-from transformer_lens.components import Attention, LayerNorm
+from transformer_lens.components import Attention, LayerNorm, TransformerBlock
+from transformer_lens.components.transformer_block import POST_NORM_ARCHITECTURES as _POST_NORM
+
+from phasemech.attention.projection import fused_qkv
 
 
 class FastLayerNorm(LayerNorm):
@@ -83,7 +87,7 @@ class FastAttention(Attention):
         )
         if not self._fast_ok(kw):
             return super().forward(query_input, key_input, value_input, **kw)
-        q, k, v = self.calculate_qkv_matrices(query_input, key_input, value_input)
+        q, k, v = fused_qkv(self, query_input, key_input, value_input)
         z = F.scaled_dot_product_attention(
             q.transpose(1, 2),
             k.transpose(1, 2),
@@ -99,8 +103,46 @@ class FastAttention(Attention):
 _QK_NORM_ARCHS = ("OlmoeForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM")
 
 
+class FastBlock(TransformerBlock):
+    """A pre-norm ``TransformerBlock`` that normalises its input once for Q, K and V in training
+    (TransformerLens applies ``ln1`` three times, to three copies of the same residual; the
+    results are equal, and one tensor lets attention fuse its Q/K/V projection). Every block
+    hook still runs; with a hook on ``ln1``, in eval mode or for any other block layout,
+    TransformerLens' own forward runs."""
+
+    def _fast_ok(self, shortformer_pos_embed, past_kv_cache_entry) -> bool:
+        c = self.cfg
+        return (
+            self.training
+            and shortformer_pos_embed is None
+            and past_kv_cache_entry is None
+            and not c.use_attn_in
+            and not c.use_split_qkv_input
+            and not c.parallel_attn_mlp
+            and not c.use_normalization_before_and_after
+            and c.original_architecture not in _POST_NORM
+            and not any(h.has_hooks() for h in self.ln1.modules() if hasattr(h, "has_hooks"))
+        )
+
+    def forward(
+        self, resid_pre, shortformer_pos_embed=None, past_kv_cache_entry=None, attention_mask=None
+    ) -> Float[Tensor, "batch pos d_model"]:
+        if not self._fast_ok(shortformer_pos_embed, past_kv_cache_entry):
+            return super().forward(
+                resid_pre, shortformer_pos_embed, past_kv_cache_entry, attention_mask
+            )
+        resid_pre = self.hook_resid_pre(resid_pre)
+        x = self.ln1(resid_pre)
+        attn_out = self.hook_attn_out(self.attn(x, x, x, attention_mask=attention_mask))
+        if self.cfg.attn_only:
+            return self.hook_resid_post(resid_pre + attn_out)
+        resid_mid = self.hook_resid_mid(resid_pre + attn_out)
+        mlp_in = self.hook_mlp_in(resid_mid.clone()) if self.cfg.use_hook_mlp_in else resid_mid
+        return self.hook_resid_post(resid_mid + self.apply_mlp(self.ln2(mlp_in)))
+
+
 def use_fast_modules(model: nn.Module) -> int:
-    """Swap every plain ``LayerNorm`` and dense ``Attention`` of ``model`` for its fast
+    """Swap every plain ``LayerNorm``, dense ``Attention`` and ``TransformerBlock`` for its fast
     subclass, in place (same parameters and hooks); the number of modules swapped."""
     n = 0
     for module in model.modules():
@@ -110,7 +152,10 @@ def use_fast_modules(model: nn.Module) -> int:
         elif type(module) is Attention:
             module.__class__ = FastAttention
             n += 1
+        elif type(module) is TransformerBlock:
+            module.__class__ = FastBlock
+            n += 1
     return n
 
 
-__all__ = ["FastAttention", "FastLayerNorm", "use_fast_modules"]
+__all__ = ["FastAttention", "FastBlock", "FastLayerNorm", "use_fast_modules"]
