@@ -46,6 +46,7 @@ bench: $(STAMP)
 	$(PY) bench/attention_scaling.py
 	$(PY) bench/patching.py
 	$(PY) bench/launcher.py
+	$(PY) bench/train_step.py
 
 pretrained: $(STAMP)
 	$(VENV)/bin/phasemech run pretrained --runs runs --profile $(if $(filter 1,$(FULL)),full,default)
