@@ -71,7 +71,8 @@ def test_cli_train_stride_3_and_eval_sequences_flag(tmp_path):
     result = runner.invoke(app, [*args, "-o", str(tmp_path / "a"), *SMALL])
     assert result.exit_code == 0, result.output
     saved = TrainConfig.load(tmp_path / "a" / "train_config.json")
-    assert (saved.task.stride, saved.compression.stride, saved.eval_sequences) == (24, 3, 528)
+    # the task's prefix follows the model's stride (docs/training.md): 512 rounds up to 513
+    assert (saved.task.stride, saved.compression.stride, saved.eval_sequences) == (3, 3, 513)
     result = runner.invoke(
         app, [*args, "-o", str(tmp_path / "b"), *SMALL, "--eval-sequences", "48"]
     )
@@ -92,12 +93,12 @@ def test_eval_sequences_from_a_config_file(tmp_path):
     args = ["train", "--config", str(tmp_path / "old" / "train_config.json"), "--stride", "3"]
     result = runner.invoke(app, [*args, "-o", str(tmp_path / "a")])
     assert result.exit_code == 0, result.output
-    assert TrainConfig.load(tmp_path / "a" / "train_config.json").eval_sequences == 528
+    assert TrainConfig.load(tmp_path / "a" / "train_config.json").eval_sequences == 513
     (tmp_path / "c.json").write_text(json.dumps({"eval_sequences": 256}))
     args = ["train", "-o", str(tmp_path / "r"), "--config", str(tmp_path / "c.json")]
     result = runner.invoke(app, [*args, "--stride", "3", "--steps", "1", *SMALL])
     assert result.exit_code == 2, result.output
-    assert "eval_sequences=256" in _flat(result.output) and "e.g.264" in _flat(result.output)
+    assert "eval_sequences=256" in _flat(result.output) and "e.g.258" in _flat(result.output)
 
 
 # ------------------------------------------------------------------- flags (case 5)
