@@ -361,15 +361,23 @@ def analysis_figures(theory: dict, results: Path = RESULTS) -> list[dict]:
 
 
 def write_pngs(figs: list, paths: list[Path]) -> bool:
-    """All PNGs in one kaleido (Chromium) session; ``False`` (and a warning) without Chromium."""
+    """All PNGs in one kaleido (Chromium) session; ``False`` (and a warning) without Chromium.
+    With Chromium present a failure is retried once (a loaded machine can time the browser
+    out), then raised: PNGs that should exist are never skipped silently."""
     import plotly.io as pio
 
-    try:
-        pio.write_images(figs, paths, scale=2)
-        return True
-    except Exception as err:  # kaleido needs Chrome/Chromium: a missing one only skips PNGs
-        console.print(f"[yellow]no PNGs[/]: {type(err).__name__}: {err}")
-        return False
+    for attempt in (1, 2):
+        try:
+            pio.write_images(figs, paths, scale=2)
+            return True
+        except Exception as err:  # kaleido needs Chrome/Chromium: a missing one skips PNGs
+            if Path(CHROMIUM).exists() and attempt == 2:
+                raise
+            if not Path(CHROMIUM).exists():
+                console.print(f"[yellow]no PNGs[/]: {type(err).__name__}: {err}")
+                return False
+            console.print(f"[yellow]PNG export failed, retrying[/]: {type(err).__name__}")
+    return False
 
 
 def screenshot(page_path: Path, png: Path) -> bool:

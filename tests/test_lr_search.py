@@ -120,6 +120,6 @@ def test_tiny_search_on_the_launcher(tmp_path):
     assert sorted(conv["seed"]) == [0, 0, 1, 1] and conv["lr"].nunique() >= 1
     for design, g in conv.groupby("design"):
         kept = search[(search["design"] == design) & search["chosen"]]["lr"].unique()
-        assert list(g["lr"]) == list(kept)  # every seed at its setting's kept rate
+        assert set(g["lr"]) == set(kept)  # every seed at its setting's kept rate
     assert "## Learning-rate search" in (folder / "summary.md").read_text()
     assert len(pd.read_parquet(folder / "curves.parquet")) > 0
