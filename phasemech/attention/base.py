@@ -129,7 +129,7 @@ class CompressedAttentionMixin:
         b, seq, g, dd = x.shape
         nb, sl = geo.slot_pos.shape[2], geo.slot_pos.shape[3]
         pos = geo.slot_pos.clamp(0, seq - 1)
-        if bool((pos == pos[:1]).all()):
+        if geo.shared:
             # one grid for the whole batch (no per-sequence shift): an index_select per KV
             # head, about twice as fast as the batched gather forward and backward
             rows = [x[:, :, i].index_select(1, pos[0, i].reshape(-1)) for i in range(g)]

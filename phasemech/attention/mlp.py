@@ -62,19 +62,21 @@ class MLPCompressorAttention(CompressedAttentionMixin):
             (torch.randn(g, sl, dh, generator=gen) * std).to(self.cfg.dtype)
         )
 
-    def _inputs(self, x: Tensor, pe: Tensor, geo: Geometry) -> Float[Tensor, "b g n flat"]:
-        slots = (self._gather_slots(x, geo) + pe[None, :, None]) * geo.slot_valid[..., None]
-        return slots.flatten(-2)
-
-    def _mean(self, x: Tensor, geo: Geometry) -> Float[Tensor, "b g n d"]:
+    def _inputs(
+        self, x: Tensor, pe: Tensor, geo: Geometry
+    ) -> tuple[Float[Tensor, "b g n flat"], Float[Tensor, "b g n d"]]:
+        """The MLP's input (flattened slots plus position embeddings) and the block mean,
+        from one gather of the block's slots (missing slots are zero)."""
+        slots = self._gather_slots(x, geo)
         valid = geo.slot_valid[..., None].to(x.dtype)
-        return (self._gather_slots(x, geo) * valid).sum(3) / valid.sum(3).clamp(min=1)
+        mean = slots.sum(3) / valid.sum(3).clamp(min=1)
+        return ((slots + pe[None, :, None]) * valid).flatten(-2), mean
 
     def pool(self, x, k, v, geo):
-        xk = self._inputs(k, self.pos_embed_k, geo)
-        xv = self._inputs(v, self.pos_embed_v, geo)
-        k_blk = self._mean(k, geo) + self.compress_k(xk)
-        v_blk = self._mean(v, geo) + self.compress_v(xv)
+        xk, k_mean = self._inputs(k, self.pos_embed_k, geo)
+        xv, v_mean = self._inputs(v, self.pos_embed_v, geo)
+        k_blk = k_mean + self.compress_k(xk)
+        v_blk = v_mean + self.compress_v(xv)
         weights = None
         if self.hook_block_weights.has_hooks():
             # Read-only view: the MLP does not use these weights, so patching them changes nothing.
@@ -82,8 +84,8 @@ class MLPCompressorAttention(CompressedAttentionMixin):
         return k_blk, v_blk, weights
 
     def block_attribution(self, x, k, v, geo):
-        xv = self._inputs(v, self.pos_embed_v, geo)
-        return self._attribution(xv, self._mean(v, geo) + self.compress_v(xv), geo)
+        xv, v_mean = self._inputs(v, self.pos_embed_v, geo)
+        return self._attribution(xv, v_mean + self.compress_v(xv), geo)
 
     def _attribution(
         self, xv: Tensor, v_blk: Tensor, geo: Geometry

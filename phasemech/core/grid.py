@@ -155,6 +155,9 @@ class Geometry:
     block_used: Bool[Tensor, "batch kv_head pos block"]
     band_valid: Bool[Tensor, "batch kv_head pos w"]
     key_valid: Bool[Tensor, "batch pos"] | None = None
+    #: every sequence of the batch on the same grid (no per-sequence shift): slots can be
+    #: gathered once per KV head instead of per sequence
+    shared: bool = False
 
     @property
     def band_pos(self) -> Int[Tensor, "pos w"]:
@@ -192,6 +195,7 @@ def build_geometry(
         block_used=block_used,
         band_valid=_band_valid(raw_start, band, key_valid),
         key_valid=None if key_valid is None else key_valid.bool(),
+        shared=bool((offsets == offsets[:1]).all()),
     )
 
 

@@ -22,11 +22,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from phasemech.experiments.sweep_summary import _fmt
+
 KEYS = ["stride", "heads", "seq_len"]
-
-
-def _fmt(x: Any) -> str:
-    return "nan" if x is None or not np.isfinite(x) else f"{x:.3f}"
 
 
 def converged_settings(summary: dict[str, Any]) -> pd.DataFrame:

@@ -47,7 +47,7 @@ import pandas as pd
 from phasemech.core.io import atomic_write, json_safe, write_json_atomic, write_text_atomic
 from phasemech.experiments.experiment import Done, Experiment, Profile
 from phasemech.experiments.jobs import Job, TrainJob, job_device, report_progress, trained_run
-from phasemech.experiments.lr_search import chosen_runs
+from phasemech.experiments.lr_search import analysed_runs
 from phasemech.experiments.sweep import PROFILES as SWEEP_PROFILES
 from phasemech.experiments.sweep import search_jobs, seed_jobs
 
@@ -230,14 +230,13 @@ def intervention_jobs(p: Profile, done: Done) -> list[Job]:
     """Stage 2: every analysis of each trained model (at its setting's chosen learning rate;
     with ``pool_min_accuracy`` only models that reached it, with ``analyse_seeds`` only those
     seeds)."""
-    floor, seeds = p.get("pool_min_accuracy", 0.0), p.get("analyse_seeds")
+    runs = analysed_runs(done, p.get("pool_min_accuracy", 0.0), p.get("analyse_seeds"))
     return [
         InterventionJob(
             job, sequences=p.get("sequences"), pairs=p.get("pairs"), n_boot=p.n_boot,
             n_perm=p.n_perm,
         )
-        for job, r in chosen_runs(done)
-        if r["heldout_accuracy"] >= floor and (seeds is None or job.train.seed in seeds)
+        for job, _ in runs
     ]  # fmt: skip
 
 

@@ -94,6 +94,18 @@ def chosen_runs(done: Done) -> list[tuple[TrainJob, dict[str, Any]]]:
     return list(kept.values())
 
 
+def analysed_runs(
+    done: Done, min_accuracy: float = 0.0, seeds: tuple[int, ...] | None = None
+) -> list[tuple[TrainJob, dict[str, Any]]]:
+    """The chosen runs that reached ``min_accuracy`` held-out accuracy (and are among
+    ``seeds``, if given): what statistics and analyses read."""
+    return [
+        (j, r)
+        for j, r in chosen_runs(done)
+        if r["heldout_accuracy"] >= min_accuracy and (seeds is None or j.train.seed in seeds)
+    ]
+
+
 def search_stages(make: MakeJobs) -> tuple[Callable, Callable]:
     """The two stages of a search over ``make``'s settings: (1) the first seed at every rate
     of the profile, on the search budget (every seed at the default rate when the profile has
@@ -114,14 +126,14 @@ def search_stages(make: MakeJobs) -> tuple[Callable, Callable]:
             for j, r in done.of(TrainJob)
             if j.train.lr == best[setting(j.train)] and steps_to(r["curve"]) is None
         }
+        retrain = search_steps(p) < p.steps  # a longer budget can still take it off the plateau
         jobs = []
         for lr in lrs(p):
             for job in make(p, lr, p.seeds, p.steps):
                 key = setting(job.train)
-                again = job.train.seed == p.seeds[0] and key in unconverged
-                if best.get(key) == lr and (job.train.seed != p.seeds[0] or again):
-                    if search_steps(p) < p.steps or not again:
-                        jobs.append(job)
+                first = job.train.seed == p.seeds[0]
+                if best.get(key) == lr and (not first or (retrain and key in unconverged)):
+                    jobs.append(job)
         return jobs
 
     return search, seeds
@@ -181,6 +193,7 @@ def curves(done: Done) -> pd.DataFrame:
 
 __all__ = [
     "CONVERGED",
+    "analysed_runs",
     "best_lr",
     "chosen_lrs",
     "chosen_runs",

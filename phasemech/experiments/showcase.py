@@ -28,7 +28,7 @@ from phasemech.core.grid import phase_of
 from phasemech.core.io import atomic_write, json_safe, write_json_atomic
 from phasemech.experiments.experiment import Done, Experiment, Profile
 from phasemech.experiments.jobs import Job, TrainJob, job_device, scored_targets, trained_run
-from phasemech.experiments.lr_search import chosen_runs
+from phasemech.experiments.lr_search import analysed_runs, chosen_runs
 from phasemech.experiments.panels import PanelConfig
 from phasemech.experiments.sweep import PROFILES as SWEEP_PROFILES
 from phasemech.experiments.sweep import grids, search_jobs, seed_jobs
@@ -157,12 +157,8 @@ def pick_showcase(panels: list[dict]) -> dict:
 
 def panel_jobs(p: Profile, done: Done) -> list[Job]:
     """Stage 2: a panel per trained model, and the theory's predictions."""
-    floor, seeds = p.get("pool_min_accuracy", 0.0), p.get("analyse_seeds")
-    jobs: list[Job] = [
-        PanelJob(job, p.get("panel"))
-        for job, r in chosen_runs(done)
-        if r["heldout_accuracy"] >= floor and (seeds is None or job.train.seed in seeds)
-    ]
+    runs = analysed_runs(done, p.get("pool_min_accuracy", 0.0), p.get("analyse_seeds"))
+    jobs: list[Job] = [PanelJob(job, p.get("panel")) for job, _ in runs]
     return jobs + [TheoryJob(p.get("theory_scale", 1.0))]
 
 

@@ -31,6 +31,7 @@ from phasemech.data.tasks import MQARTask
 from phasemech.experiments.experiment import Done, Experiment, Profile
 from phasemech.experiments.jobs import Job, TrainJob, payload, scored_targets
 from phasemech.experiments.lr_search import (
+    analysed_runs,
     chosen_runs,
     convergence_table,
     curves,
@@ -270,10 +271,8 @@ def report_row(key: dict, df: pd.DataFrame, stride: int, n_boot: int, n_perm: in
 def stats_jobs(p: Profile, done: Done) -> list[SweepStatsJob]:
     """Stage 2: one statistics job per (design, stride, heads, T) group of trained runs."""
     groups: dict[tuple, list[tuple[TrainJob, dict]]] = {}
-    floor = p.get("pool_min_accuracy", 0.0)  # models below it never enter a gap
-    for job, result in chosen_runs(done):
-        if result["heldout_accuracy"] < floor:
-            continue
+    # models below the profile's pooling threshold never enter a gap
+    for job, result in analysed_runs(done, p.get("pool_min_accuracy", 0.0)):
         c = job.train
         key = (c.compression.design, c.compression.stride, c.model.n_heads, c.task.seq_len)
         groups.setdefault(key, []).append((job, result))

@@ -138,9 +138,6 @@ def matched_gaps(curve: pd.DataFrame) -> pd.DataFrame:
 
 def _matched_table(curve: pd.DataFrame) -> list[str]:
     """Held-out raw gap along training, binned by held-out accuracy: designs vs dense."""
-    curve = curve.copy()
-    labels = ["<0.3", "0.3-0.6", "0.6-0.9", "0.9-0.99", ">=0.99"]
-    curve["bin"] = pd.cut(curve["accuracy"], ACC_BINS, labels=labels, right=False)
     lines = [
         "",
         "## Matched accuracy: held-out raw gap by accuracy band (mean over evaluations, n)",
@@ -148,19 +145,21 @@ def _matched_table(curve: pd.DataFrame) -> list[str]:
         "Every evaluation (each 100 steps, 512 held-out sequences) of every seed, binned by "
         "its accuracy: compare each design with the dense row at the same accuracy.",
         "",
-        "| design | d | heads | T | " + " | ".join(labels) + " |",
-        "|---|---|---|---|" + "---|" * len(labels),
+        "| design | d | heads | T | " + " | ".join(BAND_LABELS) + " |",
+        "|---|---|---|---|" + "---|" * len(BAND_LABELS),
     ]
     keys = ["seq_len", "stride", "heads", "design"]
     order = {d: i for i, d in enumerate(DESIGNS)}
     groups = sorted(
-        curve.groupby(keys, observed=True), key=lambda kv: (*kv[0][:3], order.get(kv[0][3], 9))
+        matched_gaps(curve).groupby(keys),
+        key=lambda kv: (*kv[0][:3], order.get(kv[0][3], 9)),
     )
     for (seq_len, stride, heads, design), g in groups:
-        cells = []
-        for lab in labels:
-            gb = g[g["bin"] == lab]
-            cells.append(f"{gb['raw_gap'].mean():.3f} ({len(gb)})" if len(gb) else "")
+        at = g.set_index("band")
+        cells = [
+            f"{at.loc[b, 'raw_gap']:.3f} ({at.loc[b, 'n']})" if b in at.index else ""
+            for b in BAND_LABELS
+        ]
         lines.append(f"| {design} | {stride} | {heads} | {seq_len} | " + " | ".join(cells) + " |")
     return lines
 
