@@ -107,6 +107,15 @@ def test_fixes_profile_names_a_fix_without_its_baseline():
     assert off_plateau(PLATEAU_EXIT) and not off_plateau(0.21)
 
 
+def test_fixes_profiles_decide_early_stopping():
+    """The budget profiles train every step; the converged one stops at its target."""
+    from phasemech.experiments import fixes
+
+    for name, want in (("default", None), ("long", None), ("converged", 0.99)):
+        cfg = fixes.train_config("aligned", 0, fixes.PROFILES[name])
+        assert cfg.target_accuracy == want, name
+
+
 def _fixes_summary(fix_acc: list[float], reduction: float, meets: bool) -> dict:
     """A recorded fixes summary with one fix whose seeds reach ``fix_acc``."""
     rows = []

@@ -79,9 +79,10 @@ def _profile(steps: int, seeds, **kw) -> Profile:
     fixes = kw.pop("fixes", FIXES)
     jitter = kw.pop("jitter", 2)
     more = kw.pop("extra_items", ())
+    target = kw.pop("target_accuracy", None)
     return Profile(
         steps=steps, seeds=seeds, designs=("mean",), checkpoint_every=None,
-        target_accuracy=None, extra=(("fixes", fixes), ("jitter", jitter), *more), **kw,
+        target_accuracy=target, extra=(("fixes", fixes), ("jitter", jitter), *more), **kw,
     )  # fmt: skip
 
 
@@ -98,7 +99,7 @@ PROFILES = {
     # at 0.99): a fix counts only if all its seeds reach 0.95 test accuracy; compared at
     # equal accuracy (final) and along training at equal budget (budget.parquet)
     "converged": _profile(8000, (0, 1, 2), strides=(4,), heads=(2,), test_sequences=2048,
-                          extra_items=(("min_accuracy", 0.95),)),
+                          target_accuracy=0.99, extra_items=(("min_accuracy", 0.95),)),
 }  # fmt: skip
 
 
@@ -124,6 +125,8 @@ def train_config(fix: str, seed: int, p: Profile) -> TrainConfig:
         eval_every=p.eval_every,
         checkpoint_every=None,
         eval_sequences=512 if p.test_sequences >= 512 else 64,
+        # the profile decides early stopping (the budget profiles train every step)
+        target_accuracy=p.target_accuracy,
         seed=seed,
     )
 
