@@ -26,7 +26,10 @@ import numpy as np
 import pandas as pd
 import typer
 
-from phasemech.experiments.converged_claims import converged_claim_lines
+from phasemech.experiments.converged_claims import (
+    converged_claim_lines,
+    interventions_claim_lines,
+)
 from phasemech.measure.learning import all_off_plateau, seeds_off_plateau
 from phasemech.theory.dynamics import fmt_num, fmt_time
 
@@ -246,17 +249,18 @@ def claim_specialisation(src: Sources) -> str:
             + "."
         )
     out.append(f"  (`{src.command}`: model panels.)")
-    tt = _load_json(src.results / "theory_trained_default.json")
-    learned = [m for m in tt["models"] if m["off_plateau"]] if tt else []
+    name, tt = (theory_runs(src.results) or [(None, None)])[0]
+    learned = [m for m in tt["models"] if _learned(m)] if tt else []
     if learned:
         spec = sum(m["specialised_heads"] for m in learned)
         heads = sum(m["heads"] for m in learned)
         served = ", ".join(f"{m['served_phases']}" for m in learned)
         out.append(
             f"- Gated models of the theory comparison ({len(learned)} of {len(tt['models'])} "
-            f"left the loss plateau): {spec} of their {heads} heads put at least half "
-            "of their pooled entry on targets of one phase; distinct phases served per model: "
-            f"{served} (`analyses/results/theory_trained_default.md`)."
+            f"learned, accuracy >= {tt.get('learned_at', tt['plateau_exit'])}): {spec} of "
+            f"their {heads} heads put at least half of their pooled entry on targets of one "
+            f"phase; distinct phases served per model: {served} "
+            f"(`analyses/results/theory_trained_{name}.md`)."
         )
     n = sum(1 for p in src.panels if any(h["compressed"] for h in p["heads"]))
     verdict = (
@@ -266,10 +270,25 @@ def claim_specialisation(src: Sources) -> str:
         else f"**Not supported** in this run: none of {n} compressed models has a head with "
         "Holm-corrected p < 0.05"
     )
+    rule = "some compressed head's ablation effect differs across phases, Holm p < 0.05"
+    conv_file = "analyses/results/interventions_converged.json"
+    conv = _load_json(src.results / "interventions_converged.json")
+    if conv is not None:
+        lines, verdict = interventions_claim_lines(conv, conv_file)
+        at = conv["profile"]["pool_min_accuracy"]
+        out += ["", f"On the converged phase sweep's models (seed 0, held-out accuracy >= {at}; "
+                f"`{conv_file}`, `phasemech run interventions --profile converged`; the verdict "
+                "reads these):", "", *lines]  # fmt: skip
+        rule = (
+            "a converged compressed model has a head whose zero-ablation effect differs "
+            "across phases (Holm p < 0.05, range >= 10 points), and fewer dense controls do"
+        )
+    else:
+        cmd = "phasemech run interventions --profile converged"
+        out.append("- " + _missing(conv_file, cmd))
     out += [
         "",
-        "Verdict (rule: some compressed head's ablation effect differs across phases, Holm "
-        "p < 0.05): " + verdict + ".",
+        f"Verdict (rule: {rule}): " + verdict + ".",
         "",
         _fig(src, "ablation_effects", "patching_grid", "specialization", "head_phase_attention"),
     ]
@@ -406,62 +425,79 @@ def _theory_model_lines(t: dict) -> tuple[list[str], tuple[list[str], list[str]]
     return out, (held, failed)
 
 
+# theory_trained.py profiles: the converged ones first (the verdict reads the first recorded)
+THEORY_PROFILES = ("converged", "converged_d8", "default")
+
+
+def theory_runs(results: Path) -> list[tuple[str, dict]]:
+    """The recorded theory-vs-trained runs, ``(profile, summary)``: the converged profiles when
+    any is recorded (the older one's models mostly never learned), else the default one."""
+    runs = [(n, _load_json(results / f"theory_trained_{n}.json")) for n in THEORY_PROFILES]
+    runs = [(n, tt) for n, tt in runs if tt is not None]
+    return [r for r in runs if r[0] != "default"] or runs
+
+
+def _learned(m: dict) -> bool:
+    """A model that learned by the recorded run's rule (older runs: off the loss plateau)."""
+    return bool(m.get("learned", m["off_plateau"]))
+
+
 def _theory_trained_lines(src: Sources) -> tuple[list[str], dict | None]:
-    """Theory vs the recorded trained gated models: report lines and the pooled rank test."""
+    """Theory vs the recorded trained gated models: report lines and the first run's pooled
+    rank test (the verdict's)."""
+    runs = theory_runs(src.results)
+    if not runs:
+        cmd = "phasemech run theory_trained --profile converged"
+        return ["- " + _missing("analyses/results/theory_trained_converged.json", cmd)], None
     out: list[str] = []
-    tt = _load_json(src.results / "theory_trained_default.json")
-    pooled = None
-    if tt:
-        ms = tt["models"]
-        pooled = tt["pooled_rank_test"]["all"]
-        learned = [m for m in ms if m["off_plateau"]]
-        stuck = [f"H={m['heads']} seed {m['seed']}" for m in ms if not m["off_plateau"]]
-        weak_hit = sum(m["weak_observed"] == m["weak_predicted"] for m in learned)
-        out.append(
-            f"- Against trained gated models (d = {tt['profile']['stride']}, H in "
-            f"{sorted({m['heads'] for m in ms})}, {len(ms)} models"
-            + (
-                f"; {', '.join(stuck)} never left the loss plateau (accuracy < "
-                f"{tt['plateau_exit']}) and are left out of the test"
-                if stuck
-                else ""
-            )
-            + "): the theory's accuracy from each model's effective pooling weights vs its "
-            "measured accuracy by phase (targets beyond the raw window): mean Spearman "
-            f"{fmt_num(pooled['mean_spearman'])} over {pooled['n_models']} models, pooled "
-            f"permutation p {pooled['p']:.2g}; per H: "
-            + ", ".join(
-                f"{k} {fmt_num(v['mean_spearman'])} (p {v['p']:.2g}, {v['n_models']} models)"
-                if v["n_models"]
-                else f"{k} not tested (no model off the plateau)"
-                for k, v in tt["pooled_rank_test"].items()
-                if k != "all"
-            )
-            + f"; weakest phase predicted in {weak_hit} of {len(learned)}."
+    for name, tt in runs:
+        out += _theory_run_lines(name, tt)
+    return out, runs[0][1]["pooled_rank_test"]["all"]
+
+
+def _theory_run_lines(name: str, tt: dict) -> list[str]:
+    ms, pooled = tt["models"], tt["pooled_rank_test"]["all"]
+    at = tt.get("learned_at", tt["plateau_exit"])
+    word = "converged" if at > tt["plateau_exit"] else "left the loss plateau"
+    learned = [m for m in ms if _learned(m)]
+    stuck = [f"H={m['heads']} seed {m['seed']}" for m in ms if not _learned(m)]
+    weak_hit = sum(m["weak_observed"] == m["weak_predicted"] for m in learned)
+    out = [
+        f"- Against trained gated models (d = {tt['profile']['stride']}, H in "
+        f"{sorted({m['heads'] for m in ms})}, {len(ms)} models"
+        + (
+            f"; {', '.join(stuck)} never {word} (accuracy < {at}) and are left out of the test"
+            if stuck
+            else f"; all {word} (accuracy >= {at})"
         )
-        for m in ms:
-            out.append(
-                f"  - H={m['heads']} seed {m['seed']}: accuracy {m['accuracy']:.3f}, heads' "
-                f"strongest phases {m['assignment']} (max weights "
-                f"{', '.join(f'{x:.2f}' for x in m['max_weight'])}; bias alone at most "
-                f"{max(m['bias_max_weight']):.2f}); {m['specialised_heads']} heads specialised, "
-                f"serving {m['served_phases']} distinct phases; phases covered by weight "
-                f"{m['covered_weight']} / by accuracy {m['covered_accuracy']}; the theory from "
-                f"scratch covers {m['theory_covered']} and serves {m['theory_served']}."
-            )
-        out.append(
-            "  Source `analyses/results/theory_trained_default.md` "
-            "(`phasemech run theory_trained --profile default`, recorded)."
+        + "): the theory's accuracy from each model's effective pooling weights vs its "
+        "measured accuracy by phase (targets beyond the raw window): mean Spearman "
+        f"{fmt_num(pooled['mean_spearman'])} over {pooled['n_models']} models, pooled "
+        f"permutation p {pooled['p']:.2g}; per H: "
+        + ", ".join(
+            f"{k} {fmt_num(v['mean_spearman'])} (p {v['p']:.2g}, {v['n_models']} models)"
+            if v["n_models"]
+            else f"{k} not tested (no model {word})"
+            for k, v in tt["pooled_rank_test"].items()
+            if k != "all"
         )
-    else:
+        + f"; weakest phase predicted in {weak_hit} of {len(learned)}."
+    ]
+    for m in ms:
         out.append(
-            "- "
-            + _missing(
-                "analyses/results/theory_trained_default.json",
-                "phasemech run theory_trained --profile default",
-            )
+            f"  - H={m['heads']} seed {m['seed']}: accuracy {m['accuracy']:.3f}, heads' "
+            f"strongest phases {m['assignment']} (max weights "
+            f"{', '.join(f'{x:.2f}' for x in m['max_weight'])}; bias alone at most "
+            f"{max(m['bias_max_weight']):.2f}); {m['specialised_heads']} heads specialised, "
+            f"serving {m['served_phases']} distinct phases; phases covered by weight "
+            f"{m['covered_weight']} / by accuracy {m['covered_accuracy']}; the theory from "
+            f"scratch covers {m['theory_covered']} and serves {m['theory_served']}."
         )
-    return out, pooled
+    out.append(
+        f"  Source `analyses/results/theory_trained_{name}.md` "
+        f"(`phasemech run theory_trained --profile {name}`, recorded)."
+    )
+    return out
 
 
 def claim_evaluation(src: Sources) -> str:
@@ -503,7 +539,14 @@ def claim_evaluation(src: Sources) -> str:
     return "\n".join(out)
 
 
-FIX_PROFILES = ("default", "long")  # fixes.py profiles, in order of training budget
+# fixes.py profiles, in order of training budget (converged: every model trained to 0.99)
+FIX_PROFILES = ("default", "long", "converged")
+
+
+def _learned_at(fx: dict) -> tuple[float, str]:
+    """The held-out accuracy at which a recorded fixes run counts a seed as learned."""
+    at = fx["profile"].get("min_accuracy", fx["plateau_exit"])
+    return at, "converged" if at > fx["plateau_exit"] else "left the loss plateau"
 
 
 def fix_runs(results: Path) -> list[tuple[str, dict]]:
@@ -525,19 +568,21 @@ def _fixes_run(name: str, fx: dict) -> tuple[list[str], list[str]]:
         f"`analyses/results/fixes_{name}.md`).",
         "",
     ]
+    at, learned = _learned_at(fx)
     for r in pooled.itertuples():
-        up, n = seeds_off_plateau(res, r.fix)
+        up, n = seeds_off_plateau(res, r.fix, at)
         out.append(
             f"- {r.fix}: accuracy {r.accuracy:.3f}, by phase "
             f"{' '.join(f'{x:.3f}' for x in r.acc_by_phase)}, debiased gap {f3(r.debiased_gap)} "
-            f"[{f3(r.debiased_lo)}, {f3(r.debiased_hi)}]; {up} of {n} seeds left the loss "
-            f"plateau (accuracy >= {fx['plateau_exit']})."
+            f"[{f3(r.debiased_lo)}, {f3(r.debiased_hi)}]; {up} of {n} seeds {learned} "
+            f"(accuracy >= {at})."
         )
     out.append("")
     cmp = pd.DataFrame(fx["comparison"])
     met = []
     for r in cmp[cmp["targets"] == "all"].itertuples():
-        up, n = seeds_off_plateau(res, r.fix)
+        up, n = seeds_off_plateau(res, r.fix, at)
+        base_up, base_n = seeds_off_plateau(res, r.baseline, at)
         why = []
         if not r.meets_goal:
             if not r.reduction >= fx["goal_reduction"]:
@@ -549,9 +594,9 @@ def _fixes_run(name: str, fx: dict) -> tuple[list[str], list[str]]:
             if not r.accuracy_diff_lo > -fx["noninferiority"]:
                 why.append("costs mean accuracy")
             if up < n:
-                why.append(
-                    f"{n - up} of {n} seeds still on the plateau, so their small gap is no fix"
-                )
+                why.append(f"{n - up} of {n} seeds not {learned}, so their small gap is no fix")
+            if base_up < base_n:
+                why.append(f"{base_n - base_up} of {base_n} baseline seeds not {learned}")
         out.append(
             f"- {r.fix} vs {r.baseline}: gap {f3(r.gap_baseline)} -> {f3(r.gap_other)}, "
             f"reduction {100 * r.reduction:.0f}% [{100 * r.reduction_lo:.0f}%, "
@@ -588,12 +633,13 @@ def claim_fixes(src: Sources) -> str:
     cmp = pd.DataFrame(fx["comparison"])
     cmp = cmp[cmp["targets"] == "all"]
     res = pd.DataFrame(fx["results"])
-    learned = [f for f in cmp["fix"] if all_off_plateau(res, f)]
+    at, word = _learned_at(fx)
+    learned = [f for f in cmp["fix"] if all_off_plateau(res, f, at)]
     wider = list(cmp.loc[cmp["reduction_hi"] < 0, "fix"])
     narrower = list(cmp.loc[cmp["reduction_lo"] > 0, "fix"])
     out += [
         f"At the longest budget recorded ({name}, {fx['profile']['steps']} steps): every seed "
-        f"left the plateau for {len(learned)} of {len(cmp)} fixes; the gap is significantly "
+        f"{word} for {len(learned)} of {len(cmp)} fixes; the gap is significantly "
         f"wider than the baseline's for {len(wider)} ({', '.join(wider) or 'none'}) and "
         f"significantly narrower for {len(narrower)} ({', '.join(narrower) or 'none'}).",
         "",
@@ -601,8 +647,8 @@ def claim_fixes(src: Sources) -> str:
     verdict = f"**Goal met** by {', '.join(met)}" if met else "**Goal not met** by any fix tested"
     out += [
         f"Verdict (rule: reduction >= {fx['goal_reduction']:.0%} with its CI above 0, the "
-        f"accuracy change's CI above -{fx['noninferiority']:.0%}, every seed of the fix off "
-        "the plateau): " + verdict + ".",
+        f"accuracy change's CI above -{fx['noninferiority']:.0%}, every seed of the fix and of "
+        f"its baseline {word} (held-out accuracy >= {at})): " + verdict + ".",
         "",
         _fig(src, "fixes_by_phase"),
     ]

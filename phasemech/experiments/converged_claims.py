@@ -104,4 +104,42 @@ def converged_claim_lines(summary: dict[str, Any], source: str) -> tuple[list[st
     return lines, verdict
 
 
-__all__ = ["converged_claim_lines", "converged_settings", "matched_excess"]
+def interventions_claim_lines(summary: dict[str, Any], source: str) -> tuple[list[str], str]:
+    """Markdown lines for the specialisation claim from an interventions ``summary.json`` of
+    converged models, and its verdict: compressed models with a phase-dependent head (its
+    zero-ablation effect differs across phases, Holm p < 0.05, range >= 10 points) against the
+    dense controls, where any such head is the task's, not the compression's."""
+    models = pd.DataFrame(summary.get("models", []))
+    if not len(models):
+        return [f"- `{source}` holds no models."], "not measured"
+    lines = []
+    for r in models.itertuples():
+        served = f"; heads opening a weak spot (served phase): {r.heads_opening_weak_spot}"
+        lines.append(
+            f"- {r.model}: accuracy {_fmt(r.accuracy)}, per-phase range "
+            f"{r.phase_range_pts:.1f} pts, {r.phase_dependent_heads} phase-dependent heads"
+            + (served if r.heads_opening_weak_spot else "")
+            + "."
+        )
+    comp = models[models["design"] != "none"]
+    dense = models[models["design"] == "none"]
+    sig, dense_sig = (
+        int((comp["phase_dependent_heads"] > 0).sum()),
+        int((dense["phase_dependent_heads"] > 0).sum()),
+    )
+    verdict = (
+        f"**Supported at convergence**: {sig} of {len(comp)} converged compressed models have "
+        f"a phase-dependent head, {dense_sig} of {len(dense)} dense controls do"
+        if sig and dense_sig < len(dense)
+        else f"**Not supported at convergence**: {sig} of {len(comp)} converged compressed "
+        f"models and {dense_sig} of {len(dense)} dense controls have a phase-dependent head"
+    )
+    return lines, verdict
+
+
+__all__ = [
+    "converged_claim_lines",
+    "converged_settings",
+    "interventions_claim_lines",
+    "matched_excess",
+]

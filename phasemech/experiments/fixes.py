@@ -208,17 +208,20 @@ class FixStatsJob(Job):
                 a, b = a[a["distance"] >= far_from], b[b["distance"] >= far_from]
             c = compare_gaps(a, b, d, n_boot=self.n_boot, seed=0)
             # the cut reaches the goal, is real (CI above 0), costs no more than NONINFERIORITY
-            # of mean accuracy, and every seed retrieves (a model on the plateau is flat for
-            # no good reason)
+            # of mean accuracy, and every seed of both the fix and its baseline learned (a
+            # model on the plateau is flat for no good reason; a gap cut against a baseline
+            # that never learned compares nothing)
+            base_ok = bool((base.groupby("seed")["correct"].mean() >= self.min_accuracy).all())
             meets = (
                 c["reduction"] >= GOAL_REDUCTION
                 and c["reduction_lo"] > 0
                 and c["accuracy_diff_lo"] > -NONINFERIORITY
                 and all_off_plateau(rows, self.fix, self.min_accuracy)
+                and base_ok
             )
             base_fix = _fix_of(self.baseline[0])
             out.append({"fix": self.fix, "baseline": base_fix, "targets": scope, **c,
-                        "meets_goal": bool(meets)})  # fmt: skip
+                        "baseline_learned": base_ok, "meets_goal": bool(meets)})  # fmt: skip
         return out
 
 
@@ -282,6 +285,8 @@ def profile_dict(p: Profile) -> dict[str, Any]:
         "steps": p.steps, "jitter": p.get("jitter"), "test_sequences": p.test_sequences,
         "n_boot": p.n_boot, "n_perm": p.n_perm, "eval_every": p.eval_every,
         "fixes": list(p.get("fixes")),
+        # a seed counts as learned at this held-out accuracy; runs stopped early at the target
+        "min_accuracy": p.get("min_accuracy", PLATEAU_EXIT), "target_accuracy": p.target_accuracy,
     }  # fmt: skip
 
 

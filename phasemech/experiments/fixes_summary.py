@@ -64,7 +64,7 @@ def summary_markdown(
         f"## Against the aligned baseline (goal: debiased gap cut by >= {GOAL_REDUCTION:.0%}, "
         "its CI above 0, "
         f"mean accuracy not lower by more than {NONINFERIORITY:.0%} (95% CI), every seed of the "
-        f"fix {learned}: test accuracy >= {threshold})",
+        f"fix and of its baseline {learned}: test accuracy >= {threshold})",
         "",
         "Paired cluster bootstrap: test contents resampled once for both models, seeds "
         "independently. Far: targets at distance >= 3d - 1 (read only through blocks). "
@@ -82,9 +82,17 @@ def summary_markdown(
             f"{_f(r.gap_baseline)} -> {_f(r.gap_other)} "
             f"[{_f(r.gap_other_lo)}, {_f(r.gap_other_hi)}] | {_f(r.reduction, '.0%')} "
             f"[{_f(r.reduction_lo, '.0%')}, {_f(r.reduction_hi, '.0%')}] | "
-            f"{'yes' if r.meets_goal else 'no'} |"
+            f"{_meets(r)} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _meets(r) -> str:
+    if r.meets_goal:
+        return "yes"
+    # older recorded comparisons carry no baseline_learned column
+    learned = getattr(r, "baseline_learned", True)
+    return "no (baseline did not learn)" if pd.notna(learned) and not learned else "no"
 
 
 def budget_markdown(budget: pd.DataFrame, every: int = 500) -> str:

@@ -15,6 +15,8 @@ from phasemech.measure.learning import PLATEAU_EXIT
 def summary_markdown(results: pd.DataFrame, p: Profile, pooled: dict) -> str:
     """The theory-vs-trained ``summary.md``: one row per model, then the pooled rank test."""
     d, seq_len = p.strides[0], p.seq_lens[0]
+    at = p.get("min_accuracy", PLATEAU_EXIT)
+    word = "converged" if at > PLATEAU_EXIT else "left the loss plateau"
     lines = [
         f"# Theory vs trained gated models (d = {d}, T = {seq_len}, N = {seq_len // d} windows)",
         "",
@@ -42,13 +44,13 @@ def summary_markdown(results: pd.DataFrame, p: Profile, pooled: dict) -> str:
         )
     lines += [
         "",
-        f"Pooled rank test over the models off the loss plateau (accuracy >= {PLATEAU_EXIT}; "
-        f"{int(results['off_plateau'].sum())} of {len(results)}; mean Spearman over models; "
+        f"Pooled rank test over the models that {word} (accuracy >= {at}; "
+        f"{int(results['learned'].sum())} of {len(results)}; mean Spearman over models; "
         "null: phases permuted within each model): "
         + "; ".join(
             f"{k}: {v['mean_spearman']:.2f}, p {v['p']:.2g} ({v['n_models']} models)"
             if v["n_models"]
-            else f"{k}: no model off the plateau"
+            else f"{k}: no model {word}"
             for k, v in pooled.items()
         ),
     ]
