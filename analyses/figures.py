@@ -292,10 +292,16 @@ def make_figures(t: Tables) -> list[dict]:
     )
 
 
+def _first_recorded(results: Path, experiment: str, profiles: tuple[str, ...]) -> dict | None:
+    """The first recorded ``<experiment>_<profile>.json`` of ``profiles`` (converged first)."""
+    runs = (load_json(results / f"{experiment}_{p}.json") for p in profiles)
+    return next((x for x in runs if x), None)
+
+
 def analysis_figures(theory: dict, results: Path = RESULTS) -> list[dict]:
     """``[{name, figure, caption}]`` for the theory and the recorded analyses (those present)."""
     figs = [viz.theory_plateau(theory)]
-    tt = load_json(results / "theory_trained_default.json")
+    tt = _first_recorded(results, "theory_trained", ("converged", "default"))
     if tt:
         rows = [
             {"model": f"H={m['heads']} s{m['seed']}", "predicted": p, "observed": o}
@@ -321,14 +327,12 @@ def analysis_figures(theory: dict, results: Path = RESULTS) -> list[dict]:
                 ),
             }
         )
-    fx = next(
-        (x for x in (load_json(results / f"fixes_{n}.json") for n in ("long", "default")) if x),
-        None,
-    )
+    fx = _first_recorded(results, "fixes", ("converged", "long", "default"))
     if fx:  # the longest training budget recorded
         res = pd.DataFrame(fx["results"])
         pooled = res[(res["seed"] == "pooled") & (res["targets"] == "all")]
         d = int(fx["profile"]["stride"])
+        at = fx["profile"].get("min_accuracy", fx["plateau_exit"])  # a seed that learned
         series = {
             r.fix: pd.DataFrame({"phase": np.arange(d), "accuracy": r.acc_by_phase})
             for r in pooled.itertuples()
@@ -347,7 +351,7 @@ def analysis_figures(theory: dict, results: Path = RESULTS) -> list[dict]:
                     "by needle phase: "
                     + "; ".join(
                         f"{r.fix} {r.accuracy:.3f} (gap {_num(r.debiased_gap, '.3f')}, "
-                        "{}/{} seeds off the plateau)".format(*seeds_off_plateau(res, r.fix))
+                        "{}/{} seeds >= {})".format(*seeds_off_plateau(res, r.fix, at), at)
                         for r in pooled.itertuples()
                     )
                     + "."

@@ -594,9 +594,9 @@ def _fixes_run(name: str, fx: dict) -> tuple[list[str], list[str]]:
             if not r.accuracy_diff_lo > -fx["noninferiority"]:
                 why.append("costs mean accuracy")
             if up < n:
-                why.append(f"{n - up} of {n} seeds not {learned}, so their small gap is no fix")
+                why.append(f"{n - up} of {n} seeds below {at} accuracy, so their gap is no fix")
             if base_up < base_n:
-                why.append(f"{base_n - base_up} of {base_n} baseline seeds not {learned}")
+                why.append(f"{base_n - base_up} of {base_n} baseline seeds below {at} accuracy")
         out.append(
             f"- {r.fix} vs {r.baseline}: gap {f3(r.gap_baseline)} -> {f3(r.gap_other)}, "
             f"reduction {100 * r.reduction:.0f}% [{100 * r.reduction_lo:.0f}%, "

@@ -6,6 +6,7 @@ from __future__ import annotations
 from phasemech.experiments.converged_claims import (
     converged_claim_lines,
     converged_settings,
+    interventions_claim_lines,
     matched_excess,
 )
 
@@ -69,3 +70,21 @@ def test_claim_lines_and_verdict():
     no_gap["rows"][1] = _row("mean", 0.015, 0.005, 0.03)
     assert converged_claim_lines(no_gap, "x.json")[1].startswith("**Not supported")
     assert converged_claim_lines({}, "x.json")[1] == "not measured"
+
+
+def _model(design, dependent, weak=""):
+    return {"model": f"{design}_m", "design": design, "accuracy": 0.99, "phase_range_pts": 1.0,
+            "phase_dependent_heads": dependent, "heads_opening_weak_spot": weak}  # fmt: skip
+
+
+def test_interventions_claim_needs_compressed_heads_beyond_dense():
+    models = [_model("none", 0), _model("mean", 2, "L1.0->3"), _model("gated", 0)]
+    lines, verdict = interventions_claim_lines({"models": models}, "x.json")
+    assert verdict.startswith("**Supported at convergence**: 1 of 2") and "1 of 2" in verdict
+    assert "0 of 1 dense" in verdict and "L1.0->3" in "\n".join(lines)
+    # a dense control with a phase-dependent head too: the heads are the task's, not a claim
+    models[0] = _model("none", 1)
+    assert interventions_claim_lines({"models": models}, "x.json")[1].startswith("**Not")
+    models = [_model("none", 0), _model("mean", 0)]
+    assert interventions_claim_lines({"models": models}, "x.json")[1].startswith("**Not")
+    assert interventions_claim_lines({}, "x.json")[1] == "not measured"

@@ -44,8 +44,8 @@ RESULTS = ROOT / "analyses" / "results"
 ANALYSIS_FIGURES = ["theory_plateau"] + [
     name
     for name, results in (
-        ("theory_vs_trained", ["theory_trained_default.json"]),
-        ("fixes_by_phase", ["fixes_default.json", "fixes_long.json"]),
+        ("theory_vs_trained", ["theory_trained_default.json", "theory_trained_converged.json"]),
+        ("fixes_by_phase", ["fixes_default.json", "fixes_long.json", "fixes_converged.json"]),
     )
     if any((RESULTS / r).is_file() for r in results)
 ]

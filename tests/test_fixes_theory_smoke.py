@@ -168,14 +168,24 @@ def test_report_calls_a_fix_whose_models_never_learned_no_fix(tmp_path):
     stuck = _fixes_summary([0.21, 0.2, 0.35], reduction=0.9, meets=False)
     (tmp_path / "fixes_default.json").write_text(json.dumps(stuck))
     text = report.claim_fixes(src)
-    assert "2 of 3 seeds still on the plateau" in text and "costs mean accuracy" in text
+    assert "2 of 3 seeds below 0.3 accuracy" in text and "costs mean accuracy" in text
     assert "1 of 3 seeds left the loss plateau" in text and "**Goal not met**" in text
-    assert "every seed left the plateau for 0 of 1 fixes" in text
+    assert "every seed left the loss plateau for 0 of 1 fixes" in text
+    assert "3 of 3 baseline seeds" not in text  # the baseline (0.5-0.6) left the plateau
     good = _fixes_summary([0.6, 0.58, 0.61], reduction=0.8, meets=True)
     (tmp_path / "fixes_long.json").write_text(json.dumps(good))
     text = report.claim_fixes(src)
     assert "**Goal met** by random_offset (long)" in text
-    assert "(long, 100 steps): every seed left the plateau for 1 of 1 fixes" in text
+    assert "(long, 100 steps): every seed left the loss plateau for 1 of 1 fixes" in text
     assert "significantly narrower for 1 (random_offset)" in text
     assert text.index("Profile default") < text.index("Profile long")
     assert report.fix_runs(tmp_path)[-1][0] == "long"
+    # the converged profile counts a seed at its min_accuracy, the baseline's seeds too
+    conv = _fixes_summary([0.99, 0.98, 0.97], reduction=0.8, meets=False)
+    conv["profile"]["min_accuracy"] = 0.95
+    (tmp_path / "fixes_converged.json").write_text(json.dumps(conv))
+    text = report.claim_fixes(src)
+    assert "3 of 3 seeds converged (accuracy >= 0.95)" in text
+    assert "3 of 3 baseline seeds below 0.95 accuracy" in text  # aligned: 0.5-0.6
+    assert "(converged, 100 steps): every seed converged for 1 of 1 fixes" in text
+    assert "its baseline converged (held-out accuracy >= 0.95)" in text
