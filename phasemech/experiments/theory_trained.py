@@ -55,11 +55,13 @@ PROFILES = {
         extra=(("weight_sequences", 1024), ("theory_seeds", 5), ("theory_steps", 6000),
                ("min_accuracy", 0.95)),
     ),
+    # at d = 8 the theory predicts phases that H < 8 heads leave unserved, so a model that
+    # learned what it can need not reach 0.95: the rank test reads every model off the plateau
     "converged_d8": Profile(
         steps=8000, seeds=(0, 1, 2), designs=("gated",), strides=(8,), heads=(2, 4, 8),
         checkpoint_every=None, test_sequences=2048,
         extra=(("weight_sequences", 1024), ("theory_seeds", 5), ("theory_steps", 6000),
-               ("min_accuracy", 0.95)),
+               ("min_accuracy", PLATEAU_EXIT)),
     ),
     "default": Profile(
         steps=2000, seeds=(0, 1), designs=("gated",), strides=(4,), heads=(2, 4, 8),
