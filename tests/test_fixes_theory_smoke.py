@@ -81,6 +81,24 @@ def test_theory_trained_tiny_maps_gated_models_onto_the_theory(tmp_path):
     assert set(w["heads"]) == {2, 4} and (w["layer"] == 1).all()
 
 
+def test_theory_search_reuses_the_recipe_runs_and_keeps_each_h_budget():
+    """The converged profiles search rates on seed 0; the recipe's rate keeps its plain name
+    (so its runs are the ones a profile without a search trains), other rates are named."""
+    from phasemech.experiments import theory_trained as tt
+    from phasemech.experiments.experiment import Done
+
+    jobs = tt.search_jobs(tt.PROFILES["converged"], Done())
+    names = {j.name: j.train for j in jobs}
+    assert set(names) == {f"gated_h{h}_s0{s}" for h in (2, 4, 8) for s in ("", "_lr0.001")}
+    assert names["gated_h8_s0"].lr == 3e-3 and names["gated_h8_s0_lr0.001"].lr == 1e-3
+    assert all(c.steps == 8000 and c.seed == 0 for c in names.values())
+    # without a search every seed trains at the recipe's rate on its H's own budget
+    default = {j.name: j.train.steps for j in tt.search_jobs(tt.PROFILES["default"], Done())}
+    assert default == {f"gated_h{h}_s{s}": 4000 if h == 8 else 2000 for h in (2, 4, 8)
+                       for s in (0, 1)}  # fmt: skip
+    assert tt.seed_jobs(tt.PROFILES["default"], Done()) == []
+
+
 def test_report_reads_json_results_never_markdown():
     text = (ROOT / "analyses" / "report.py").read_text()
     assert '.md"' not in text.replace('"REPORT.md"', "") and "md_table" not in text

@@ -17,7 +17,7 @@ Axes: ``head``, ``phase``; ``target`` rows.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -36,6 +36,13 @@ from phasemech.experiments.jobs import (
     scored_targets,
     trained_run,
 )
+from phasemech.experiments.lr_search import (
+    chosen_runs,
+    convergence_table,
+    search_stages,
+    search_table,
+    with_lr,
+)
 from phasemech.measure.learning import PLATEAU_EXIT, off_plateau
 from phasemech.training.config import ModelSpec, TrainConfig
 
@@ -45,15 +52,14 @@ PROFILES = {
         n_pairs=4, test_sequences=64, eval_every=10, checkpoint_every=None,
         extra=(("weight_sequences", 32), ("theory_seeds", 2), ("theory_steps", 200)),
     ),
-    # at 2000 steps both H = 8 models were still on the loss plateau (accuracy 0.22), so H = 8
-    # gets twice the steps (at 4000 they had crept to 0.28)
     # now that the models learn (docs/training.md): the recipe's 8000 steps, three seeds,
-    # H up to 8, at d = 4 and at d = 8
+    # H up to 8, at d = 4 and at d = 8; the learning-rate search of the phase sweep (seed 0 of
+    # each H at 3e-3 and 1e-3 on the full budget, seeds 1-2 at the better rate)
     "converged": Profile(
         steps=8000, seeds=(0, 1, 2), designs=("gated",), strides=(4,), heads=(2, 4, 8),
         checkpoint_every=None, test_sequences=2048,
         extra=(("weight_sequences", 1024), ("theory_seeds", 5), ("theory_steps", 6000),
-               ("min_accuracy", 0.95)),
+               ("lrs", (3e-3, 1e-3)), ("min_accuracy", 0.95)),
     ),
     # at d = 8 the theory predicts phases that H < 8 heads leave unserved, so a model that
     # learned what it can need not reach 0.95: the rank test reads every model off the plateau
@@ -61,8 +67,10 @@ PROFILES = {
         steps=8000, seeds=(0, 1, 2), designs=("gated",), strides=(8,), heads=(2, 4, 8),
         checkpoint_every=None, test_sequences=2048,
         extra=(("weight_sequences", 1024), ("theory_seeds", 5), ("theory_steps", 6000),
-               ("min_accuracy", PLATEAU_EXIT)),
+               ("lrs", (3e-3, 1e-3)), ("min_accuracy", PLATEAU_EXIT)),
     ),
+    # at 2000 steps both H = 8 models were still on the loss plateau (accuracy 0.22), so H = 8
+    # gets twice the steps (at 4000 they had crept to 0.28)
     "default": Profile(
         steps=2000, seeds=(0, 1), designs=("gated",), strides=(4,), heads=(2, 4, 8),
         checkpoint_every=None,
@@ -91,12 +99,29 @@ def train_config(heads: int, seed: int, p: Profile) -> TrainConfig:
     )
 
 
-def train_jobs(p: Profile, done: Done | None = None) -> list[TrainJob]:
-    return [
-        TrainJob(train_config(h, s, p), name=f"gated_h{h}_s{s}", test_sequences=p.test_sequences)
-        for s in p.seeds
-        for h in p.heads
-    ]
+def make_jobs(
+    p: Profile, lr: float | None, seeds: tuple[int, ...], steps: int | None = None
+) -> list[TrainJob]:
+    """The train jobs of ``seeds`` at learning rate ``lr`` (None: the recipe's). A budget other
+    than the profile's (a shorter search) replaces every H's; the profile's keeps each H's own
+    (``steps_for_heads``). Names carry a rate only where it is not the recipe's, so a search
+    reuses the runs the recipe's rate already trained."""
+    jobs = []
+    for s in seeds:
+        for h in p.heads:
+            cfg = with_lr(train_config(h, s, p), lr)
+            if steps is not None and steps != p.steps:
+                cfg = replace(cfg, steps=steps)
+            suffix = "" if cfg.lr == TrainConfig.lr else f"_lr{cfg.lr:g}"
+            jobs.append(
+                TrainJob(cfg, name=f"gated_h{h}_s{s}{suffix}", test_sequences=p.test_sequences)
+            )
+    return jobs
+
+
+# (1) the first seed of each H at every rate of the profile (every seed at the recipe's rate
+# when the profile has no rates), (2) the other seeds at each H's best rate
+search_jobs, seed_jobs = search_stages(make_jobs)
 
 
 def theory_config(heads: int, p: Profile, seed: int = 0):
@@ -167,6 +192,7 @@ class TheoryFitJob(Job):
         row = {
             "heads": cfg.model.n_heads,
             "seed": cfg.seed,
+            "lr": cfg.lr,
             "step": int(model_dir.name.removeprefix("step_")),
             "accuracy": float(targets["correct"].mean()),
             "off_plateau": off_plateau(targets["correct"].mean()),
@@ -184,7 +210,7 @@ def fit_jobs(p: Profile, done: Done) -> list[Job]:
     ws = p.get("weight_sequences")
     jobs: list[Job] = [
         TheoryFitJob(j, theory_config(j.train.model.n_heads, p), ws, r)
-        for j, r in done.of(TrainJob)
+        for j, r in chosen_runs(done)
     ]
     seeds, steps = p.get("theory_seeds"), p.get("theory_steps")
     return jobs + [TheorySimJob(h, theory_config(h, p), seeds, steps) for h in p.heads]
@@ -218,8 +244,10 @@ def finish(p: Profile, done: Done, out: Path) -> dict[str, Any]:
     # converged profiles test only models at min_accuracy; the older ones those off the plateau
     learned_at = p.get("min_accuracy", PLATEAU_EXIT)
     results["learned"] = results["accuracy"] >= learned_at
-    atomic_write(out / "results.parquet", lambda tmp: results.to_parquet(tmp))
-    atomic_write(out / "weights.parquet", lambda tmp: weights.to_parquet(tmp))
+    conv, search = convergence_table(done), search_table(done)
+    for name, df in (("results", results), ("weights", weights), ("convergence", conv),
+                     ("lr_search", search)):  # fmt: skip
+        atomic_write(out / f"{name}.parquet", lambda tmp, df=df: df.to_parquet(tmp))
     pooled = pooled_tests(results)
     profile = {
         "stride": p.strides[0], "heads": list(p.heads), "seq_len": p.seq_lens[0],
@@ -233,18 +261,19 @@ def finish(p: Profile, done: Done, out: Path) -> dict[str, Any]:
             "plateau_exit": PLATEAU_EXIT,
             "learned_at": learned_at,
             "models": results.to_dict("records"),
+            "lr_search": search.to_dict("records"),
             "pooled_rank_test": pooled,
         }
     )
     write_json_atomic(out / "summary.json", summary)
-    write_text_atomic(out / "summary.md", summary_markdown(results, p, pooled))
+    write_text_atomic(out / "summary.md", summary_markdown(results, p, pooled, search))
     return summary
 
 
 THEORY_TRAINED = Experiment(
     name="theory_trained",
     profiles=PROFILES,
-    stages=(train_jobs, fit_jobs),
+    stages=(search_jobs, seed_jobs, fit_jobs),
     finish=finish,
     about="gated models of 2, 4 and 8 heads against the gradient-flow theory",
 )
