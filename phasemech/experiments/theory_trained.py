@@ -3,14 +3,18 @@ gradient-flow model says?
 
 Gated models (2 layers, layer 2 compressed at stride d = 4, raw window 2d, d_head 16) with
 H = 2, 4 and 8 heads (fewer heads than phases, as many, more), trained on phase-uniform MQAR
-(T = 64: a target's window competes with N = T/d = 16 windows). Stages: (1) a :class:`TrainJob`
-per (H, seed); (2) a :class:`TheoryFitJob` per model: the effective pooling weight
-``W[head, phase]`` each gated head gives target tokens (``phasemech.theory.fit``), the theory's
-accuracy per phase from ``W`` against the measured one (targets beyond the raw window, read
-only through blocks), and a :class:`TheorySimJob` per H: the theory simulated from scratch at
-the same H, d, N. The pooled rank test uses only models off the MQAR loss plateau: a model that
-retrieves nothing has no phase ranking to explain. The finish writes ``results.parquet``,
-``weights.parquet``, ``summary.json`` and ``summary.md``.
+(T = 64: a target's window competes with N = T/d = 16 windows). Stages: (1)-(2) a
+:class:`TrainJob` per (H, seed), through the learning-rate search of
+:mod:`phasemech.experiments.lr_search` where the profile has rates (seed 0 at every rate, the
+other seeds at the better one); (3) a :class:`TheoryFitJob` per chosen model: the effective
+pooling weight ``W[head, phase]`` each gated head gives target tokens
+(``phasemech.theory.fit``), the theory's accuracy per phase from ``W`` against the measured
+one (targets beyond the raw window, read only through blocks), and a :class:`TheorySimJob` per
+H: the theory simulated from scratch at the same H, d, N. The pooled rank test uses only
+models that learned (off the MQAR loss plateau, or at the profile's ``min_accuracy``): a model
+that retrieves nothing has no phase ranking to explain. The finish writes ``results.parquet``,
+``weights.parquet``, ``convergence.parquet``, ``lr_search.parquet``, ``summary.json`` and
+``summary.md``.
 
 Axes: ``head``, ``phase``; ``target`` rows.
 """
