@@ -87,6 +87,13 @@ PROFILES = {
         "gated", "mlp"), target_accuracy=0.99, checkpoint_every=500, test_sequences=2048,
         extra=(("lrs", (3e-3,)), ("pool_min_accuracy", 0.95)),
     ),
+    # the context axis: T = 128 (32 blocks per context at d = 4), H = 2, at the rate the T = 64
+    # search kept for every H = 2 setting (3e-3)
+    "converged_T128": Profile(
+        steps=8000, strides=(4,), heads=(2,), seeds=(0, 1, 2), seq_lens=(128,), designs=("none",
+        "mean", "gated", "mlp"), target_accuracy=0.99, checkpoint_every=500,
+        test_sequences=2048, extra=(("lrs", (3e-3,)), ("pool_min_accuracy", 0.95)),
+    ),
     "full": Profile(
         steps=4000, **{**_SWEEP, "seeds": (0, 1, 2, 3, 4)}, seq_lens=(64, 128),
         long_designs=("none", "gated", "mean"), long_heads=(2, 4), target_accuracy=None,
