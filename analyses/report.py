@@ -29,6 +29,7 @@ import typer
 from phasemech.experiments.converged_claims import (
     converged_claim_lines,
     interventions_claim_lines,
+    merge_summaries,
 )
 from phasemech.measure.learning import all_off_plateau, seeds_off_plateau
 from phasemech.theory.dynamics import fmt_num, fmt_time
@@ -194,18 +195,24 @@ def claim_from_scratch(src: Sources) -> str:
         else f"**Not supported**: only {len(designs)} design(s) show a gap"
     )
     rule = "at least two compressed designs with a debiased-gap CI above 0"
-    conv_file = "analyses/results/phase_sweep_converged.json"
-    conv = _load_json(src.results / "phase_sweep_converged.json")
-    if conv is not None:
-        lines, verdict = converged_claim_lines(conv, conv_file)
-        out += ["", f"At convergence (`{conv_file}`, `phasemech run phase_sweep --profile "
-                "converged`; the models above and the older sweep mostly never left the loss "
-                "plateau, so the verdict reads these):", "", *lines]  # fmt: skip
+    convs = converged_sweeps(src.results)
+    if convs:
+        named = ", ".join(
+            f"`analyses/results/phase_sweep_{n}.json` (`phasemech run phase_sweep --profile {n}`)"
+            for n, _ in convs
+        )
+        lines, verdict = converged_claim_lines(merge_summaries([c for _, c in convs]), named)
+        intro = (
+            f"At convergence ({named}; the models above and the older sweep mostly never left "
+            "the loss plateau, so the verdict reads these):"
+        )
+        out += ["", intro, "", *lines]
         rule = (
             "only models with held-out accuracy >= 0.95 are pooled; a setting has a gap when "
             "its debiased-gap CI lies above 0 and above its dense control's CI"
         )
     else:
+        conv_file = "analyses/results/phase_sweep_converged.json"
         out.append("- " + _missing(conv_file, "phasemech run phase_sweep --profile converged"))
     out += [
         "",
@@ -423,6 +430,16 @@ def _theory_model_lines(t: dict) -> tuple[list[str], tuple[list[str], list[str]]
         + "."
     )
     return out, (held, failed)
+
+
+# sweep.py's converged profiles: d = 4 at T = 64, d = 8, and the context axis at T = 128
+SWEEP_PROFILES = ("converged", "converged_d8", "converged_T128")
+
+
+def converged_sweeps(results: Path) -> list[tuple[str, dict]]:
+    """The recorded converged phase sweeps, ``(profile, summary)``, in profile order."""
+    runs = [(n, _load_json(results / f"phase_sweep_{n}.json")) for n in SWEEP_PROFILES]
+    return [(n, s) for n, s in runs if s is not None]
 
 
 # theory_trained.py profiles: the converged ones first (the verdict reads the first recorded)

@@ -3,11 +3,14 @@ converged models count, and the matched-accuracy excess is design minus dense.""
 
 from __future__ import annotations
 
+import pytest
+
 from phasemech.experiments.converged_claims import (
     converged_claim_lines,
     converged_settings,
     interventions_claim_lines,
     matched_excess,
+    merge_summaries,
 )
 
 
@@ -88,3 +91,26 @@ def test_interventions_claim_needs_compressed_heads_beyond_dense():
     models = [_model("none", 0), _model("mean", 0)]
     assert interventions_claim_lines({"models": models}, "x.json")[1].startswith("**Not")
     assert interventions_claim_lines({}, "x.json")[1] == "not measured"
+
+
+def _at_d8(rows: list[dict]) -> list[dict]:
+    return [{**r, "stride": 8} for r in rows]
+
+
+def test_merged_profiles_keep_each_setting_against_its_own_dense_control():
+    d4 = _summary()
+    # at d = 8 the same designs, but mean's gap sits inside the d = 8 dense control's CI
+    d8 = {
+        "rows": _at_d8([_row("none", 0.04, 0.03, 0.06), _row("mean", 0.05, 0.03, 0.07)]),
+        "convergence": _at_d8(_conv("none", [True] * 3) + _conv("mean", [True] * 3)),
+        "matched": [],
+    }
+    merged = merge_summaries([d4, d8])
+    s = converged_settings(merged).set_index(["design", "stride"])
+    assert s.loc[("mean", 4), "has_gap"] and not s.loc[("mean", 8), "has_gap"]
+    assert s.loc[("mean", 8), "dense_hi"] == 0.06 and s.loc[("mean", 4), "dense_hi"] == 0.02
+    verdict = converged_claim_lines(merged, "x.json")[1]
+    assert "mean d=4 H=2 T=64" in verdict and "d=8" not in verdict
+    # the same setting recorded twice would pool its seeds twice
+    with pytest.raises(ValueError, match="recorded by two sweep profiles"):
+        merge_summaries([d4, d4])

@@ -25,6 +25,21 @@ import pandas as pd
 from phasemech.experiments.sweep_summary import _fmt
 
 KEYS = ["stride", "heads", "seq_len"]
+#: the tables of a sweep summary that hold one row per setting (or finer); merging profiles
+#: concatenates them, which is sound because every row carries its stride, heads and T
+TABLES = ("rows", "convergence", "matched")
+
+
+def merge_summaries(summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    """One summary from the sweeps of several profiles (e.g. ``converged`` at d = 4,
+    ``converged_d8``, ``converged_T128``), for one table and one verdict over all of them.
+    A setting recorded by two profiles would be pooled twice: refused."""
+    out: dict[str, Any] = {t: [r for s in summaries for r in s.get(t, [])] for t in TABLES}
+    conv = pd.DataFrame(out["convergence"])
+    if len(conv) and conv.duplicated(["design", *KEYS, "seed"]).any():
+        dup = conv[conv.duplicated(["design", *KEYS, "seed"])].iloc[0].to_dict()
+        raise ValueError(f"setting {dup} is recorded by two sweep profiles: merge one of them")
+    return out
 
 
 def converged_settings(summary: dict[str, Any]) -> pd.DataFrame:
@@ -139,6 +154,7 @@ def interventions_claim_lines(summary: dict[str, Any], source: str) -> tuple[lis
 
 __all__ = [
     "converged_claim_lines",
+    "merge_summaries",
     "converged_settings",
     "interventions_claim_lines",
     "matched_excess",
