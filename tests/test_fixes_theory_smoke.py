@@ -55,6 +55,21 @@ def test_fixes_tiny_trains_every_fix_and_compares_with_its_baseline(tmp_path):
     assert set(budget["step"]) == {10, 20} and len(budget) == 12
     row = budget[(budget["fix"] == "random_offset") & (budget["step"] == 20)].iloc[0]
     assert row["baseline"] == "aligned" and 0 <= row["raw_gap"] <= 1 and row["seeds"] == 1
+    # convergence per fix x seed, and each fix beside its baseline at equal accuracy
+    conv = pd.read_parquet(out / "convergence.parquet").set_index("fix")
+    assert len(conv) == 6 and (conv["budget"] == 20).all() and (conv["step"] == 20).all()
+    assert (conv["converged"] == conv["steps_to_95"].notna()).all()
+    matched = pd.read_parquet(out / "matched.parquet")
+    assert set(matched["fix"]) == fixes and (matched["n"] >= 1).all()
+    # one seed, evaluations at steps 10 and 20: each fix has 2 evaluations over its bands
+    assert (matched.groupby("fix")["n"].sum() == 2).all()
+    own = matched[matched["fix"] == "random_offset"].merge(
+        matched[matched["fix"] == "aligned"], on="band", suffixes=("", "_a")
+    )
+    assert np.allclose(own["baseline_raw_gap"], own["raw_gap_a"])
+    assert matched[matched["fix"] == "aligned"]["baseline_raw_gap"].isna().all()
+    text = (out / "summary.md").read_text()
+    assert "## Convergence" in text and "## At equal accuracy" in text
     assert "12 jobs run, 0 cached" in stdout  # 6 models (one seed), 6 statistics jobs
     # the grids really differ: per-layer staggering shifts the third layer's grid
     run = next(r for r in find_runs(out) if r.name == "staggered_layer_s0")

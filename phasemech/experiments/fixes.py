@@ -40,7 +40,9 @@ from phasemech.core.io import atomic_write, json_safe, write_json_atomic, write_
 from phasemech.data.tasks import MQARTask
 from phasemech.experiments.experiment import Done, Experiment, Profile
 from phasemech.experiments.jobs import Job, TrainJob, payload, scored_targets
+from phasemech.experiments.lr_search import run_row
 from phasemech.experiments.sweep import report_row
+from phasemech.experiments.sweep_summary import matched_gaps
 from phasemech.measure.learning import PLATEAU_EXIT, all_off_plateau
 from phasemech.training.config import ModelSpec, TrainConfig
 
@@ -252,29 +254,57 @@ def stats_jobs(p: Profile, done: Done) -> list[FixStatsJob]:
     return jobs
 
 
-def budget_table(done: Done, p: Profile) -> pd.DataFrame:
-    """Each fix beside its baseline at equal training budget: at every evaluated step, the
-    mean over seeds of held-out accuracy and raw gap (max - min of per-phase accuracy). A run
-    that stopped early at its target keeps its last evaluation at later steps (it had
-    converged)."""
-    curves: dict[str, dict[int, pd.DataFrame]] = {}
+def fix_curves(done: Done) -> pd.DataFrame:
+    """Every held-out evaluation of every run: fix, seed, step, accuracy and raw gap (max - min
+    of per-phase accuracy)."""
+    frames = []
     for job, result in done.of(TrainJob):
         c = pd.DataFrame(result["curve"])
         if not len(c):
             continue
         by = np.vstack(c["accuracy_by_phase"].to_numpy())
-        c = c.assign(raw_gap=by.max(1) - by.min(1))[["step", "accuracy", "raw_gap"]]
-        curves.setdefault(_fix_of(job), {})[job.train.seed] = c.set_index("step")
-    rows = []
-    for fix, seeds in curves.items():
+        c = c.assign(raw_gap=by.max(1) - by.min(1), fix=_fix_of(job), seed=job.train.seed)
+        frames.append(c[["fix", "seed", "step", "accuracy", "raw_gap"]])
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
+def budget_table(done: Done, p: Profile) -> pd.DataFrame:
+    """Each fix beside its baseline at equal training budget: at every evaluated step, the
+    mean over seeds of held-out accuracy and raw gap. A run that stopped early at its target
+    keeps its last evaluation at later steps (it had converged)."""
+    curve, rows = fix_curves(done), []
+    for fix, g in curve.groupby("fix", sort=False) if len(curve) else ():
         base = VARIANTS[fix].baseline if fix in VARIANTS else None
-        steps = sorted(set().union(*(c.index for c in seeds.values())))
-        for step in steps:
-            at = [c[c.index <= step].iloc[-1] for c in seeds.values() if c.index.min() <= step]
+        seeds = [c.set_index("step") for _, c in g.groupby("seed")]
+        for step in sorted(g["step"].unique()):
+            at = [c[c.index <= step].iloc[-1] for c in seeds if c.index.min() <= step]
             rows.append({"fix": fix, "baseline": base, "step": int(step), "seeds": len(at),
                          "accuracy": float(np.mean([a["accuracy"] for a in at])),
                          "raw_gap": float(np.mean([a["raw_gap"] for a in at]))})  # fmt: skip
     return pd.DataFrame(rows)
+
+
+def convergence_table(done: Done) -> pd.DataFrame:
+    """Fix x seed: steps to 0.95 held-out accuracy, final step, held-out and test accuracy,
+    training seconds, and ``converged`` (held-out accuracy reached 0.95)."""
+    rows = [{"fix": _fix_of(j), **run_row(j, r)} for j, r in done.of(TrainJob)]
+    df = pd.DataFrame(rows)
+    if len(df):
+        df["converged"] = df["steps_to_95"].notna()
+    return df
+
+
+def matched_table(done: Done) -> pd.DataFrame:
+    """Each fix's held-out raw gap by held-out accuracy band (every evaluation of every seed),
+    with its baseline's in the same band: the fix against its baseline at equal accuracy."""
+    m = matched_gaps(fix_curves(done), by=("fix",))
+    if not len(m):
+        return m
+    m["baseline"] = [VARIANTS[f].baseline if f in VARIANTS else None for f in m["fix"]]
+    base = m[["fix", "band", "raw_gap", "n"]].rename(
+        columns={"fix": "baseline", "raw_gap": "baseline_raw_gap", "n": "baseline_n"}
+    )
+    return m.merge(base, on=["baseline", "band"], how="left")
 
 
 def profile_dict(p: Profile) -> dict[str, Any]:
@@ -291,15 +321,21 @@ def profile_dict(p: Profile) -> dict[str, Any]:
 
 
 def finish(p: Profile, done: Done, out: Path) -> dict[str, Any]:
-    from phasemech.experiments.fixes_summary import budget_markdown, summary_markdown
+    from phasemech.experiments.fixes_summary import (
+        budget_markdown,
+        convergence_markdown,
+        matched_markdown,
+        summary_markdown,
+    )
 
     stats = done.of(FixStatsJob)
     results = pd.DataFrame([r for _, res in stats for r in res["rows"]])
     comparison = pd.DataFrame([c for _, res in stats for c in res["comparison"]])
     atomic_write(out / "results.parquet", lambda tmp: results.to_parquet(tmp))
     atomic_write(out / "comparison.parquet", lambda tmp: comparison.to_parquet(tmp))
-    budget = budget_table(done, p)
-    atomic_write(out / "budget.parquet", lambda tmp: budget.to_parquet(tmp))
+    budget, conv, matched = budget_table(done, p), convergence_table(done), matched_table(done)
+    for name, df in (("budget", budget), ("convergence", conv), ("matched", matched)):
+        atomic_write(out / f"{name}.parquet", lambda tmp, df=df: df.to_parquet(tmp))
     train_min = sum(r["train_seconds"] for _, r in done.of(TrainJob)) / 60
     summary = json_safe(
         {
@@ -311,10 +347,17 @@ def finish(p: Profile, done: Done, out: Path) -> dict[str, Any]:
             "results": results.to_dict("records"),
             "comparison": comparison.to_dict("records"),
             "budget": budget.to_dict("records"),
+            "convergence": conv.to_dict("records"),
+            "matched": matched.to_dict("records"),
         }
     )
     write_json_atomic(out / "summary.json", summary)
-    text = summary_markdown(results, comparison, p, train_min) + budget_markdown(budget)
+    text = (
+        summary_markdown(results, comparison, p, train_min)
+        + convergence_markdown(conv)
+        + matched_markdown(matched)
+        + budget_markdown(budget)
+    )
     write_text_atomic(out / "summary.md", text)
     return summary
 

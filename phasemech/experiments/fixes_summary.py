@@ -95,6 +95,56 @@ def _meets(r) -> str:
     return "no (baseline did not learn)" if pd.notna(learned) and not learned else "no"
 
 
+def convergence_markdown(conv: pd.DataFrame) -> str:
+    """Fix x seed: steps to 0.95 held-out accuracy, final step and accuracies."""
+    if not len(conv):
+        return ""
+    lines = [
+        "",
+        "## Convergence (held-out accuracy every eval step; converged = it reached 0.95)",
+        "",
+        "| fix | seed | budget | steps to 0.95 | final step | held-out acc | test acc | "
+        "seconds | converged |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in conv.sort_values(["fix", "seed"], kind="stable").itertuples():
+        first = "never" if pd.isna(r.steps_to_95) else f"{int(r.steps_to_95)}"
+        lines.append(
+            f"| {r.fix} | {r.seed} | {r.budget} | {first} | {r.step} | {r.heldout_accuracy:.3f} "
+            f"| {r.test_accuracy:.3f} | {r.train_seconds:.0f} | {'yes' if r.converged else 'NO'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def matched_markdown(matched: pd.DataFrame) -> str:
+    """Each fix's held-out raw gap beside its baseline's at the same accuracy band."""
+    from phasemech.experiments.sweep_summary import BAND_LABELS
+
+    if not len(matched):
+        return ""
+    lines = [
+        "",
+        "## At equal accuracy (held-out raw gap by accuracy band, mean over evaluations (n): "
+        "fix / its baseline)",
+        "",
+        "| fix | baseline | " + " | ".join(BAND_LABELS) + " |",
+        "|---|---|" + "---|" * len(BAND_LABELS),
+    ]
+    for fix, g in matched.groupby("fix", sort=False):
+        at, base = g.set_index("band"), g["baseline"].iloc[0]
+        cells = []
+        for b in BAND_LABELS:
+            if b not in at.index:
+                cells.append("")
+                continue
+            r = at.loc[b]
+            mine = f"{r['raw_gap']:.3f} ({r['n']})"
+            theirs = "" if pd.isna(r["baseline_raw_gap"]) else f"{r['baseline_raw_gap']:.3f}"
+            cells.append(f"{mine} / {theirs or '-'}" if base else mine)
+        lines.append(f"| {fix} | {base or '-'} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def budget_markdown(budget: pd.DataFrame, every: int = 500) -> str:
     """Each fix beside its baseline at equal training budget (every ``every`` steps)."""
     if not len(budget):
@@ -119,4 +169,4 @@ def budget_markdown(budget: pd.DataFrame, every: int = 500) -> str:
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["budget_markdown", "summary_markdown"]
+__all__ = ["budget_markdown", "convergence_markdown", "matched_markdown", "summary_markdown"]

@@ -143,7 +143,9 @@ def with_lr(cfg: TrainConfig, lr: float | None) -> TrainConfig:
     return cfg if lr is None else dataclasses.replace(cfg, lr=lr)
 
 
-def _row(job: TrainJob, result: dict[str, Any]) -> dict[str, Any]:
+def run_row(job: TrainJob, result: dict[str, Any]) -> dict[str, Any]:
+    """One run's convergence record: its setting's axes, rate, seed, budget, final step, steps
+    to 0.95, held-out and test accuracy, training seconds."""
     c = job.train
     return {
         "name": job.name,
@@ -167,7 +169,8 @@ def search_table(done: Done) -> pd.DataFrame:
     the rate is the one kept for its setting."""
     best = chosen_lrs(done)
     rows = [
-        {**_row(j, r), "chosen": j.train.lr == best[setting(j.train)]} for j, r in done.of(TrainJob)
+        {**run_row(j, r), "chosen": j.train.lr == best[setting(j.train)]}
+        for j, r in done.of(TrainJob)
     ]
     return pd.DataFrame(rows)
 
@@ -175,7 +178,7 @@ def search_table(done: Done) -> pd.DataFrame:
 def convergence_table(done: Done) -> pd.DataFrame:
     """The chosen runs: setting x seed with steps to 0.95 and final held-out accuracy; a run
     is ``converged`` when its held-out accuracy reached :data:`CONVERGED`."""
-    df = pd.DataFrame([_row(j, r) for j, r in chosen_runs(done)])
+    df = pd.DataFrame([run_row(j, r) for j, r in chosen_runs(done)])
     if len(df):
         df["converged"] = df["steps_to_95"].notna()
     return df
@@ -185,7 +188,7 @@ def curves(done: Done) -> pd.DataFrame:
     """Held-out accuracy along training of every run (the learning curves of the report)."""
     rows = []
     for job, result in done.of(TrainJob):
-        base = _row(job, result)
+        base = run_row(job, result)
         keep = {k: base[k] for k in ("name", "design", "stride", "heads", "seq_len", "lr", "seed")}
         rows += [{**keep, "step": m["step"], "accuracy": m["accuracy"]} for m in result["curve"]]
     return pd.DataFrame(rows)
@@ -200,6 +203,7 @@ __all__ = [
     "convergence_table",
     "curves",
     "lrs",
+    "run_row",
     "search_stages",
     "search_table",
     "setting",

@@ -124,13 +124,15 @@ ACC_BINS = [0.0, 0.3, 0.6, 0.9, 0.99, 1.0001]
 BAND_LABELS = ["<0.3", "0.3-0.6", "0.6-0.9", "0.9-0.99", ">=0.99"]
 
 
-def matched_gaps(curve: pd.DataFrame) -> pd.DataFrame:
-    """Held-out raw gap by accuracy band: one row per (design, stride, heads, T, band) with the
-    mean gap over every evaluation of every seed in that band (``n`` evaluations)."""
+def matched_gaps(
+    curve: pd.DataFrame, by: tuple[str, ...] = ("design", "stride", "heads", "seq_len")
+) -> pd.DataFrame:
+    """Held-out raw gap by accuracy band: one row per (``by`` columns, band) with the mean gap
+    over every evaluation of every seed in that band (``n`` evaluations)."""
     if not len(curve):
         return pd.DataFrame()
     c = curve.assign(band=pd.cut(curve["accuracy"], ACC_BINS, labels=BAND_LABELS, right=False))
-    keys = ["design", "stride", "heads", "seq_len", "band"]
+    keys = [*by, "band"]
     out = c.groupby(keys, observed=True)["raw_gap"].agg(["mean", "count"]).reset_index()
     out["band"] = out["band"].astype(str)
     return out.rename(columns={"mean": "raw_gap", "count": "n"})
