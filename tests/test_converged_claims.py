@@ -3,6 +3,7 @@ converged models count, and the matched-accuracy excess is design minus dense.""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from phasemech.experiments.converged_claims import (
@@ -114,3 +115,30 @@ def test_merged_profiles_keep_each_setting_against_its_own_dense_control():
     # the same setting recorded twice would pool its seeds twice
     with pytest.raises(ValueError, match="recorded by two sweep profiles"):
         merge_summaries([d4, d4])
+
+
+def test_a_gap_dense_models_show_at_the_same_accuracy_does_not_count():
+    summary = _summary()
+    summary["rows"][1] = _row("mean", 0.05, 0.03, 0.07, acc=0.95)  # ends in band 0.9-0.99
+    s = converged_settings(summary).set_index("design")
+    assert s.loc["mean", "band"] == "0.9-0.99" and s.loc["mean", "band_gap"] == 0.04
+    # no dense evaluation in that band: the CI rule alone decides
+    assert np.isnan(s.loc["mean", "band_dense_gap"]) and s.loc["mean", "has_gap"]
+    lines = "\n".join(converged_claim_lines(summary, "x.json")[0])
+    assert "0.040 / no dense evaluation (band 0.9-0.99)" in lines
+    # dense models at that accuracy showed a wider raw gap: not the design's
+    summary["matched"].append(
+        {
+            "design": "none",
+            "stride": 4,
+            "heads": 2,
+            "seq_len": 64,
+            "band": "0.9-0.99",
+            "raw_gap": 0.06,
+            "n": 2,
+        }  # fmt: skip
+    )
+    s = converged_settings(summary).set_index("design")
+    assert s.loc["mean", "band_dense_gap"] == 0.06 and not s.loc["mean", "has_gap"]
+    summary["matched"][-1]["raw_gap"] = 0.01  # narrower: the gap counts again
+    assert converged_settings(summary).set_index("design").loc["mean", "has_gap"]
