@@ -195,27 +195,10 @@ def claim_from_scratch(src: Sources) -> str:
         else f"**Not supported**: only {len(designs)} design(s) show a gap"
     )
     rule = "at least two compressed designs with a debiased-gap CI above 0"
-    convs = converged_sweeps(src.results)
-    if convs:
-        named = ", ".join(
-            f"`analyses/results/phase_sweep_{n}.json` (`phasemech run phase_sweep --profile {n}`)"
-            for n, _ in convs
-        )
-        lines, verdict = converged_claim_lines(merge_summaries([c for _, c in convs]), named)
-        intro = (
-            f"At convergence ({named}; the models above and the older sweep mostly never left "
-            "the loss plateau, so the verdict reads these):"
-        )
-        out += ["", intro, "", *lines]
-        rule = (
-            "only models with held-out accuracy >= 0.95 are pooled; a setting has a gap when "
-            "its debiased-gap CI lies above 0 and above its dense control's CI, and, where dense "
-            "models were evaluated at the accuracy band the setting ends in, its held-out raw "
-            "gap in that band exceeds theirs"
-        )
-    else:
-        conv_file = "analyses/results/phase_sweep_converged.json"
-        out.append("- " + _missing(conv_file, "phasemech run phase_sweep --profile converged"))
+    conv_lines, conv_verdict = _converged_sweep_lines(src)
+    out += conv_lines
+    if conv_verdict is not None:
+        rule, verdict = CONVERGED_RULE, conv_verdict
     out += [
         "",
         f"Verdict (rule: {rule}): " + verdict + ".",
@@ -438,10 +421,38 @@ def _theory_model_lines(t: dict) -> tuple[list[str], tuple[list[str], list[str]]
 SWEEP_PROFILES = ("converged", "converged_d8", "converged_T128")
 
 
+CONVERGED_RULE = (
+    "only models with held-out accuracy >= 0.95 are pooled; a setting has a gap when its "
+    "debiased-gap CI lies above 0 and above its dense control's CI, and, where dense models "
+    "were evaluated at the accuracy band the setting ends in, its held-out raw gap in that band "
+    "exceeds theirs"
+)
+
+
 def converged_sweeps(results: Path) -> list[tuple[str, dict]]:
     """The recorded converged phase sweeps, ``(profile, summary)``, in profile order."""
     runs = [(n, _load_json(results / f"phase_sweep_{n}.json")) for n in SWEEP_PROFILES]
     return [(n, s) for n, s in runs if s is not None]
+
+
+def _converged_sweep_lines(src: Sources) -> tuple[list[str], str | None]:
+    """The gap claim at convergence over every recorded converged sweep, and its verdict
+    (None: no converged sweep is recorded)."""
+    convs = converged_sweeps(src.results)
+    if not convs:
+        cmd = "phasemech run phase_sweep --profile converged"
+        return ["- " + _missing("analyses/results/phase_sweep_converged.json", cmd)], None
+    named = ", ".join(
+        f"`analyses/results/phase_sweep_{n}.json` (`phasemech run phase_sweep --profile {n}`)"
+        for n, _ in convs
+    )
+    merged = merge_summaries([c for _, c in convs])
+    lines, verdict = converged_claim_lines(merged, "the converged sweeps")
+    intro = (
+        f"At convergence ({named}; the models above and the older sweep mostly never left the "
+        "loss plateau, so the verdict reads these):"
+    )
+    return ["", intro, "", *lines], verdict
 
 
 # theory_trained.py profiles: the converged ones first (the verdict reads the first recorded)

@@ -112,9 +112,12 @@ def test_merged_profiles_keep_each_setting_against_its_own_dense_control():
     assert s.loc[("mean", 8), "dense_hi"] == 0.06 and s.loc[("mean", 4), "dense_hi"] == 0.02
     verdict = converged_claim_lines(merged, "x.json")[1]
     assert "mean d=4 H=2 T=64" in verdict and "d=8" not in verdict
-    # the same setting recorded twice would pool its seeds twice
+    # the same setting recorded twice would pool its seeds twice, even under other seeds
     with pytest.raises(ValueError, match="recorded by two sweep profiles"):
         merge_summaries([d4, d4])
+    other_seeds = {**d8, "convergence": [{**r, "seed": r["seed"] + 10} for r in d8["convergence"]]}
+    with pytest.raises(ValueError, match="'stride': 8"):
+        merge_summaries([d8, other_seeds])
 
 
 def test_a_gap_dense_models_show_at_the_same_accuracy_does_not_count():
@@ -125,7 +128,7 @@ def test_a_gap_dense_models_show_at_the_same_accuracy_does_not_count():
     # no dense evaluation in that band: the CI rule alone decides
     assert np.isnan(s.loc["mean", "band_dense_gap"]) and s.loc["mean", "has_gap"]
     lines = "\n".join(converged_claim_lines(summary, "x.json")[0])
-    assert "0.040 / no dense evaluation (band 0.9-0.99)" in lines
+    assert "0.040 (5) / no dense evaluation (band 0.9-0.99)" in lines
     # dense models at that accuracy showed a wider raw gap: not the design's
     summary["matched"].append(
         {
@@ -142,3 +145,10 @@ def test_a_gap_dense_models_show_at_the_same_accuracy_does_not_count():
     assert s.loc["mean", "band_dense_gap"] == 0.06 and not s.loc["mean", "has_gap"]
     summary["matched"][-1]["raw_gap"] = 0.01  # narrower: the gap counts again
     assert converged_settings(summary).set_index("design").loc["mean", "has_gap"]
+    # the setting itself never evaluated in that band, dense models were: no evidence of its
+    # own beyond theirs, so no gap
+    summary["matched"] = [m for m in summary["matched"] if m["design"] != "mean"]
+    s = converged_settings(summary).set_index("design")
+    assert np.isnan(s.loc["mean", "band_gap"]) and not s.loc["mean", "has_gap"]
+    lines = "\n".join(converged_claim_lines(summary, "x.json")[0])
+    assert "no evaluation / 0.010 (2) (band 0.9-0.99)" in lines

@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "analyses"))
 import report  # noqa: E402
 
+from phasemech.experiments.converged_claims import TABLES  # noqa: E402
 from phasemech.experiments.panels import find_runs  # noqa: E402
 
 
@@ -66,7 +67,7 @@ def test_fixes_tiny_trains_every_fix_and_compares_with_its_baseline(tmp_path):
     own = matched[matched["fix"] == "random_offset"].merge(
         matched[matched["fix"] == "aligned"], on="band", suffixes=("", "_a")
     )
-    assert np.allclose(own["baseline_raw_gap"], own["raw_gap_a"])
+    assert len(own) and np.allclose(own["baseline_raw_gap"], own["raw_gap_a"])
     assert matched[matched["fix"] == "aligned"]["baseline_raw_gap"].isna().all()
     text = (out / "summary.md").read_text()
     assert "## Convergence" in text and "## At equal accuracy" in text
@@ -222,3 +223,21 @@ def test_report_calls_a_fix_whose_models_never_learned_no_fix(tmp_path):
     assert "3 of 3 baseline seeds below 0.95 accuracy" in text  # aligned: 0.5-0.6
     assert "(converged, 100 steps): every seed converged for 1 of 1 fixes" in text
     assert "its baseline converged (held-out accuracy >= 0.95)" in text
+
+
+def test_report_reads_every_converged_sweep_profile_as_one_table(tmp_path):
+    src = report.Sources(pd.DataFrame(), [], {}, {}, "cmd", results=tmp_path)
+    lines, verdict = report._converged_sweep_lines(src)
+    assert verdict is None and "phase_sweep_converged.json` is missing" in lines[0]
+    recorded = json.loads((report.RESULTS / "phase_sweep_converged.json").read_text())
+    d8 = {t: [{**r, "stride": 8} for r in recorded[t]] for t in TABLES}
+    (tmp_path / "phase_sweep_converged_d8.json").write_text(json.dumps(d8))
+    text = "\n".join(report._converged_sweep_lines(src)[0])
+    assert "phase_sweep_converged_d8.json" in text and "phase_sweep_converged.json`" not in text
+    assert "| mean | 8 | 2 | 64 | 3 of 3 |" in text and "| mean | 4 | 2 | 64 |" not in text
+    (tmp_path / "phase_sweep_converged.json").write_text(json.dumps(recorded))
+    lines, verdict = report._converged_sweep_lines(src)
+    text = "\n".join(lines)
+    assert "| mean | 8 | 2 | 64 | 3 of 3 |" in text and "| mean | 4 | 2 | 64 | 3 of 3 |" in text
+    assert text.index("phase_sweep_converged.json") < text.index("phase_sweep_converged_d8")
+    assert "mean d=4 H=2 T=64" in verdict and "mean d=8 H=2 T=64" in verdict

@@ -36,18 +36,25 @@ TABLES = ("rows", "convergence", "matched")
 def merge_summaries(summaries: list[dict[str, Any]]) -> dict[str, Any]:
     """One summary from the sweeps of several profiles (e.g. ``converged`` at d = 4,
     ``converged_d8``, ``converged_T128``), for one table and one verdict over all of them.
-    A setting recorded by two profiles would be pooled twice: refused."""
-    out: dict[str, Any] = {t: [r for s in summaries for r in s.get(t, [])] for t in TABLES}
-    conv = pd.DataFrame(out["convergence"])
-    if len(conv) and conv.duplicated(["design", *KEYS, "seed"]).any():
-        dup = conv[conv.duplicated(["design", *KEYS, "seed"])].iloc[0].to_dict()
-        raise ValueError(f"setting {dup} is recorded by two sweep profiles: merge one of them")
-    return out
+    A setting (design, stride, heads, T) recorded by two profiles would be pooled twice, or
+    against two dense controls: refused."""
+    seen: dict[tuple, int] = {}
+    for i, s in enumerate(summaries):
+        for t in TABLES:
+            for r in s.get(t, []):
+                key = (r["design"], *(r[k] for k in KEYS))
+                if seen.setdefault(key, i) != i:
+                    raise ValueError(
+                        f"setting {dict(zip(['design', *KEYS], key, strict=True))} is recorded "
+                        f"by two sweep profiles (summaries {seen[key]} and {i}): keep one"
+                    )
+    return {t: [r for s in summaries for r in s.get(t, [])] for t in TABLES}
 
 
 def converged_settings(summary: dict[str, Any]) -> pd.DataFrame:
     """One row per setting: converged seeds, pooled accuracy and debiased gap with its CI,
-    the dense control's gap and CI, and ``has_gap`` by the rule above."""
+    the dense control's gap and CI, the raw gaps at the setting's accuracy band, and
+    ``has_gap`` by the rule above."""
     conv = pd.DataFrame(summary.get("convergence", []))
     rows = pd.DataFrame(summary.get("rows", []))
     if not len(conv):
@@ -60,12 +67,11 @@ def converged_settings(summary: dict[str, Any]) -> pd.DataFrame:
     out = n.merge(pooled[cols] if len(pooled) else pd.DataFrame(columns=cols), how="left")
     dense = out[out["design"] == "none"][[*KEYS, "debiased_gap", "debiased_lo", "debiased_hi"]]
     dense = dense.rename(columns=lambda c: c if c in KEYS else f"dense_{c.split('_', 1)[1]}")
-    out = out.merge(dense, on=KEYS, how="left")
+    out = _at_own_band(out.merge(dense, on=KEYS, how="left"), summary)
     above_dense = out["debiased_lo"] > out["dense_hi"].fillna(np.inf)
-    out = _at_own_band(out, summary)
     # where dense models were evaluated at the setting's accuracy band, its gap there must
     # exceed theirs too (a gap any model shows at that accuracy is not the design's)
-    beyond_matched = ~(out["band_gap"] <= out["band_dense_gap"])  # NaN (no dense there): pass
+    beyond_matched = out["band_dense_gap"].isna() | (out["band_gap"] > out["band_dense_gap"])
     out["has_gap"] = (
         (out["design"] != "none") & (out["debiased_lo"] > 0) & above_dense & beyond_matched
     )
@@ -74,26 +80,31 @@ def converged_settings(summary: dict[str, Any]) -> pd.DataFrame:
 
 def _at_own_band(out: pd.DataFrame, summary: dict[str, Any]) -> pd.DataFrame:
     """Add each setting's accuracy band (of its pooled final accuracy), its mean held-out raw
-    gap along training in that band (``band_gap``) and the dense control's (``band_dense_gap``,
-    NaN where dense models were never evaluated at that accuracy)."""
+    gap along training in that band (``band_gap``, over ``band_n`` evaluations) and the dense
+    control's (``band_dense_gap``, ``band_dense_n``; NaN where dense models were never
+    evaluated at that accuracy)."""
     band = pd.cut(out["accuracy"], ACC_BINS, labels=BAND_LABELS, right=False)
-    out = out.assign(band=band.astype(str).where(band.notna(), None))
-    m = pd.DataFrame(summary.get("matched", []))
-    if not len(m):
-        return out.assign(band_gap=np.nan, band_dense_gap=np.nan)
-    own = m[["design", *KEYS, "band", "raw_gap"]].rename(columns={"raw_gap": "band_gap"})
-    dense = m[m["design"] == "none"][[*KEYS, "band", "raw_gap"]]
-    dense = dense.rename(columns={"raw_gap": "band_dense_gap"})
-    return out.merge(own, on=["design", *KEYS, "band"], how="left").merge(
-        dense, on=[*KEYS, "band"], how="left"
+    out = out.assign(band=band.astype(object).where(band.notna(), None))
+    m = pd.DataFrame(summary.get("matched", []), columns=["design", *KEYS, "band", "raw_gap", "n"])
+    own = m.rename(columns={"raw_gap": "band_gap", "n": "band_n"})
+    dense = own[own["design"] == "none"].drop(columns="design")
+    dense = dense.rename(columns={"band_gap": "band_dense_gap", "band_n": "band_dense_n"})
+    # one matched row per (setting, band): these merges add columns, never rows
+    return out.merge(own, on=["design", *KEYS, "band"], how="left", validate="one_to_one").merge(
+        dense, on=[*KEYS, "band"], how="left", validate="many_to_one"
     )
 
 
 def _band_cell(r) -> str:
-    if r.band is None or pd.isna(r.band_gap):
+    if pd.isna(r.band):
         return ""
-    dense = "no dense evaluation" if pd.isna(r.band_dense_gap) else _fmt(r.band_dense_gap)
-    return f"{_fmt(r.band_gap)} / {dense} (band {r.band})"
+    mine = "no evaluation" if pd.isna(r.band_gap) else f"{_fmt(r.band_gap)} ({int(r.band_n)})"
+    dense = (
+        "no dense evaluation"
+        if pd.isna(r.band_dense_gap)
+        else f"{_fmt(r.band_dense_gap)} ({int(r.band_dense_n)})"
+    )
+    return f"{mine} / {dense} (band {r.band})"
 
 
 def matched_excess(summary: dict[str, Any]) -> pd.DataFrame:
@@ -115,7 +126,8 @@ def converged_claim_lines(summary: dict[str, Any], source: str) -> tuple[list[st
         return [f"- `{source}` holds no convergence table."], "not measured"
     lines = [
         "| design | d | H | T | converged seeds | accuracy | debiased gap [95% CI] | dense gap "
-        "[95% CI] | raw gap at the same accuracy: design / dense | gap beyond dense |",
+        "[95% CI] | raw gap at the same accuracy: design / dense (evaluations) | "
+        "gap beyond dense |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in s.sort_values([*KEYS, "design"]).itertuples():
