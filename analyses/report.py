@@ -639,6 +639,33 @@ def _fixes_run(name: str, fx: dict) -> tuple[list[str], list[str]]:
     return out, met
 
 
+def _fixes_training_lines(fx: dict) -> list[str]:
+    """Along training (profiles that record convergence and matched tables): each fix's steps
+    to 0.95 held-out accuracy beside its baseline's, and their held-out raw gaps at equal
+    accuracy (the 0.9-0.99 band, where converging models spend most evaluations)."""
+    conv, matched = pd.DataFrame(fx.get("convergence", [])), pd.DataFrame(fx.get("matched", []))
+    if not len(conv) or not len(matched):
+        return []
+
+    def steps(fix: str) -> str:
+        s = conv.loc[conv["fix"] == fix, "steps_to_95"].dropna()
+        n = int((conv["fix"] == fix).sum())
+        return f"median {s.median():.0f} ({len(s)} of {n} seeds)" if len(s) else f"never ({n})"
+
+    out = ["", "Along training (held-out evaluations):"]
+    band = matched[matched["band"] == "0.9-0.99"].set_index("fix")
+    for fix, base in matched.dropna(subset=["baseline"]).groupby("fix")["baseline"].first().items():
+        gap = (
+            f"raw gap at accuracy 0.9-0.99 {f3(band.loc[fix, 'raw_gap'])} vs "
+            f"{f3(band.loc[base, 'raw_gap'])} ({band.loc[fix, 'n']} vs {band.loc[base, 'n']} "
+            "evaluations)"
+            if fix in band.index and base in band.index
+            else "no evaluations of both at accuracy 0.9-0.99"
+        )
+        out.append(f"- {fix} vs {base}: steps to 0.95 {steps(fix)} vs {steps(base)}; {gap}.")
+    return out
+
+
 def claim_fixes(src: Sources) -> str:
     out = ["## 6. The untested fixes: staggered or random offsets, phase-jittered data", ""]
     runs = fix_runs(src.results)
@@ -657,7 +684,7 @@ def claim_fixes(src: Sources) -> str:
     met = []
     for name, fx in runs:
         lines, m = _fixes_run(name, fx)
-        out += [*lines, ""]
+        out += [*lines, *_fixes_training_lines(fx), ""]
         met += m
     name, fx = runs[-1]
     cmp = pd.DataFrame(fx["comparison"])

@@ -71,6 +71,8 @@ def test_fixes_tiny_trains_every_fix_and_compares_with_its_baseline(tmp_path):
     assert matched[matched["fix"] == "aligned"]["baseline_raw_gap"].isna().all()
     text = (out / "summary.md").read_text()
     assert "## Convergence" in text and "## At equal accuracy" in text
+    aligned_row = next(line for line in text.splitlines() if line.startswith("| aligned | -"))
+    assert "nan" not in aligned_row and " / " not in aligned_row  # no baseline to set beside
     assert "12 jobs run, 0 cached" in stdout  # 6 models (one seed), 6 statistics jobs
     # the grids really differ: per-layer staggering shifts the third layer's grid
     run = next(r for r in find_runs(out) if r.name == "staggered_layer_s0")
@@ -241,3 +243,27 @@ def test_report_reads_every_converged_sweep_profile_as_one_table(tmp_path):
     assert "| mean | 8 | 2 | 64 | 3 of 3 |" in text and "| mean | 4 | 2 | 64 | 3 of 3 |" in text
     assert text.index("phase_sweep_converged.json") < text.index("phase_sweep_converged_d8")
     assert "mean d=4 H=2 T=64" in verdict and "mean d=8 H=2 T=64" in verdict
+
+
+def test_report_sets_each_fix_beside_its_baseline_along_training():
+    conv = [{"fix": f, "seed": s, "steps_to_95": v}
+            for f, vals in (("aligned", (2000, 3000, None)), ("staggered_head", (600, 800, 700)))
+            for s, v in enumerate(vals)]  # fmt: skip
+    matched = [
+        {"fix": "aligned", "baseline": None, "band": "0.9-0.99", "raw_gap": 0.04, "n": 10},
+        {"fix": "staggered_head", "baseline": "aligned", "band": "0.9-0.99", "raw_gap": 0.02,
+         "n": 5},
+        {"fix": "random_offset", "baseline": "aligned", "band": "0.6-0.9", "raw_gap": 0.1,
+         "n": 5},
+    ]  # fmt: skip
+    conv += [{"fix": "random_offset", "seed": 0, "steps_to_95": None}]
+    lines = report._fixes_training_lines({"convergence": conv, "matched": matched})
+    text = "\n".join(lines)
+    assert (
+        "- staggered_head vs aligned: steps to 0.95 median 700 (3 of 3 seeds) vs median "
+        "2500 (2 of 3 seeds); raw gap at accuracy 0.9-0.99 0.020 vs 0.040 (5 vs 10" in text
+    )
+    assert "random_offset vs aligned: steps to 0.95 never (1)" in text
+    assert "no evaluations of both at accuracy 0.9-0.99" in text
+    assert "aligned vs" not in text  # the baseline itself has none
+    assert report._fixes_training_lines({"convergence": conv}) == []  # older recordings

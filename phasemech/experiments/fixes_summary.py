@@ -132,6 +132,7 @@ def matched_markdown(matched: pd.DataFrame) -> str:
     ]
     for fix, g in matched.groupby("fix", sort=False):
         at, base = g.set_index("band"), g["baseline"].iloc[0]
+        base = None if pd.isna(base) else base  # a fix without a baseline (parquet: NaN)
         cells = []
         for b in BAND_LABELS:
             if b not in at.index:
