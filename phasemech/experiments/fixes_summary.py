@@ -11,6 +11,7 @@ import pandas as pd
 
 from phasemech.experiments.experiment import Profile
 from phasemech.experiments.fixes import GOAL_REDUCTION, NONINFERIORITY
+from phasemech.experiments.sweep_summary import BAND_LABELS
 from phasemech.measure.learning import PLATEAU_EXIT, seeds_off_plateau
 
 
@@ -118,8 +119,6 @@ def convergence_markdown(conv: pd.DataFrame) -> str:
 
 def matched_markdown(matched: pd.DataFrame) -> str:
     """Each fix's held-out raw gap beside its baseline's at the same accuracy band."""
-    from phasemech.experiments.sweep_summary import BAND_LABELS
-
     if not len(matched):
         return ""
     lines = [
