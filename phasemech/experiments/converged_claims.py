@@ -84,7 +84,7 @@ def _at_own_band(out: pd.DataFrame, summary: dict[str, Any]) -> pd.DataFrame:
     control's (``band_dense_gap``, ``band_dense_n``; NaN where dense models were never
     evaluated at that accuracy)."""
     band = pd.cut(out["accuracy"], ACC_BINS, labels=BAND_LABELS, right=False)
-    out = out.assign(band=band.astype(object).where(band.notna(), None))
+    out = out.assign(band=band.astype(object))  # NaN where no seed converged
     m = pd.DataFrame(summary.get("matched", []), columns=["design", *KEYS, "band", "raw_gap", "n"])
     own = m.rename(columns={"raw_gap": "band_gap", "n": "band_n"})
     dense = own[own["design"] == "none"].drop(columns="design")

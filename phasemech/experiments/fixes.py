@@ -40,7 +40,7 @@ from phasemech.core.io import atomic_write, json_safe, write_json_atomic, write_
 from phasemech.data.tasks import MQARTask
 from phasemech.experiments.experiment import Done, Experiment, Profile
 from phasemech.experiments.jobs import Job, TrainJob, payload, scored_targets
-from phasemech.experiments.lr_search import run_row
+from phasemech.experiments.lr_search import convergence_frame
 from phasemech.experiments.sweep import report_row
 from phasemech.experiments.sweep_summary import matched_gaps
 from phasemech.measure.learning import PLATEAU_EXIT, all_off_plateau
@@ -268,11 +268,11 @@ def fix_curves(done: Done) -> pd.DataFrame:
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
 
-def budget_table(done: Done, p: Profile) -> pd.DataFrame:
-    """Each fix beside its baseline at equal training budget: at every evaluated step, the
-    mean over seeds of held-out accuracy and raw gap. A run that stopped early at its target
-    keeps its last evaluation at later steps (it had converged)."""
-    curve, rows = fix_curves(done), []
+def budget_table(curve: pd.DataFrame) -> pd.DataFrame:
+    """Each fix beside its baseline at equal training budget, from :func:`fix_curves`: at
+    every evaluated step, the mean over seeds of held-out accuracy and raw gap. A run that
+    stopped early at its target keeps its last evaluation at later steps (it had converged)."""
+    rows = []
     for fix, g in curve.groupby("fix", sort=False) if len(curve) else ():
         base = VARIANTS[fix].baseline if fix in VARIANTS else None
         seeds = [c.set_index("step") for _, c in g.groupby("seed")]
@@ -286,18 +286,18 @@ def budget_table(done: Done, p: Profile) -> pd.DataFrame:
 
 def convergence_table(done: Done) -> pd.DataFrame:
     """Fix x seed: steps to 0.95 held-out accuracy, final step, held-out and test accuracy,
-    training seconds, and ``converged`` (held-out accuracy reached 0.95)."""
-    rows = [{"fix": _fix_of(j), **run_row(j, r)} for j, r in done.of(TrainJob)]
-    df = pd.DataFrame(rows)
-    if len(df):
-        df["converged"] = df["steps_to_95"].notna()
+    training seconds, and ``converged``."""
+    runs = done.of(TrainJob)
+    df = convergence_frame(runs)
+    df.insert(0, "fix", [_fix_of(j) for j, _ in runs])
     return df
 
 
-def matched_table(done: Done) -> pd.DataFrame:
-    """Each fix's held-out raw gap by held-out accuracy band (every evaluation of every seed),
-    with its baseline's in the same band: the fix against its baseline at equal accuracy."""
-    m = matched_gaps(fix_curves(done), by=("fix",))
+def matched_table(curve: pd.DataFrame) -> pd.DataFrame:
+    """Each fix's held-out raw gap by held-out accuracy band (every evaluation of every seed
+    in :func:`fix_curves`), with its baseline's in the same band: the fix against its baseline
+    at equal accuracy."""
+    m = matched_gaps(curve, by=("fix",))
     if not len(m):
         return m
     m["baseline"] = [VARIANTS[f].baseline if f in VARIANTS else None for f in m["fix"]]
@@ -333,7 +333,8 @@ def finish(p: Profile, done: Done, out: Path) -> dict[str, Any]:
     comparison = pd.DataFrame([c for _, res in stats for c in res["comparison"]])
     atomic_write(out / "results.parquet", lambda tmp: results.to_parquet(tmp))
     atomic_write(out / "comparison.parquet", lambda tmp: comparison.to_parquet(tmp))
-    budget, conv, matched = budget_table(done, p), convergence_table(done), matched_table(done)
+    curve = fix_curves(done)  # read once: the budget and matched tables both bin it
+    budget, conv, matched = budget_table(curve), convergence_table(done), matched_table(curve)
     for name, df in (("budget", budget), ("convergence", conv), ("matched", matched)):
         atomic_write(out / f"{name}.parquet", lambda tmp, df=df: df.to_parquet(tmp))
     train_min = sum(r["train_seconds"] for _, r in done.of(TrainJob)) / 60

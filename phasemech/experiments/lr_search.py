@@ -175,13 +175,18 @@ def search_table(done: Done) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def convergence_table(done: Done) -> pd.DataFrame:
-    """The chosen runs: setting x seed with steps to 0.95 and final held-out accuracy; a run
-    is ``converged`` when its held-out accuracy reached :data:`CONVERGED`."""
-    df = pd.DataFrame([run_row(j, r) for j, r in chosen_runs(done)])
+def convergence_frame(runs: list[tuple[TrainJob, dict[str, Any]]]) -> pd.DataFrame:
+    """One :func:`run_row` per run, with ``converged``: held-out accuracy reached
+    :data:`CONVERGED`."""
+    df = pd.DataFrame([run_row(j, r) for j, r in runs])
     if len(df):
         df["converged"] = df["steps_to_95"].notna()
     return df
+
+
+def convergence_table(done: Done) -> pd.DataFrame:
+    """The chosen runs: setting x seed with steps to 0.95 and final held-out accuracy."""
+    return convergence_frame(chosen_runs(done))
 
 
 def curves(done: Done) -> pd.DataFrame:
@@ -200,6 +205,7 @@ __all__ = [
     "best_lr",
     "chosen_lrs",
     "chosen_runs",
+    "convergence_frame",
     "convergence_table",
     "curves",
     "lrs",
