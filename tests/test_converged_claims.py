@@ -68,7 +68,7 @@ def test_matched_excess_is_design_minus_dense_at_the_same_band():
 def test_claim_lines_and_verdict():
     lines, verdict = converged_claim_lines(_summary(), "x.json")
     text = "\n".join(lines)
-    assert "none converged: no gap" in text and "| mlp | 4 | 2 | 64 | 0 of 3 |" in text
+    assert "none converged: no gap" in text and "| mlp | 4 | 2 | 64 | 0 of 3 | - |" in text
     assert verdict.startswith("**Supported at convergence** for mean d=4 H=2 T=64")
     no_gap = _summary()
     no_gap["rows"][1] = _row("mean", 0.015, 0.005, 0.03)
@@ -152,3 +152,13 @@ def test_a_gap_dense_models_show_at_the_same_accuracy_does_not_count():
     assert np.isnan(s.loc["mean", "band_gap"]) and not s.loc["mean", "has_gap"]
     lines = "\n".join(converged_claim_lines(summary, "x.json")[0])
     assert "no evaluation / 0.010 (2) (band 0.9-0.99)" in lines
+
+
+def test_verdict_marks_a_gap_read_off_one_converged_seed():
+    one = _summary()
+    one["convergence"] = (
+        one["convergence"][:3] + _conv("mean", [True, False, False]) + (one["convergence"][6:])
+    )
+    verdict = converged_claim_lines(one, "x.json")[1]
+    assert "mean d=4 H=2 T=64 (one converged seed)" in verdict
+    assert "(one converged seed)" not in converged_claim_lines(_summary(), "x.json")[1]

@@ -96,8 +96,8 @@ def _at_own_band(out: pd.DataFrame, summary: dict[str, Any]) -> pd.DataFrame:
 
 
 def _band_cell(r) -> str:
-    if pd.isna(r.band):
-        return ""
+    if pd.isna(r.band):  # no seed converged: nothing to compare
+        return "-"
     mine = "no evaluation" if pd.isna(r.band_gap) else f"{_fmt(r.band_gap)} ({int(r.band_n)})"
     dense = (
         "no dense evaluation"
@@ -139,7 +139,7 @@ def converged_claim_lines(summary: dict[str, Any], source: str) -> tuple[list[st
         dense = f"{_fmt(r.dense_gap)} [{_fmt(r.dense_lo)}, {_fmt(r.dense_hi)}]"
         lines.append(
             f"| {r.design} | {r.stride} | {r.heads} | {r.seq_len} | {r.converged} of {r.seeds} "
-            f"| {_fmt(r.accuracy)} | {gap} | {dense} | {_band_cell(r)} | "
+            f"| {_fmt(r.accuracy) if r.converged else '-'} | {gap} | {dense} | {_band_cell(r)} | "
             f"{'yes' if r.has_gap else 'no'} |"
         )
     ex = matched_excess(summary)
@@ -156,7 +156,10 @@ def converged_claim_lines(summary: dict[str, Any], source: str) -> tuple[list[st
     verdict = (
         "**Supported at convergence** for "
         + ", ".join(
-            f"{r.design} d={r.stride} H={r.heads} T={r.seq_len}" for r in gapped.itertuples()
+            f"{r.design} d={r.stride} H={r.heads} T={r.seq_len}"
+            # one model's CI resamples its content only, not seeds: say so beside it
+            + (" (one converged seed)" if r.converged == 1 else "")
+            for r in gapped.itertuples()
         )
         if len(gapped)
         else "**Not supported at convergence**: no converged compressed setting has a gap "
