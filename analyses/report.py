@@ -208,6 +208,34 @@ def claim_from_scratch(src: Sources) -> str:
     return "\n".join(out)
 
 
+# interventions.py's converged profiles (the converged sweeps' models, d = 4 and d = 8)
+INTERVENTION_PROFILES = ("converged", "converged_d8")
+
+
+def _converged_interventions(src: Sources) -> tuple[str, list[str], str] | None:
+    """The header, lines and verdict of the specialisation claim over every recorded
+    converged interventions run (None where none is recorded)."""
+    found = [
+        (n, s)
+        for n in INTERVENTION_PROFILES
+        if (s := _load_json(src.results / f"interventions_{n}.json")) is not None
+    ]
+    if not found:
+        return None
+    files = ", ".join(
+        f"`analyses/results/interventions_{n}.json` (`phasemech run interventions --profile {n}`)"
+        for n, _ in found
+    )
+    at = found[0][1]["profile"]["pool_min_accuracy"]
+    merged = {"models": [m for _, s in found for m in s.get("models", [])]}
+    lines, verdict = interventions_claim_lines(merged, files)
+    header = (
+        f"On the converged phase sweeps' models (the first seed of each setting with held-out "
+        f"accuracy >= {at}; {files}; the verdict reads these):"
+    )
+    return header, lines, verdict
+
+
 def claim_specialisation(src: Sources) -> str:
     out = ["## 3. Phase specialisation under interventions", ""]
     out.append(
@@ -263,21 +291,17 @@ def claim_specialisation(src: Sources) -> str:
         "Holm-corrected p < 0.05"
     )
     rule = "some compressed head's ablation effect differs across phases, Holm p < 0.05"
-    conv_file = "analyses/results/interventions_converged.json"
-    conv = _load_json(src.results / "interventions_converged.json")
+    conv = _converged_interventions(src)
     if conv is not None:
-        lines, verdict = interventions_claim_lines(conv, conv_file)
-        at = conv["profile"]["pool_min_accuracy"]
-        out += ["", f"On the converged phase sweep's models (seed 0, held-out accuracy >= {at}; "
-                f"`{conv_file}`, `phasemech run interventions --profile converged`; the verdict "
-                "reads these):", "", *lines]  # fmt: skip
+        header, lines, verdict = conv
+        out += ["", header, "", *lines]
         rule = (
             "a converged compressed model has a head whose zero-ablation effect differs "
             "across phases (Holm p < 0.05, range >= 10 points), and fewer dense controls do"
         )
     else:
         cmd = "phasemech run interventions --profile converged"
-        out.append("- " + _missing(conv_file, cmd))
+        out.append("- " + _missing("analyses/results/interventions_converged.json", cmd))
     out += [
         "",
         f"Verdict (rule: {rule}): " + verdict + ".",

@@ -267,3 +267,23 @@ def test_report_sets_each_fix_beside_its_baseline_along_training():
     assert "no evaluations of both at accuracy 0.9-0.99" in text
     assert "aligned vs" not in text  # the baseline itself has none
     assert report._fixes_training_lines({"convergence": conv}) == []  # older recordings
+
+
+def test_report_merges_the_converged_interventions_of_every_profile(tmp_path):
+    src = report.Sources(pd.DataFrame(), [], {}, {}, "cmd", results=tmp_path)
+    assert report._converged_interventions(src) is None
+    recorded = json.loads((report.RESULTS / "interventions_converged.json").read_text())
+    (tmp_path / "interventions_converged.json").write_text(json.dumps(recorded))
+    n4 = len(recorded["models"])
+    _, lines4, _ = report._converged_interventions(src)
+    d8 = {**recorded, "models": [{**m, "model": m["model"].replace("d4", "d8")}
+                                  for m in recorded["models"]]}  # fmt: skip
+    d8["models"][0] = {**d8["models"][0], "phase_dependent_heads": 3}  # a dense control's head
+    (tmp_path / "interventions_converged_d8.json").write_text(json.dumps(d8))
+    header, lines, verdict = report._converged_interventions(src)
+    assert len(lines4) == n4 and len(lines) == 2 * n4
+    assert "interventions_converged.json" in header and "interventions_converged_d8" in header
+    comp = sum(m["design"] != "none" for m in recorded["models"])
+    dense = n4 - comp
+    assert f"of {2 * comp} converged compressed models" in verdict
+    assert f"1 of {2 * dense} dense controls" in verdict

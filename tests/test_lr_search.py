@@ -8,9 +8,11 @@ import sys
 from pathlib import Path
 
 import pandas as pd
+import pytest
 
 from phasemech.experiments.experiment import Done
 from phasemech.experiments.lr_search import (
+    analysed_runs,
     best_lr,
     chosen_runs,
     convergence_table,
@@ -123,3 +125,21 @@ def test_tiny_search_on_the_launcher(tmp_path):
         assert set(g["lr"]) == set(kept)  # every seed at its setting's kept rate
     assert "## Learning-rate search" in (folder / "summary.md").read_text()
     assert len(pd.read_parquet(folder / "curves.parquet")) > 0
+
+
+def test_analysed_runs_first_keeps_each_settings_lowest_learned_seed():
+    done = _done(
+        {
+            ("none", 1e-3, 0): [0.99],
+            ("none", 1e-3, 1): [0.99],
+            ("gated", 1e-3, 0): [0.25],  # seed 0 stayed on the plateau
+            ("gated", 1e-3, 1): [0.97],
+        }
+    )
+    got = {
+        (j.train.compression.design, j.train.seed) for j, _ in analysed_runs(done, 0.95, "first")
+    }
+    assert got == {("none", 0), ("gated", 1)}
+    assert {j.train.seed for j, _ in analysed_runs(done, 0.95, (0,))} == {0}
+    with pytest.raises(ValueError, match="seeds='all'"):
+        analysed_runs(done, 0.95, "all")

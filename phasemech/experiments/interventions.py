@@ -82,6 +82,13 @@ PROFILES = {
         extra=SWEEP_PROFILES["converged"].extra + (("sequences", 1024), ("pairs", 256),
                                                    ("analyse_seeds", (0,))),
     ),
+    # the same at d = 8, where some settings converged only in a later seed: the first seed of
+    # each setting that reached the threshold
+    "converged_d8": replace(
+        SWEEP_PROFILES["converged_d8"], n_boot=1000, n_perm=1000,
+        extra=SWEEP_PROFILES["converged_d8"].extra + (("sequences", 1024), ("pairs", 256),
+                                                      ("analyse_seeds", "first")),
+    ),
 }  # fmt: skip
 
 
@@ -288,7 +295,11 @@ INTERVENTIONS = Experiment(
     stages=(search_jobs, seed_jobs, intervention_jobs),
     finish=finish,
     about="ablation, patching, attribution, probes and head clusters on phase-sweep models",
-    folders={"default": "phase_sweep_default", "converged": "phase_sweep_converged"},
+    folders={
+        "default": "phase_sweep_default",
+        "converged": "phase_sweep_converged",
+        "converged_d8": "phase_sweep_converged_d8",
+    },
 )
 
 __all__ = [

@@ -95,15 +95,27 @@ def chosen_runs(done: Done) -> list[tuple[TrainJob, dict[str, Any]]]:
 
 
 def analysed_runs(
-    done: Done, min_accuracy: float = 0.0, seeds: tuple[int, ...] | None = None
+    done: Done, min_accuracy: float = 0.0, seeds: tuple[int, ...] | str | None = None
 ) -> list[tuple[TrainJob, dict[str, Any]]]:
     """The chosen runs that reached ``min_accuracy`` held-out accuracy (and are among
-    ``seeds``, if given): what statistics and analyses read."""
-    return [
+    ``seeds``, if given; ``"first"``: the lowest such seed of each setting): what statistics
+    and analyses read."""
+    if seeds is not None and seeds != "first" and not isinstance(seeds, tuple):
+        raise ValueError(f"seeds={seeds!r}: allowed are a tuple of seeds, 'first' or None")
+    runs = [
         (j, r)
         for j, r in chosen_runs(done)
-        if r["heldout_accuracy"] >= min_accuracy and (seeds is None or j.train.seed in seeds)
+        if r["heldout_accuracy"] >= min_accuracy
+        and (seeds is None or seeds == "first" or j.train.seed in seeds)
     ]
+    if seeds != "first":
+        return runs
+    # a setting whose seed 0 stayed on the plateau is still analysed, on its first seed that
+    # learned, rather than dropped
+    first: dict[str, tuple[TrainJob, dict[str, Any]]] = {}
+    for j, r in sorted(runs, key=lambda jr: jr[0].train.seed):
+        first.setdefault(setting(j.train), (j, r))
+    return list(first.values())
 
 
 def search_stages(make: MakeJobs) -> tuple[Callable, Callable]:
