@@ -296,8 +296,9 @@ def claim_specialisation(src: Sources) -> str:
         header, lines, verdict = conv
         out += ["", header, "", *lines]
         rule = (
-            "a converged compressed model has a head whose zero-ablation effect differs "
-            "across phases (Holm p < 0.05, range >= 10 points), and fewer dense controls do"
+            "at a given d, a larger share of converged compressed models than of that d's "
+            "dense controls has a head whose zero-ablation effect differs across phases "
+            "(Holm p < 0.05, range >= 10 points)"
         )
     else:
         cmd = "phasemech run interventions --profile converged"

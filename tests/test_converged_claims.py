@@ -76,16 +76,22 @@ def test_claim_lines_and_verdict():
     assert converged_claim_lines({}, "x.json")[1] == "not measured"
 
 
-def _model(design, dependent, weak=""):
-    return {"model": f"{design}_m", "design": design, "accuracy": 0.99, "phase_range_pts": 1.0,
-            "phase_dependent_heads": dependent, "heads_opening_weak_spot": weak}  # fmt: skip
+def _model(design, dependent, weak="", stride=4):
+    return {"model": f"{design}_m", "design": design, "stride": stride, "accuracy": 0.99,
+            "phase_range_pts": 1.0, "phase_dependent_heads": dependent,
+            "heads_opening_weak_spot": weak}  # fmt: skip
 
 
 def test_interventions_claim_needs_compressed_heads_beyond_dense():
     models = [_model("none", 0), _model("mean", 2, "L1.0->3"), _model("gated", 0)]
     lines, verdict = interventions_claim_lines({"models": models}, "x.json")
-    assert verdict.startswith("**Supported at convergence**: 1 of 2") and "1 of 2" in verdict
+    assert verdict.startswith("**Supported at convergence** at d = 4: 1 of 2 converged")
     assert "0 of 1 dense" in verdict and "L1.0->3" in "\n".join(lines)
+    # d = 8's dense control has one too: d = 8 is listed as not supported, d = 4 still holds
+    d8 = [_model("none", 1, stride=8), _model("mean", 1, stride=8)]
+    verdict = interventions_claim_lines({"models": models + d8}, "x.json")[1]
+    assert verdict.endswith("; not at d = 8: 1 of 1 converged compressed models have a "
+                            "phase-dependent head, 1 of 1 dense controls do")  # fmt: skip
     # a dense control with a phase-dependent head too: the heads are the task's, not a claim
     models[0] = _model("none", 1)
     assert interventions_claim_lines({"models": models}, "x.json")[1].startswith("**Not")

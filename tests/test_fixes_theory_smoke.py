@@ -276,14 +276,16 @@ def test_report_merges_the_converged_interventions_of_every_profile(tmp_path):
     (tmp_path / "interventions_converged.json").write_text(json.dumps(recorded))
     n4 = len(recorded["models"])
     _, lines4, _ = report._converged_interventions(src)
-    d8 = {**recorded, "models": [{**m, "model": m["model"].replace("d4", "d8")}
+    d8 = {**recorded, "models": [{**m, "model": m["model"].replace("d4", "d8"), "stride": 8}
                                   for m in recorded["models"]]}  # fmt: skip
     d8["models"][0] = {**d8["models"][0], "phase_dependent_heads": 3}  # a dense control's head
     (tmp_path / "interventions_converged_d8.json").write_text(json.dumps(d8))
     header, lines, verdict = report._converged_interventions(src)
     assert len(lines4) == n4 and len(lines) == 2 * n4
     assert "interventions_converged.json" in header and "interventions_converged_d8" in header
-    comp = sum(m["design"] != "none" for m in recorded["models"])
-    dense = n4 - comp
-    assert f"of {2 * comp} converged compressed models" in verdict
-    assert f"1 of {2 * dense} dense controls" in verdict
+    comp = [m for m in recorded["models"] if m["design"] != "none"]
+    sig, dense = sum(m["phase_dependent_heads"] > 0 for m in comp), n4 - len(comp)
+    # each d is judged against its own dense controls
+    assert f"d = 4: {sig} of {len(comp)} converged compressed models" in verdict
+    assert f"d = 8: {sig} of {len(comp)} converged compressed models" in verdict
+    assert f"0 of {dense} dense controls" in verdict and f"1 of {dense} dense" in verdict
