@@ -10,9 +10,10 @@ tables. ``analyses/report.py`` then writes the claims report from the same table
 
 Profiles: ``tiny`` (seconds; the end-to-end test), ``default`` (five 2-head models, T = 64:
 ``make figures``), ``full`` (``FULL=1``: the 72 models of the phase sweep's default profile,
-sharing its cache).
+sharing its cache), ``converged`` and ``converged_d8`` (the converged phase sweeps' models, in
+their folders).
 
-Usage: ``python analyses/figures.py [--profile tiny|default|full] [--runs runs] [--out figures]
+Usage: ``python analyses/figures.py [--profile PROFILE] [--runs runs] [--out figures]
 [--no-png] [--address ADDR] [--num-cpus N]``.
 """
 
@@ -105,13 +106,14 @@ def _num(x: float | None, spec: str) -> str:
     return "n/a" if x is None else format(x, spec)
 
 
-def _acc_caption(series: dict[str, pd.DataFrame]) -> str:
+def _acc_caption(series: dict[str, pd.DataFrame], per_setting_seeds: bool = False) -> str:
     parts = []
     for label, df in series.items():
         r = df.iloc[0]
         weak = df.loc[df["accuracy"].idxmin()]
+        n = f" ({int(r.seeds)} seed{'s' if r.seeds > 1 else ''})" if per_setting_seeds else ""
         parts.append(
-            f"{label}: {r.overall:.3f} overall, weakest phase {int(weak.phase)} at "
+            f"{label}{n}: {r.overall:.3f} overall, weakest phase {int(weak.phase)} at "
             f"{weak.accuracy:.3f}, debiased gap {r.debiased_gap:.3f} "
             f"[{r.gap_lo:.3f}, {r.gap_hi:.3f}]"
         )
@@ -124,7 +126,15 @@ def _acc_caption(series: dict[str, pd.DataFrame]) -> str:
 def accuracy_figures(t: Tables) -> list[dict]:
     table = t.table
     n_seeds = int(table["seeds"].max())
-    seeds = f"{n_seeds} seeds pooled" if n_seeds > 1 else "one seed"
+    # a converged profile pools only the seeds that learned: their number differs by setting
+    varies = table["seeds"].nunique() > 1
+    seeds = (
+        "the seeds that reached the pooling threshold pooled (their number after each setting)"
+        if varies
+        else f"{n_seeds} seeds pooled"
+        if n_seeds > 1
+        else "one seed"
+    )
     grids = sorted(table["grid"].unique())
     figs = []
     for grid in grids:
@@ -136,7 +146,7 @@ def accuracy_figures(t: Tables) -> list[dict]:
                 caption=(
                     f"Held-out accuracy by needle phase on the stride-{grid} grid, 95% "
                     f"cluster-bootstrap bands, {seeds}; dotted: the mean that hides the cycle. "
-                    + _acc_caption(series)
+                    + _acc_caption(series, varies)
                 ),
             )
         )
@@ -482,7 +492,9 @@ def write_dashboard(t: Tables, out: Path, png: bool) -> dict:
 
 
 def main(
-    profile: Annotated[str, typer.Option(help="tiny | default | full")] = "default",
+    profile: Annotated[
+        str, typer.Option(help="tiny | default | full | converged | converged_d8")
+    ] = "default",
     runs: Annotated[Path, typer.Option(help="the experiment's folder goes here")] = Path("runs"),
     out: Annotated[Path, typer.Option(help="where the figures go")] = Path("figures"),
     no_png: Annotated[bool, typer.Option("--no-png", help="HTML only (no kaleido)")] = False,
