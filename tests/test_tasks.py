@@ -16,6 +16,7 @@ from phasemech.data.tasks import (
     MQARTask,
     NeedleTask,
     generate,
+    generate_rows,
     load_dataset,
     save_dataset,
     targets_frame,
@@ -543,3 +544,29 @@ def test_boundaries_are_accepted():
     MQARTask(vocab_size=8, seq_len=16, n_pairs=3, stride=2)  # n_pairs == V/2 - 1
     assert MQARTask(seq_len=39, n_pairs=8, stride=8).content_len == 32  # exactly 2n + 2q
     NeedleTask(depths=(0.0, 1.0))
+
+
+def test_training_batch_spread_narrows_the_prefix_and_keeps_the_content_layout():
+    task = MQARTask(seq_len=32, n_pairs=4, stride=8)
+    full = training_batch(task, 64, seed=3, step=0)
+    # spread=None is the task's own stride: the stream made before the argument existed
+    for x, y in zip(full, training_batch(task, 64, seed=3, step=0, spread=None), strict=True):
+        assert torch.equal(x, y)
+    for spread in (1, 3):
+        tokens, qp, ans = training_batch(task, 64, seed=3, step=0, spread=spread)
+        assert torch.equal(tokens.gather(1, qp + 1), ans)
+        first_key = (tokens < 32).int().argmax(1)  # keys are tokens below V/2: the prefix
+        assert set(first_key.tolist()) == set(range(spread))
+        # the content's layout is the task's: the query block ends within the same span
+        assert (qp - first_key[:, None]).max() <= task.content_len - 1
+
+
+@pytest.mark.parametrize("spread", [0, 9, 2.5])
+def test_training_batch_spread_out_of_range_is_refused(spread):
+    with pytest.raises(ValueError, match=r"^spread=.* is invalid: need None or an int in 1\.\.stride=8"):
+        training_batch(MQARTask(seq_len=32, n_pairs=4, stride=8), 4, seed=0, step=0, spread=spread)
+
+
+def test_balanced_set_refuses_a_spread():
+    with pytest.raises(ValueError, match="spread=2 is invalid"):
+        generate_rows(MQARTask(seq_len=32, n_pairs=4, stride=4), 8, 0, balanced=True, spread=2)

@@ -211,6 +211,7 @@ def test_training_reduces_the_loss(tmp_path):
         ("checkpoint_every", 0, "checkpoint_every=0"),
         ("min_lr_ratio", 2.0, "min_lr_ratio=2.0"),
         ("schedule", "linear", "schedule='linear'"),
+        ("prefix_warmup", -1, "prefix_warmup=-1 is invalid: need int >= 0"),
     ],
 )
 def test_bad_train_config_is_refused(field, value, match):
@@ -255,3 +256,47 @@ def test_fresh_run_into_a_folder_with_foreign_checkpoints_is_refused(tmp_path):
     (tmp_path / "r" / "train_config.json").unlink()
     with pytest.raises(FileExistsError, match="holds no train_config.json"):
         train(cfg, tmp_path / "r", progress=False)
+
+
+def test_prefix_warmup_widens_the_spread_from_one_position_to_the_stride():
+    cfg = tiny_config(task=MQARTask(vocab_size=32, seq_len=32, n_pairs=4, stride=8),
+                      compression=CompressionConfig("gated", stride=8, window=16, layers=(1,)),
+                      prefix_warmup=70)  # fmt: skip
+    spreads = [cfg.prefix_spread(s) for s in range(80)]
+    assert spreads[0] == 1 and spreads[69] == 7 and set(spreads[70:]) == {None}
+    assert spreads[:70] == sorted(spreads[:70]) and set(spreads[:70]) == set(range(1, 8))
+    assert [spreads[10 * k] for k in range(7)] == list(range(1, 8))  # 10 steps a position
+    assert tiny_config().prefix_spread(0) is None  # off by default: the full spread throughout
+
+
+def test_prefix_warmup_stays_out_of_old_configs_and_round_trips():
+    # a default of 0 leaves the dict (so cache keys and saved configs of older runs still match)
+    assert "prefix_warmup" not in tiny_config().to_dict()
+    cfg = tiny_config(prefix_warmup=6)
+    assert cfg.to_dict()["prefix_warmup"] == 6
+    assert TrainConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+
+
+def test_prefix_warmup_trains_on_narrowed_batches_and_resumes_exactly(tmp_path, monkeypatch):
+    from phasemech.training import trainer
+
+    seen = []
+    real = trainer.task_batch
+
+    def spy(task, batch, seed, step, spread=None):
+        seen.append((step, spread))
+        return real(task, batch, seed, step, spread)
+
+    monkeypatch.setattr(trainer, "task_batch", spy)
+    cfg = tiny_config(prefix_warmup=8)
+    train(cfg, tmp_path / "a", progress=False)
+    assert seen == [(s, cfg.prefix_spread(s)) for s in range(12)]
+    assert [sp for _, sp in seen] == [1, 1, 1, 2, 2, 2, 3, 3, None, None, None, None]
+    with pytest.raises(Interrupt):
+        train(cfg, tmp_path / "b", progress=False, on_step=interrupt_at(6))
+    train(cfg, tmp_path / "b", resume=True, progress=False)
+    assert_same_weights(weights(tmp_path / "a"), weights(tmp_path / "b"))
+    other = tiny_config(prefix_warmup=0)
+    train(other, tmp_path / "c", progress=False)
+    assert any(not torch.equal(x, y) for x, y in zip(weights(tmp_path / "a").values(),
+               weights(tmp_path / "c").values()))  # fmt: skip

@@ -297,10 +297,19 @@ def _contents(task: Task, rng: np.random.Generator, n: int):
 
 
 def generate_rows(
-    task: Task, n: int, seed: int | np.random.Generator, balanced: bool = False
+    task: Task,
+    n: int,
+    seed: int | np.random.Generator,
+    balanced: bool = False,
+    spread: int | None = None,
 ) -> list[dict[str, Any]]:
-    """``n`` sequences as plain dicts (see :func:`generate`)."""
+    """``n`` sequences as plain dicts (see :func:`generate`). ``spread`` (random sets only):
+    prefixes drawn from ``0..spread-1`` instead of ``0..stride-1``; the content's layout is the
+    task's either way (a training curriculum narrows the prefix, never the content)."""
     _check("n", n, is_int(n) and n >= 1, "need an int >= 1")
+    if spread is not None:
+        ok = is_int(spread) and 1 <= spread <= task.stride and not balanced
+        _check("spread", spread, ok, f"need None or an int in 1..stride={task.stride}, random sets")
     if balanced and n % task.stride:
         raise ValueError(
             f"n={n} is invalid for a phase-balanced set: need a multiple of stride={task.stride}"
@@ -312,7 +321,7 @@ def generate_rows(
             for prefix in range(task.stride):
                 rows.append({"group_id": group, **_sequence(task, rng, content, prefix)})
     else:
-        prefixes = rng.integers(0, task.stride, size=n)
+        prefixes = rng.integers(0, task.stride if spread is None else spread, size=n)
         for i, content in enumerate(_contents(task, rng, n)):
             rows.append({"group_id": i, **_sequence(task, rng, content, int(prefixes[i]))})
     for i, row in enumerate(rows):
@@ -348,14 +357,15 @@ def task_of(ds: Dataset) -> Task | None:
 
 
 def training_batch(
-    task: Task, batch: int, seed: int, step: int
+    task: Task, batch: int, seed: int, step: int, spread: int | None = None
 ) -> tuple[Int[Tensor, "batch pos"], Int[Tensor, "batch target"], Int[Tensor, "batch target"]]:
-    """Training batch ``step`` of a seeded stream: ``(tokens, query_pos, answer)``.
+    """Training batch ``step`` of a seeded stream: ``(tokens, query_pos, answer)``; ``spread``
+    narrows the random prefix (see :func:`generate_rows`).
 
-    A pure function of ``(task, batch, seed, step)``, so a resumed run sees the same data.
+    A pure function of ``(task, batch, seed, step, spread)``, so a resumed run sees the same data.
     """
     rng = np.random.default_rng([seed, step])
-    return to_tensors(generate_rows(task, batch, rng))
+    return to_tensors(generate_rows(task, batch, rng, spread=spread))
 
 
 def to_tensors(

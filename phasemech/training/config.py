@@ -126,6 +126,10 @@ class TrainConfig:
     target_accuracy: float | None = 0.99  # early stop once held-out accuracy reaches it
     seed: int = 0
     threads: int = 1
+    # a curriculum on the data's random prefix: over the first prefix_warmup steps the spread
+    # widens from 1 position to the task's stride (0: the full spread from the first step). The
+    # held-out set is always phase-balanced at the full spread.
+    prefix_warmup: int = 0
 
     def __post_init__(self) -> None:
         def need(name: str, ok: bool, allowed: str) -> None:
@@ -138,7 +142,8 @@ class TrainConfig:
 
         for name in ("steps", "batch_size", "eval_every", "eval_sequences", "threads"):
             need(name, is_int(getattr(self, name)) and getattr(self, name) >= 1, "need int >= 1")
-        need("warmup_steps", is_int(self.warmup_steps) and self.warmup_steps >= 0, "need >= 0")
+        for name in ("warmup_steps", "prefix_warmup"):
+            need(name, is_int(getattr(self, name)) and getattr(self, name) >= 0, "need int >= 0")
         ce = self.checkpoint_every
         # checkpoints at evaluation steps: a resumed run then restarts with a fresh loss window
         # and the accuracy of its checkpoint, exactly as the uninterrupted run had them
@@ -183,8 +188,19 @@ class TrainConfig:
     def ckpt_every(self) -> int:
         return self.checkpoint_every or self.eval_every
 
+    def prefix_spread(self, step: int) -> int | None:
+        """The training prefix's spread at ``step`` (None: the task's full stride): 1 at step 0,
+        one more position every ``prefix_warmup / (stride - 1)`` steps."""
+        if step >= self.prefix_warmup:
+            return None
+        return 1 + (self.task.stride - 1) * step // self.prefix_warmup
+
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
+        if not self.prefix_warmup:
+            # fields added with a default that changes nothing stay out of the dict, so the
+            # cache keys and saved configs of runs made before them still match
+            del out["prefix_warmup"]
         out["task"] = task_to_dict(self.task)
         out["model"] = dataclasses.asdict(self.model)
         out["compression"] = self.compression.to_dict()

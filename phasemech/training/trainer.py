@@ -348,7 +348,8 @@ def _train_step(cfg: TrainConfig, model: PhaseTransformer, opt, sched, step: int
     """One optimizer step on the batch of ``step`` (a pure function of the seed and the step,
     which is what makes a resumed run exact); the batch's loss."""
     dev = model_device(model)
-    tokens, qp, ans = (t.to(dev) for t in task_batch(cfg.task, cfg.batch_size, cfg.seed, step))
+    batch = task_batch(cfg.task, cfg.batch_size, cfg.seed, step, cfg.prefix_spread(step))
+    tokens, qp, ans = (t.to(dev) for t in batch)
     logits = answer_logits(model, tokens, qp)
     loss = F.cross_entropy(logits.flatten(0, 1), ans.flatten())
     opt.zero_grad(set_to_none=True)
