@@ -73,6 +73,10 @@ def test_cli_train_stride_3_and_eval_sequences_flag(tmp_path):
     saved = TrainConfig.load(tmp_path / "a" / "train_config.json")
     # the task's prefix follows the model's stride (docs/training.md): 512 rounds up to 513
     assert (saved.task.stride, saved.compression.stride, saved.eval_sequences) == (3, 3, 513)
+    assert saved.prefix_warmup == 0
+    result = runner.invoke(app, [*args, "-o", str(tmp_path / "w"), *SMALL, "--prefix-warmup", "5"])
+    assert result.exit_code == 0, result.output
+    assert TrainConfig.load(tmp_path / "w" / "train_config.json").prefix_warmup == 5
     result = runner.invoke(
         app, [*args, "-o", str(tmp_path / "b"), *SMALL, "--eval-sequences", "48"]
     )
@@ -110,6 +114,7 @@ def test_eval_sequences_from_a_config_file(tmp_path):
         ("--steps", "-1"),
         ("--window", "-2"),
         ("--seq-len", "0"),
+        ("--prefix-warmup", "-1"),
     ],
 )
 def test_cli_train_out_of_range_flag_is_a_usage_error(tmp_path, flag, value):

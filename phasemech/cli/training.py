@@ -35,6 +35,10 @@ def train(
     weight_decay: Annotated[float | None, typer.Option(min=0)] = None,
     schedule: Annotated[Literal["constant", "cosine"] | None, typer.Option()] = None,
     warmup_steps: Annotated[int | None, typer.Option(min=0)] = None,
+    prefix_warmup: Annotated[
+        int | None,
+        typer.Option(min=0, help="steps over which the data's prefix spread widens to the stride"),
+    ] = None,
     eval_every: PosInt = None,
     eval_sequences: Annotated[
         int | None,
@@ -53,7 +57,7 @@ def train(
         design=design, stride=stride, window=window, layers=layers, offsets=offsets, heads=heads,
         d_model=d_model, n_layers=n_layers, seq_len=seq_len, pairs=pairs, jitter=jitter,
         steps=steps, batch_size=batch_size, lr=lr, weight_decay=weight_decay,
-        schedule=schedule, warmup_steps=warmup_steps,
+        schedule=schedule, warmup_steps=warmup_steps, prefix_warmup=prefix_warmup,
         eval_every=eval_every, eval_sequences=eval_sequences, target_accuracy=target_accuracy,
         seed=seed, threads=threads,
     )  # fmt: skip
@@ -121,8 +125,8 @@ def _train_config(out: Path, config: Path | None, resume: bool, flags: dict):
         # the default held-out size (never set, or a run's config that kept it) follows the
         # new task stride; a size the user chose stays, and an invalid one is an error
         f["eval_sequences"] = None
-    keys = ("steps", "batch_size", "lr", "weight_decay", "schedule", "warmup_steps", "eval_every",
-            "eval_sequences",
+    keys = ("steps", "batch_size", "lr", "weight_decay", "schedule", "warmup_steps",
+            "prefix_warmup", "eval_every", "eval_sequences",
             "target_accuracy", "seed", "threads")  # fmt: skip
     return dataclasses.replace(
         cfg,
