@@ -1,0 +1,47 @@
+"""analyses/d8_recipe.py: each variant changes exactly one field of the d = 8 sweep's config."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+import typer
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "analyses"))
+import d8_recipe  # noqa: E402
+
+from phasemech.experiments.sweep import PROFILES, RunSpec, train_config  # noqa: E402
+
+
+def _changed(a, b) -> dict:
+    da, db = a.to_dict(), b.to_dict()
+    out = {k: (da.get(k), db.get(k)) for k in da.keys() | db.keys() if da.get(k) != db.get(k)}
+    if "model" in out:
+        ma, mb = out.pop("model")
+        out.update({f"model.{k}": (ma[k], mb[k]) for k in ma if ma[k] != mb[k]})
+    return out
+
+
+@pytest.mark.parametrize(
+    ("variant", "change"),
+    [
+        ("warmup", {"prefix_warmup": (None, 2000)}),
+        ("width", {"model.d_model": (64, 128)}),
+        ("lr1e-3", {"lr": (3e-3, 1e-3)}),
+    ],
+)
+def test_each_variant_changes_one_field_of_the_sweep_config(variant, change):
+    base = train_config(RunSpec("mlp", 8, 2, 64, 1), PROFILES["converged_d8"])
+    cfg = d8_recipe.config("mlp_h2", variant, 1, 500)
+    assert _changed(dataclasses.replace(base, steps=500), cfg) == change
+    assert (cfg.task.stride, cfg.compression.stride, cfg.compression.design) == (8, 8, "mlp")
+
+
+def test_unknown_setting_or_variant_is_a_one_line_error():
+    with pytest.raises(typer.BadParameter, match=r"variants \['deeper'\] unknown: allowed"):
+        d8_recipe._choices("width,deeper", d8_recipe.VARIANTS, "variants")
+    with pytest.raises(typer.BadParameter, match="settings '' unknown"):
+        d8_recipe._choices("", d8_recipe.SETTINGS, "settings")
