@@ -8,6 +8,8 @@ thing of that sweep's training config, on the launcher:
 - ``warmup``: a curriculum on the data's random prefix (``TrainConfig.prefix_warmup``): the
   spread widens from 1 position to 8 over the first 2000 steps;
 - ``width``: ``d_model`` 128 instead of 64 (twice the head dimension at the same H);
+- ``width_dhead16``: ``d_model`` 128 with the head dimension kept at 16 (the theory
+  comparison's models fix ``d_head`` = 16 at every H): is it the residual width or the head's?
 - ``lr1e-3``: the search's other rate (the d = 8 sweep ran only 3e-3).
 
 Writes ``OUT/d8_recipe.json`` and prints, per setting, variant and seed, the first evaluated step
@@ -37,13 +39,16 @@ from phasemech.training.config import TrainConfig
 SETTINGS = {"mlp_h2": ("mlp", 2), "gated_h4": ("gated", 4), "mlp_h4": ("mlp", 4)}
 
 
-def _width(cfg: TrainConfig) -> TrainConfig:
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, d_model=128))
+def _width(cfg: TrainConfig, d_head: int | None = None) -> TrainConfig:
+    return dataclasses.replace(
+        cfg, model=dataclasses.replace(cfg.model, d_model=128, d_head=d_head)
+    )
 
 
 VARIANTS = {
     "warmup": lambda cfg: dataclasses.replace(cfg, prefix_warmup=2000),
     "width": _width,
+    "width_dhead16": lambda cfg: _width(cfg, d_head=16),
     "lr1e-3": lambda cfg: dataclasses.replace(cfg, lr=1e-3),
 }
 
@@ -66,7 +71,7 @@ def main(
     settings: Annotated[str, typer.Option(help="comma-separated: mlp_h2, gated_h4, mlp_h4")] = (
         "mlp_h2,gated_h4,mlp_h4"
     ),
-    variants: Annotated[str, typer.Option(help="comma-separated: warmup, width, lr1e-3")] = (
+    variants: Annotated[str, typer.Option(help=f"comma-separated: {', '.join(VARIANTS)}")] = (
         "warmup,width,lr1e-3"
     ),
     seeds: Annotated[str, typer.Option(help="comma-separated seeds")] = "0",

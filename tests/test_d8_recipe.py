@@ -30,6 +30,7 @@ def _changed(a, b) -> dict:
     [
         ("warmup", {"prefix_warmup": (None, 2000)}),
         ("width", {"model.d_model": (64, 128)}),
+        ("width_dhead16", {"model.d_model": (64, 128), "model.d_head": (None, 16)}),
         ("lr1e-3", {"lr": (3e-3, 1e-3)}),
     ],
 )
