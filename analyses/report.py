@@ -31,6 +31,7 @@ from phasemech.experiments.converged_claims import (
     interventions_claim_lines,
     merge_summaries,
 )
+from phasemech.experiments.sweep import PROFILES as SWEEP_PROFILE_DEFS
 from phasemech.measure.learning import all_off_plateau, seeds_off_plateau
 from phasemech.theory.dynamics import fmt_num, fmt_time
 
@@ -442,8 +443,9 @@ def _theory_model_lines(t: dict) -> tuple[list[str], tuple[list[str], list[str]]
     return out, (held, failed)
 
 
-# sweep.py's converged profiles: d = 4 at T = 64, d = 8, and the context axis at T = 128
-SWEEP_PROFILES = ("converged", "converged_d8", "converged_T128")
+# sweep.py's converged profiles: d = 4 at T = 64, d = 8 (d_model 64 and 128), and the context
+# axis at T = 128
+SWEEP_PROFILES = ("converged", "converged_d8", "converged_d8_wide", "converged_T128")
 
 
 CONVERGED_RULE = (
@@ -471,7 +473,8 @@ def _converged_sweep_lines(src: Sources) -> tuple[list[str], str | None]:
         f"`analyses/results/phase_sweep_{n}.json` (`phasemech run phase_sweep --profile {n}`)"
         for n, _ in convs
     )
-    merged = merge_summaries([c for _, c in convs])
+    widths = [SWEEP_PROFILE_DEFS[n].d_model for n, _ in convs]
+    merged = merge_summaries([c for _, c in convs], widths)
     lines, verdict = converged_claim_lines(merged, "the converged sweeps")
     intro = (
         f"At convergence ({named}; the models above and the older sweep mostly never left the "

@@ -68,7 +68,7 @@ def test_matched_excess_is_design_minus_dense_at_the_same_band():
 def test_claim_lines_and_verdict():
     lines, verdict = converged_claim_lines(_summary(), "x.json")
     text = "\n".join(lines)
-    assert "none converged: no gap" in text and "| mlp | 4 | 2 | 64 | 0 of 3 | - |" in text
+    assert "none converged: no gap" in text and "| mlp | 4 | 2 | 64 | 64 | 0 of 3 | - |" in text
     assert verdict.startswith("**Supported at convergence** for mean d=4 H=2 T=64")
     no_gap = _summary()
     no_gap["rows"][1] = _row("mean", 0.015, 0.005, 0.03)
@@ -124,6 +124,29 @@ def test_merged_profiles_keep_each_setting_against_its_own_dense_control():
     other_seeds = {**d8, "convergence": [{**r, "seed": r["seed"] + 10} for r in d8["convergence"]]}
     with pytest.raises(ValueError, match="'stride': 8"):
         merge_summaries([d8, other_seeds])
+
+
+def test_widths_are_settings_of_their_own_each_against_its_own_dense_control():
+    d4 = _summary()
+    # the same settings at d_model 128: mean's gap now inside that width's dense control's CI
+    wide = {
+        "rows": [_row("none", 0.04, 0.03, 0.06), _row("mean", 0.05, 0.03, 0.07)],
+        "convergence": _conv("none", [True] * 3) + _conv("mean", [True] * 3),
+        "matched": [],
+    }
+    merged = merge_summaries([d4, wide], [64, 128])
+    assert {r["d_model"] for r in merged["rows"]} == {64, 128}
+    s = converged_settings(merged).set_index(["design", "d_model"])
+    assert s.loc[("mean", 64), "has_gap"] and not s.loc[("mean", 128), "has_gap"]
+    assert s.loc[("mean", 128), "dense_hi"] == 0.06 and s.loc[("mean", 64), "dense_hi"] == 0.02
+    lines, verdict = converged_claim_lines(merged, "x.json")
+    assert "| mean | 4 | 2 | 64 | 128 | 3 of 3 |" in "\n".join(lines)
+    assert "mean d=4 H=2 T=64" in verdict and "d_model=128" not in verdict
+    # the same width twice is the same setting twice; a width per summary, or an error
+    with pytest.raises(ValueError, match="'d_model': 128"):
+        merge_summaries([wide, wide], [128, 128])
+    with pytest.raises(ValueError, match=r"d_models=\[64\] is invalid: need one width"):
+        merge_summaries([d4, wide], [64])
 
 
 def test_a_gap_dense_models_show_at_the_same_accuracy_does_not_count():

@@ -27,36 +27,53 @@ import pandas as pd
 
 from phasemech.experiments.sweep_summary import ACC_BINS, BAND_LABELS, _fmt
 
-KEYS = ["stride", "heads", "seq_len"]
+KEYS = ["stride", "heads", "seq_len", "d_model"]
+#: the width of a summary row that carries none (every sweep profile before the wide one)
+D_MODEL = 64
 #: the tables of a sweep summary that hold one row per setting (or finer); merging profiles
-#: concatenates them, which is sound because every row carries its stride, heads and T
+#: concatenates them, which is sound because every row carries its stride, heads, T and width
 TABLES = ("rows", "convergence", "matched")
 
 
-def merge_summaries(summaries: list[dict[str, Any]]) -> dict[str, Any]:
+def merge_summaries(
+    summaries: list[dict[str, Any]], d_models: list[int] | None = None
+) -> dict[str, Any]:
     """One summary from the sweeps of several profiles (e.g. ``converged`` at d = 4,
     ``converged_d8``, ``converged_T128``), for one table and one verdict over all of them.
-    A setting (design, stride, heads, T) recorded by two profiles would be pooled twice, or
-    against two dense controls: refused."""
+    ``d_models``: each profile's model width, given to its rows that carry none (default
+    :data:`D_MODEL`). A setting (design, stride, heads, T, width) recorded by two profiles
+    would be pooled twice, or against two dense controls: refused."""
+    widths = d_models or [D_MODEL] * len(summaries)
+    if len(widths) != len(summaries):
+        raise ValueError(f"d_models={d_models!r} is invalid: need one width per summary")
     seen: dict[tuple, int] = {}
-    for i, s in enumerate(summaries):
+    out: dict[str, list] = {t: [] for t in TABLES}
+    for i, (s, width) in enumerate(zip(summaries, widths, strict=True)):
         for t in TABLES:
             for r in s.get(t, []):
+                r = {**r, "d_model": r.get("d_model", width)}
                 key = (r["design"], *(r[k] for k in KEYS))
                 if seen.setdefault(key, i) != i:
                     raise ValueError(
                         f"setting {dict(zip(['design', *KEYS], key, strict=True))} is recorded "
                         f"by two sweep profiles (summaries {seen[key]} and {i}): keep one"
                     )
-    return {t: [r for s in summaries for r in s.get(t, [])] for t in TABLES}
+                out[t].append(r)
+    return out
+
+
+def _table(summary: dict[str, Any], name: str, columns: list[str] | None = None) -> pd.DataFrame:
+    """A summary table as a frame whose rows all carry a width (:data:`D_MODEL` if none)."""
+    df = pd.DataFrame(summary.get(name, []), columns=columns)
+    width = df["d_model"] if "d_model" in df.columns else pd.Series(np.nan, index=df.index)
+    return df.assign(d_model=width.fillna(D_MODEL).astype(int))
 
 
 def converged_settings(summary: dict[str, Any]) -> pd.DataFrame:
     """One row per setting: converged seeds, pooled accuracy and debiased gap with its CI,
     the dense control's gap and CI, the raw gaps at the setting's accuracy band, and
     ``has_gap`` by the rule above."""
-    conv = pd.DataFrame(summary.get("convergence", []))
-    rows = pd.DataFrame(summary.get("rows", []))
+    conv, rows = _table(summary, "convergence"), _table(summary, "rows")
     if not len(conv):
         return pd.DataFrame()
     n = conv.groupby(["design", *KEYS])["converged"].agg(["sum", "count"]).reset_index()
@@ -85,7 +102,7 @@ def _at_own_band(out: pd.DataFrame, summary: dict[str, Any]) -> pd.DataFrame:
     evaluated at that accuracy)."""
     band = pd.cut(out["accuracy"], ACC_BINS, labels=BAND_LABELS, right=False)
     out = out.assign(band=band.astype(object))  # NaN where no seed converged
-    m = pd.DataFrame(summary.get("matched", []), columns=["design", *KEYS, "band", "raw_gap", "n"])
+    m = _table(summary, "matched", columns=["design", *KEYS, "band", "raw_gap", "n"])
     own = m.rename(columns={"raw_gap": "band_gap", "n": "band_n"})
     dense = own[own["design"] == "none"].drop(columns="design")
     dense = dense.rename(columns={"band_gap": "band_dense_gap", "band_n": "band_dense_n"})
@@ -109,7 +126,7 @@ def _band_cell(r) -> str:
 
 def matched_excess(summary: dict[str, Any]) -> pd.DataFrame:
     """Per design and accuracy band: its mean held-out raw gap minus the dense one's."""
-    m = pd.DataFrame(summary.get("matched", []))
+    m = _table(summary, "matched")
     if not len(m):
         return m
     dense = m[m["design"] == "none"][[*KEYS, "band", "raw_gap"]]
@@ -119,16 +136,20 @@ def matched_excess(summary: dict[str, Any]) -> pd.DataFrame:
     return out.assign(excess=out["raw_gap"] - out["dense_raw_gap"])
 
 
+def _width(d_model: int) -> str:
+    return "" if d_model == D_MODEL else f" d_model={d_model}"
+
+
 def converged_claim_lines(summary: dict[str, Any], source: str) -> tuple[list[str], str]:
     """Markdown lines for the report and the verdict."""
     s = converged_settings(summary)
     if not len(s):
         return [f"- `{source}` holds no convergence table."], "not measured"
     lines = [
-        "| design | d | H | T | converged seeds | accuracy | debiased gap [95% CI] | dense gap "
-        "[95% CI] | raw gap at the same accuracy: design / dense (evaluations) | "
+        "| design | d | H | T | d_model | converged seeds | accuracy | debiased gap [95% CI] | "
+        "dense gap [95% CI] | raw gap at the same accuracy: design / dense (evaluations) | "
         "gap beyond dense |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in s.sort_values([*KEYS, "design"]).itertuples():
         gap = (
@@ -138,7 +159,8 @@ def converged_claim_lines(summary: dict[str, Any], source: str) -> tuple[list[st
         )
         dense = f"{_fmt(r.dense_gap)} [{_fmt(r.dense_lo)}, {_fmt(r.dense_hi)}]"
         lines.append(
-            f"| {r.design} | {r.stride} | {r.heads} | {r.seq_len} | {r.converged} of {r.seeds} "
+            f"| {r.design} | {r.stride} | {r.heads} | {r.seq_len} | {r.d_model} "
+            f"| {r.converged} of {r.seeds} "
             f"| {_fmt(r.accuracy) if r.converged else '-'} | {gap} | {dense} | {_band_cell(r)} | "
             f"{'yes' if r.has_gap else 'no'} |"
         )
@@ -149,14 +171,15 @@ def converged_claim_lines(summary: dict[str, Any], source: str) -> tuple[list[st
             "",
             f"Along training, at equal held-out accuracy, the largest excess of a design's raw "
             f"gap over the dense one is {_fmt(top['excess'])} ({top['design']} d={top['stride']} "
-            f"H={top['heads']} T={top['seq_len']}, accuracy band {top['band']}, {top['n']} "
+            f"H={top['heads']} T={top['seq_len']}{_width(top['d_model'])}, accuracy band "
+            f"{top['band']}, {top['n']} "
             "evaluations).",
         ]
     gapped = s[s["has_gap"]]
     verdict = (
         "**Supported at convergence** for "
         + ", ".join(
-            f"{r.design} d={r.stride} H={r.heads} T={r.seq_len}"
+            f"{r.design} d={r.stride} H={r.heads} T={r.seq_len}{_width(r.d_model)}"
             # one model's CI resamples its content only, not seeds: say so beside it
             + (" (one converged seed)" if r.converged == 1 else "")
             for r in gapped.itertuples()
