@@ -522,7 +522,8 @@ def _theory_run_lines(name: str, tt: dict) -> list[str]:
     weak_hit = sum(m["weak_observed"] == m["weak_predicted"] for m in learned)
     out = [
         f"- Against trained gated models (d = {tt['profile']['stride']}, H in "
-        f"{sorted({m['heads'] for m in ms})}, {len(ms)} models"
+        f"{sorted({m['heads'] for m in ms})}, d_model {tt['profile'].get('d_model', 64)}, "
+        f"d_head {tt['profile'].get('d_head', 16)}, {len(ms)} models"
         + (
             f"; {', '.join(stuck)} never {word} (accuracy < {at}) and are left out of the test"
             if stuck
