@@ -236,13 +236,19 @@ def test_report_reads_every_converged_sweep_profile_as_one_table(tmp_path):
     (tmp_path / "phase_sweep_converged_d8.json").write_text(json.dumps(d8))
     text = "\n".join(report._converged_sweep_lines(src)[0])
     assert "phase_sweep_converged_d8.json" in text and "phase_sweep_converged.json`" not in text
-    assert "| mean | 8 | 2 | 64 | 3 of 3 |" in text and "| mean | 4 | 2 | 64 |" not in text
+    assert "| mean | 8 | 2 | 64 | 64 | 3 of 3 |" in text and "| mean | 4 | 2 | 64 |" not in text
     (tmp_path / "phase_sweep_converged.json").write_text(json.dumps(recorded))
     lines, verdict = report._converged_sweep_lines(src)
     text = "\n".join(lines)
-    assert "| mean | 8 | 2 | 64 | 3 of 3 |" in text and "| mean | 4 | 2 | 64 | 3 of 3 |" in text
+    assert "| mean | 8 | 2 | 64 | 64 | 3 of 3 |" in text
+    assert "| mean | 4 | 2 | 64 | 64 | 3 of 3 |" in text
     assert text.index("phase_sweep_converged.json") < text.index("phase_sweep_converged_d8")
     assert "mean d=4 H=2 T=64" in verdict and "mean d=8 H=2 T=64" in verdict
+    # the wide d = 8 profile is the same settings at d_model 128: rows of their own
+    (tmp_path / "phase_sweep_converged_d8_wide.json").write_text(json.dumps(d8))
+    text = "\n".join(report._converged_sweep_lines(src)[0])
+    assert "| mean | 8 | 2 | 64 | 128 | 3 of 3 |" in text
+    assert "| mean | 8 | 2 | 64 | 64 | 3 of 3 |" in text
 
 
 def test_report_sets_each_fix_beside_its_baseline_along_training():
