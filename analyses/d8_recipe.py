@@ -8,8 +8,8 @@ thing of that sweep's training config, on the launcher:
 - ``warmup``: a curriculum on the data's random prefix (``TrainConfig.prefix_warmup``): the
   spread widens from 1 position to 8 over the first 2000 steps;
 - ``width``: ``d_model`` 128 instead of 64 (twice the head dimension at the same H);
-- ``width_dhead16``: ``d_model`` 128 with the head dimension kept at 16 (the theory
-  comparison's models fix ``d_head`` = 16 at every H): is it the residual width or the head's?
+- ``width_dhead16``: ``d_model`` 128 with the head dimension kept at 16: is it the residual
+  width or the head's that takes a model off the plateau?
 - ``lr1e-3``: the search's other rate (the d = 8 sweep ran only 3e-3).
 
 Writes ``OUT/d8_recipe.json`` and prints, per setting, variant and seed, the first evaluated step
@@ -67,6 +67,41 @@ def _choices(text: str, allowed: dict, what: str) -> list[str]:
     return picked
 
 
+def _seeds(text: str) -> list[int]:
+    try:
+        seeds = list(dict.fromkeys(int(x) for x in text.split(",")))
+    except ValueError:
+        raise typer.BadParameter(f"seeds {text!r} invalid: need comma-separated ints") from None
+    return seeds
+
+
+def picked_runs(settings: str, variants: str, seeds: str) -> dict[str, tuple[str, str, int]]:
+    """``{job name: (setting, variant, seed)}`` of every run asked for (unknown names: error)."""
+    chosen_s = _choices(settings, SETTINGS, "settings")
+    chosen_v = _choices(variants, VARIANTS, "variants")
+    return {
+        f"{s}_{v}_s{seed}": (s, v, seed)
+        for s in chosen_s
+        for v in chosen_v
+        for seed in _seeds(seeds)
+    }
+
+
+def result_rows(done: list, picked: dict[str, tuple[str, str, int]]) -> list[dict]:
+    """One row per finished :class:`TrainJob` ``(job, result)``, labelled from ``picked``."""
+    rows = []
+    for j, r in done:
+        setting, variant, seed = picked[j.name]
+        rows.append(
+            {
+                "setting": setting, "variant": variant, "seed": seed, "budget": j.train.steps,
+                "steps_to_95": steps_to(r["curve"]), "final_step": r["curve"][-1]["step"],
+                "final_accuracy": r["heldout_accuracy"], "curve": r["curve"],
+            }
+        )  # fmt: skip
+    return rows
+
+
 def main(
     settings: Annotated[str, typer.Option(help="comma-separated: mlp_h2, gated_h4, mlp_h4")] = (
         "mlp_h2,gated_h4,mlp_h4"
@@ -80,31 +115,17 @@ def main(
     num_cpus: Annotated[int | None, typer.Option(min=1)] = None,
     address: str | None = None,
 ) -> None:
-    picked = [
-        (s, v, int(seed))
-        for s in _choices(settings, SETTINGS, "settings")
-        for v in _choices(variants, VARIANTS, "variants")
-        for seed in seeds.split(",")
-    ]
+    picked = picked_runs(settings, variants, seeds)
 
     def jobs(p: Profile, done) -> list[TrainJob]:
         return [
-            TrainJob(config(s, v, seed, steps), name=f"{s}_{v}_s{seed}", test_sequences=2048)
-            for s, v, seed in picked
+            TrainJob(config(s, v, seed, steps), name=name, test_sequences=2048)
+            for name, (s, v, seed) in picked.items()
         ]
 
     exp = Experiment("d8_recipe", {"default": Profile(steps=steps)}, (jobs,))
     run = run_experiment(exp, "default", out, num_cpus=num_cpus, address=address)
-    rows = []
-    for j, r in run.done.of(TrainJob):
-        setting, variant, seed = j.name.rsplit("_", 2)[0], j.name.rsplit("_", 2)[1], j.train.seed
-        rows.append(
-            {
-                "setting": setting, "variant": variant, "seed": seed, "budget": j.train.steps,
-                "steps_to_95": steps_to(r["curve"]), "final_step": r["curve"][-1]["step"],
-                "final_accuracy": r["heldout_accuracy"], "curve": r["curve"],
-            }
-        )  # fmt: skip
+    rows = result_rows(run.done.of(TrainJob), picked)
     write_json_atomic(run.folder / "d8_recipe.json", rows)
     print("| setting (d = 8) | variant | seed | budget | first step >= 0.95 | final acc |")
     print("|---|---|---|---|---|---|")

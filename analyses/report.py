@@ -473,7 +473,8 @@ def _converged_sweep_lines(src: Sources) -> tuple[list[str], str | None]:
         f"`analyses/results/phase_sweep_{n}.json` (`phasemech run phase_sweep --profile {n}`)"
         for n, _ in convs
     )
-    widths = [SWEEP_PROFILE_DEFS[n].d_model for n, _ in convs]
+    # the width a recording states; recordings made before sweeps wrote it: the profile's
+    widths = [c.get("profile", {}).get("d_model", SWEEP_PROFILE_DEFS[n].d_model) for n, c in convs]
     merged = merge_summaries([c for _, c in convs], widths)
     lines, verdict = converged_claim_lines(merged, "the converged sweeps")
     intro = (

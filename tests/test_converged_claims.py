@@ -147,6 +147,14 @@ def test_widths_are_settings_of_their_own_each_against_its_own_dense_control():
         merge_summaries([wide, wide], [128, 128])
     with pytest.raises(ValueError, match=r"d_models=\[64\] is invalid: need one width"):
         merge_summaries([d4, wide], [64])
+    with pytest.raises(ValueError, match=r"d_models=\[\] is invalid"):
+        merge_summaries([d4], [])
+    # a width the rows record themselves must agree with the one given for their profile
+    recorded = {t: [{**r, "d_model": 128} for r in wide[t]] for t in ("rows", "convergence")}
+    assert merge_summaries([d4, recorded], [64, 128])["rows"][-1]["d_model"] == 128
+    with pytest.raises(ValueError, match=r"d_models\[1\]=64 is invalid: .* records d_model=128"):
+        merge_summaries([d4, recorded], [64, 64])
+    assert "d_model" not in wide["rows"][0]  # the caller's rows are not changed
 
 
 def test_a_gap_dense_models_show_at_the_same_accuracy_does_not_count():

@@ -46,3 +46,24 @@ def test_unknown_setting_or_variant_is_a_one_line_error():
         d8_recipe._choices("width,deeper", d8_recipe.VARIANTS, "variants")
     with pytest.raises(typer.BadParameter, match="settings '' unknown"):
         d8_recipe._choices("", d8_recipe.SETTINGS, "settings")
+
+
+def test_runs_are_labelled_from_the_request_not_parsed_from_names():
+    picked = d8_recipe.picked_runs("mlp_h2,gated_h4", "width_dhead16,lr1e-3", "0,1,0")
+    assert len(picked) == 8  # a seed asked twice is one run
+    assert picked["mlp_h2_width_dhead16_s1"] == ("mlp_h2", "width_dhead16", 1)
+
+    class Job:  # the fields result_rows reads of a TrainJob
+        name = "mlp_h2_width_dhead16_s1"
+        train = d8_recipe.config("mlp_h2", "width_dhead16", 1, 300)
+
+    curve = [{"step": 100, "accuracy": 0.5}, {"step": 200, "accuracy": 0.96}]
+    (row,) = d8_recipe.result_rows([(Job, {"curve": curve, "heldout_accuracy": 0.97})], picked)
+    assert (row["setting"], row["variant"], row["seed"], row["budget"]) == (
+        "mlp_h2", "width_dhead16", 1, 300)  # fmt: skip
+    assert (row["steps_to_95"], row["final_step"]) == (200, 200)
+
+
+def test_bad_seeds_are_a_one_line_error():
+    with pytest.raises(typer.BadParameter, match="seeds '0,x' invalid: need comma-separated"):
+        d8_recipe.picked_runs("mlp_h2", "width", "0,x")

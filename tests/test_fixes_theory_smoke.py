@@ -117,6 +117,28 @@ def test_theory_search_reuses_the_recipe_runs_and_keeps_each_h_budget():
     assert tt.seed_jobs(tt.PROFILES["default"], Done()) == []
 
 
+def test_theory_models_are_d_head_16_at_d4_and_wider_at_d8():
+    from phasemech.experiments import theory_trained as tt
+
+    for h in (2, 4, 8):
+        d4 = tt.train_config(h, 0, tt.PROFILES["converged"]).model
+        d8 = tt.train_config(h, 0, tt.PROFILES["converged_d8"]).model
+        assert (d4.d_model, d4.n_heads, d4.d_head) == (64, h, 16)
+        assert (d8.d_model, d8.n_heads, d8.d_head) == (128, h, 32)
+    # the d = 4 runs keep the cache keys they were recorded under
+    jobs = tt.make_jobs(tt.PROFILES["converged"], None, (0,))
+    assert jobs[0].name == "gated_h2_s0" and jobs[0].key == "3d3182e301c3ca96"
+
+
+def test_report_states_each_theory_runs_width():
+    recorded = json.loads((report.RESULTS / "theory_trained_converged.json").read_text())
+    assert "d_model" not in recorded["profile"]  # recorded before the summary stated it
+    text = "\n".join(report._theory_run_lines("converged", recorded))
+    assert "d_model 64, d_head 16," in text
+    wide = {**recorded, "profile": {**recorded["profile"], "d_model": 128, "d_head": 32}}
+    assert "d_model 128, d_head 32," in "\n".join(report._theory_run_lines("converged_d8", wide))
+
+
 def test_report_reads_json_results_never_markdown():
     text = (ROOT / "analyses" / "report.py").read_text()
     assert '.md"' not in text.replace('"REPORT.md"', "") and "md_table" not in text

@@ -36,6 +36,7 @@ def test_phase_sweep_tiny_profile(tmp_path):
     assert "| gated | 4 | 2 | 32 |" in (sweep / "summary.md").read_text()
     summary = json.loads((sweep / "summary.json").read_text())
     assert summary["models"] == 2 and len(summary["runs"]) == 2
+    assert summary["profile"]["d_model"] == 64  # the report reads the width from the recording
     assert len(summary["rows"]) == len(results)  # the report reads these rows, not markdown
     # a second run reuses every job: nothing is retrained, rescored or rewritten
     cached = sorted(sweep.rglob("model.safetensors")) + sorted((sweep / "jobs").glob("*.json"))

@@ -549,9 +549,10 @@ def test_boundaries_are_accepted():
 def test_training_batch_spread_narrows_the_prefix_and_keeps_the_content_layout():
     task = MQARTask(seq_len=32, n_pairs=4, stride=8)
     full = training_batch(task, 64, seed=3, step=0)
-    # spread=None is the task's own stride: the stream made before the argument existed
-    for x, y in zip(full, training_batch(task, 64, seed=3, step=0, spread=None), strict=True):
+    # spread=None is the task's own stride: the same draws as a spread of the full stride
+    for x, y in zip(full, training_batch(task, 64, seed=3, step=0, spread=8), strict=True):
         assert torch.equal(x, y)
+    assert set((full[0] < 32).int().argmax(1).tolist()) == set(range(8))
     for spread in (1, 3):
         tokens, qp, ans = training_batch(task, 64, seed=3, step=0, spread=spread)
         assert torch.equal(tokens.gather(1, qp + 1), ans)
@@ -569,5 +570,5 @@ def test_training_batch_spread_out_of_range_is_refused(spread):
 
 
 def test_balanced_set_refuses_a_spread():
-    with pytest.raises(ValueError, match="spread=2 is invalid"):
+    with pytest.raises(ValueError, match="spread=2 is invalid: a phase-balanced set uses every"):
         generate_rows(MQARTask(seq_len=32, n_pairs=4, stride=4), 8, 0, balanced=True, spread=2)

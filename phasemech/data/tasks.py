@@ -308,8 +308,9 @@ def generate_rows(
     task's either way (a training curriculum narrows the prefix, never the content)."""
     _check("n", n, is_int(n) and n >= 1, "need an int >= 1")
     if spread is not None:
-        ok = is_int(spread) and 1 <= spread <= task.stride and not balanced
-        _check("spread", spread, ok, f"need None or an int in 1..stride={task.stride}, random sets")
+        _check("spread", spread, not balanced, "a phase-balanced set uses every prefix")
+        ok = is_int(spread) and 1 <= spread <= task.stride
+        _check("spread", spread, ok, f"need None or an int in 1..stride={task.stride}")
     if balanced and n % task.stride:
         raise ValueError(
             f"n={n} is invalid for a phase-balanced set: need a multiple of stride={task.stride}"

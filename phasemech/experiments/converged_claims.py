@@ -43,7 +43,7 @@ def merge_summaries(
     ``d_models``: each profile's model width, given to its rows that carry none (default
     :data:`D_MODEL`). A setting (design, stride, heads, T, width) recorded by two profiles
     would be pooled twice, or against two dense controls: refused."""
-    widths = d_models or [D_MODEL] * len(summaries)
+    widths = [D_MODEL] * len(summaries) if d_models is None else list(d_models)
     if len(widths) != len(summaries):
         raise ValueError(f"d_models={d_models!r} is invalid: need one width per summary")
     seen: dict[tuple, int] = {}
@@ -51,7 +51,12 @@ def merge_summaries(
     for i, (s, width) in enumerate(zip(summaries, widths, strict=True)):
         for t in TABLES:
             for r in s.get(t, []):
-                r = {**r, "d_model": r.get("d_model", width)}
+                r = {"d_model": width, **r}  # a copy: the caller's rows stay as they were
+                if r["d_model"] != width:
+                    raise ValueError(
+                        f"d_models[{i}]={width} is invalid: summary {i} records d_model="
+                        f"{r['d_model']}"
+                    )
                 key = (r["design"], *(r[k] for k in KEYS))
                 if seen.setdefault(key, i) != i:
                     raise ValueError(

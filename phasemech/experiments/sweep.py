@@ -348,6 +348,8 @@ def finish(p: Profile, done: Done, out: Path) -> dict[str, Any]:
         atomic_write(out / f"{name}.parquet", lambda tmp, df=df: df.to_parquet(tmp))
     trained = chosen_runs(done)
     summary = {
+        # the width travels with the recording (the report reads it, not today's profile)
+        "profile": {"d_model": p.d_model, "n_pairs": p.n_pairs, "steps": p.steps},
         "models": len(trained),
         "train_seconds": sum(r["train_seconds"] for _, r in trained),
         "runs": [

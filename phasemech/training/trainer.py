@@ -1,7 +1,8 @@
 """Training from scratch on a retrieval task, with resumable atomic checkpoints.
 
 A run folder's layout and its checkpoints: :mod:`phasemech.training.checkpoints`. Training data is a
-pure function of ``(seed, step)`` (:func:`phasemech.data.tasks.training_batch`) and the learning
+pure function of ``(seed, step)`` (:func:`phasemech.data.tasks.training_batch`; the prefix
+curriculum's spread is itself a function of the step) and the learning
 rate a pure function of the step, so a run interrupted anywhere and resumed from its last checkpoint
 ends with the same weights as one that never stopped.
 
