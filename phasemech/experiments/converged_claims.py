@@ -7,7 +7,7 @@ The verdict rules, stated where the report prints them:
   accuracy are pooled into a setting's gap (the sweep's stats already leave the rest out); a
   setting none of whose seeds converged has no gap, and is listed as such;
 - a compressed setting *has a gap* when its debiased gap's CI lies above 0 and above the CI of
-  the dense control of the same stride, heads and context (trained on the same data to the
+  the dense control of the same stride, heads, context and width (trained on the same data to the
   same early-stop accuracy): a gap dense models show too is the task's, not the design's;
   and where dense models were evaluated, along training, at the accuracy band the setting
   ends in, the setting's held-out raw gap in that band exceeds theirs (a gap every model
@@ -15,7 +15,8 @@ The verdict rules, stated where the report prints them:
 - along training, each design's held-out raw gap is set against the dense one at the same
   accuracy band (the excess is what compression adds there).
 
-Axes: rows are settings (design x stride x heads x T); bands are held-out accuracy bands.
+Axes: rows are settings (design x stride x heads x T x d_model); bands are held-out accuracy
+bands.
 """
 
 from __future__ import annotations
