@@ -10,8 +10,8 @@ tables. ``analyses/report.py`` then writes the claims report from the same table
 
 Profiles: ``tiny`` (seconds; the end-to-end test), ``default`` (five 2-head models, T = 64:
 ``make figures``), ``full`` (``FULL=1``: the 72 models of the phase sweep's default profile,
-sharing its cache), ``converged`` and ``converged_d8`` (the converged phase sweeps' models, in
-their folders).
+sharing its cache), ``converged``, ``converged_d8`` and ``converged_d8_wide`` (the converged
+phase sweeps' models, in their folders).
 
 Usage: ``python analyses/figures.py [--profile PROFILE] [--runs runs] [--out figures]
 [--no-png] [--address ADDR] [--num-cpus N]``.
@@ -493,7 +493,7 @@ def write_dashboard(t: Tables, out: Path, png: bool) -> dict:
 
 def main(
     profile: Annotated[
-        str, typer.Option(help="tiny | default | full | converged | converged_d8")
+        str, typer.Option(help="tiny | default | full | converged | converged_d8[_wide]")
     ] = "default",
     runs: Annotated[Path, typer.Option(help="the experiment's folder goes here")] = Path("runs"),
     out: Annotated[Path, typer.Option(help="where the figures go")] = Path("figures"),

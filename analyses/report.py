@@ -209,8 +209,9 @@ def claim_from_scratch(src: Sources) -> str:
     return "\n".join(out)
 
 
-# interventions.py's converged profiles (the converged sweeps' models, d = 4 and d = 8)
-INTERVENTION_PROFILES = ("converged", "converged_d8")
+# interventions.py's converged profiles (the converged sweeps' models, d = 4 and d = 8 at
+# d_model 64 and 128)
+INTERVENTION_PROFILES = ("converged", "converged_d8", "converged_d8_wide")
 
 
 def _converged_interventions(src: Sources) -> tuple[str, list[str], str] | None:
@@ -228,7 +229,14 @@ def _converged_interventions(src: Sources) -> tuple[str, list[str], str] | None:
         for n, _ in found
     )
     at = found[0][1]["profile"]["pool_min_accuracy"]
-    merged = {"models": [m for _, s in found for m in s.get("models", [])]}
+    # each model with its run's width (recordings made before they stated one: d_model 64)
+    merged = {
+        "models": [
+            {"d_model": s["profile"].get("d_model", 64), **m}
+            for _, s in found
+            for m in s.get("models", [])
+        ]
+    }
     lines, verdict = interventions_claim_lines(merged, files)
     header = (
         f"On the converged phase sweeps' models (the first seed of each setting with held-out "

@@ -100,6 +100,16 @@ def test_interventions_claim_needs_compressed_heads_beyond_dense():
     assert interventions_claim_lines({}, "x.json")[1] == "not measured"
 
 
+def test_interventions_claim_judges_each_width_against_its_own_dense_controls():
+    narrow = [_model("none", 1, stride=8), _model("mean", 1, stride=8)]
+    wide = [{**_model("none", 0, stride=8), "d_model": 128},
+            {**_model("mean", 1, stride=8), "d_model": 128}]  # fmt: skip
+    verdict = interventions_claim_lines({"models": narrow + wide}, "x.json")[1]
+    assert verdict.startswith("**Supported at convergence** at d = 8 d_model=128: 1 of 1")
+    assert verdict.endswith("; not at d = 8: 1 of 1 converged compressed models have a "
+                            "phase-dependent head, 1 of 1 dense controls do")  # fmt: skip
+
+
 def _at_d8(rows: list[dict]) -> list[dict]:
     return [{**r, "stride": 8} for r in rows]
 

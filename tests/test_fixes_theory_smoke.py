@@ -317,3 +317,11 @@ def test_report_merges_the_converged_interventions_of_every_profile(tmp_path):
     assert f"d = 4: {sig} of {len(comp)} converged compressed models" in verdict
     assert f"d = 8: {sig} of {len(comp)} converged compressed models" in verdict
     assert f"0 of {dense} dense controls" in verdict and f"1 of {dense} dense" in verdict
+    # the wide d = 8 run states its width: its models are judged against its own controls
+    wide = {**d8, "profile": {**d8["profile"], "d_model": 128}, "models": recorded["models"]}
+    wide["models"] = [{**m, "stride": 8} for m in recorded["models"]]
+    (tmp_path / "interventions_converged_d8_wide.json").write_text(json.dumps(wide))
+    header, lines, verdict = report._converged_interventions(src)
+    assert len(lines) == 3 * n4 and "interventions_converged_d8_wide" in header
+    assert f"d = 8 d_model=128: {sig} of {len(comp)} converged compressed" in verdict
+    assert f"d = 8: {sig} of {len(comp)} converged compressed models" in verdict

@@ -215,16 +215,17 @@ def interventions_claim_lines(summary: dict[str, Any], source: str) -> tuple[lis
             + (served if r.heads_opening_weak_spot else "")
             + "."
         )
-    # each d against its own dense controls: at d = 8 the task itself can make a dense head's
-    # ablation effect phase-dependent (its data are laid out on the stride-8 grid)
+    # each d (and width) against its own dense controls: at d = 8 the task itself can make a
+    # dense head's ablation effect phase-dependent (its data are laid out on the stride-8 grid)
+    models = _table({"models": models.to_dict("records")}, "models")
     per_d = []
-    for d, g in models.groupby("stride"):
+    for (d, width), g in models.groupby(["stride", "d_model"]):
         comp, dense = g[g["design"] != "none"], g[g["design"] == "none"]
         sig = int((comp["phase_dependent_heads"] > 0).sum())
         dense_sig = int((dense["phase_dependent_heads"] > 0).sum())
         ok = bool(sig) and len(dense) > 0 and sig / len(comp) > dense_sig / len(dense)
         per_d.append(
-            (ok, f"d = {d}: {sig} of {len(comp)} converged compressed models have a "
+            (ok, f"d = {d}{_width(width)}: {sig} of {len(comp)} converged compressed models have a "
                  f"phase-dependent head, {dense_sig} of {len(dense)} dense controls do")
         )  # fmt: skip
     supported = [t for ok, t in per_d if ok]

@@ -89,6 +89,12 @@ PROFILES = {
         extra=SWEEP_PROFILES["converged_d8"].extra + (("sequences", 1024), ("pairs", 256),
                                                       ("analyse_seeds", "first")),
     ),
+    # the d = 8 sweep at d_model 128 (the width at which its settings converge)
+    "converged_d8_wide": replace(
+        SWEEP_PROFILES["converged_d8_wide"], n_boot=1000, n_perm=1000,
+        extra=SWEEP_PROFILES["converged_d8_wide"].extra + (
+            ("sequences", 1024), ("pairs", 256), ("analyse_seeds", "first")),
+    ),
 }  # fmt: skip
 
 
@@ -273,6 +279,7 @@ def finish(p: Profile, done: Done, out: Path) -> dict[str, Any]:
         "profile": {
             "models": [r["info"]["model"] for r in results],
             "steps": p.steps,
+            "d_model": p.d_model,
             **{k: v for k, v in p.extra},
             "n_boot": p.n_boot,
             "n_perm": p.n_perm,
@@ -299,6 +306,7 @@ INTERVENTIONS = Experiment(
         "default": "phase_sweep_default",
         "converged": "phase_sweep_converged",
         "converged_d8": "phase_sweep_converged_d8",
+        "converged_d8_wide": "phase_sweep_converged_d8_wide",
     },
 )
 

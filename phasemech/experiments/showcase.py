@@ -69,6 +69,13 @@ PROFILES = {
         + (("panel", PanelConfig(sequences=2048, n_boot=400, n_perm=400)),
            ("analyse_seeds", "first")),
     ),
+    # the d = 8 sweep at d_model 128
+    "converged_d8_wide": replace(
+        SWEEP_PROFILES["converged_d8_wide"],
+        extra=SWEEP_PROFILES["converged_d8_wide"].extra
+        + (("panel", PanelConfig(sequences=2048, n_boot=400, n_perm=400)),
+           ("analyse_seeds", "first")),
+    ),
     # every run of the phase sweep's default profile (its train jobs: the same cache keys)
     "full": replace(
         SWEEP_PROFILES["default"],
@@ -259,6 +266,7 @@ FIGURES = Experiment(
         "full": "phase_sweep_default",
         "converged": "phase_sweep_converged",
         "converged_d8": "phase_sweep_converged_d8",
+        "converged_d8_wide": "phase_sweep_converged_d8_wide",
     },
 )
 
