@@ -89,10 +89,12 @@ PROFILES = {
     ),
     # the d = 8 recipe that converges (docs/training.md): the same sweep with d_model 128 (a
     # head dimension of 64 / 32 at H = 2 / 4); at d_model 64 a third of the models stayed on
-    # the plateau for 8000 steps
+    # the plateau for 8000 steps. Without mlp: its seed-0 models (H = 2 and 4) were still on
+    # the plateau at d_model 128 after 2600-2800 steps, and a session's 2 cores could not
+    # carry six more 8000-step runs (docs/training.md)
     "converged_d8_wide": Profile(
         steps=8000, strides=(8,), heads=(2, 4), seeds=(0, 1, 2), designs=("none", "mean",
-        "gated", "mlp"), d_model=128, target_accuracy=0.99, checkpoint_every=500,
+        "gated"), d_model=128, target_accuracy=0.99, checkpoint_every=500,
         test_sequences=2048, extra=(("lrs", (3e-3,)), ("pool_min_accuracy", 0.95)),
     ),
     # the context axis: T = 128 (32 blocks per context at d = 4), H = 2, at the rate the T = 64
