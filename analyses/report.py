@@ -27,11 +27,13 @@ import pandas as pd
 import typer
 
 from phasemech.experiments.converged_claims import (
+    D_MODEL,
     converged_claim_lines,
     interventions_claim_lines,
     merge_summaries,
 )
 from phasemech.experiments.sweep import PROFILES as SWEEP_PROFILE_DEFS
+from phasemech.experiments.theory_trained import D_HEAD
 from phasemech.measure.learning import all_off_plateau, seeds_off_plateau
 from phasemech.theory.dynamics import fmt_num, fmt_time
 
@@ -229,10 +231,10 @@ def _converged_interventions(src: Sources) -> tuple[str, list[str], str] | None:
         for n, _ in found
     )
     at = found[0][1]["profile"]["pool_min_accuracy"]
-    # each model with its run's width (recordings made before they stated one: d_model 64)
+    # each model with its run's width (recordings made before they stated one: the default)
     merged = {
         "models": [
-            {"d_model": s["profile"].get("d_model", 64), **m}
+            {"d_model": s["profile"].get("d_model", D_MODEL), **m}
             for _, s in found
             for m in s.get("models", [])
         ]
@@ -531,8 +533,8 @@ def _theory_run_lines(name: str, tt: dict) -> list[str]:
     weak_hit = sum(m["weak_observed"] == m["weak_predicted"] for m in learned)
     out = [
         f"- Against trained gated models (d = {tt['profile']['stride']}, H in "
-        f"{sorted({m['heads'] for m in ms})}, d_model {tt['profile'].get('d_model', 64)}, "
-        f"d_head {tt['profile'].get('d_head', 16)}, {len(ms)} models"
+        f"{sorted({m['heads'] for m in ms})}, d_model {tt['profile'].get('d_model', D_MODEL)}, "
+        f"d_head {tt['profile'].get('d_head', D_HEAD)}, {len(ms)} models"
         + (
             f"; {', '.join(stuck)} never {word} (accuracy < {at}) and are left out of the test"
             if stuck

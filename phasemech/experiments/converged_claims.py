@@ -26,11 +26,13 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from phasemech.experiments.experiment import Profile
 from phasemech.experiments.sweep_summary import ACC_BINS, BAND_LABELS, _fmt
 
 KEYS = ["stride", "heads", "seq_len", "d_model"]
-#: the width of a summary row that carries none (every sweep profile before the wide one)
-D_MODEL = 64
+#: the width of a summary row that carries none: a profile's default (every sweep profile
+#: before the wide one)
+D_MODEL = Profile.d_model
 #: the tables of a sweep summary that hold one row per setting (or finer); merging profiles
 #: concatenates them, which is sound because every row carries its stride, heads, T and width
 TABLES = ("rows", "convergence", "matched")
@@ -68,11 +70,15 @@ def merge_summaries(
     return out
 
 
-def _table(summary: dict[str, Any], name: str, columns: list[str] | None = None) -> pd.DataFrame:
-    """A summary table as a frame whose rows all carry a width (:data:`D_MODEL` if none)."""
-    df = pd.DataFrame(summary.get(name, []), columns=columns)
+def _with_width(df: pd.DataFrame) -> pd.DataFrame:
+    """``df`` whose rows all carry a width (:data:`D_MODEL` where a row has none)."""
     width = df["d_model"] if "d_model" in df.columns else pd.Series(np.nan, index=df.index)
     return df.assign(d_model=width.fillna(D_MODEL).astype(int))
+
+
+def _table(summary: dict[str, Any], name: str, columns: list[str] | None = None) -> pd.DataFrame:
+    """A summary table as a frame whose rows all carry a width."""
+    return _with_width(pd.DataFrame(summary.get(name, []), columns=columns))
 
 
 def converged_settings(summary: dict[str, Any]) -> pd.DataFrame:
@@ -217,7 +223,7 @@ def interventions_claim_lines(summary: dict[str, Any], source: str) -> tuple[lis
         )
     # each d (and width) against its own dense controls: at d = 8 the task itself can make a
     # dense head's ablation effect phase-dependent (its data are laid out on the stride-8 grid)
-    models = _table({"models": models.to_dict("records")}, "models")
+    models = _with_width(models)
     per_d = []
     for (d, width), g in models.groupby(["stride", "d_model"]):
         comp, dense = g[g["design"] != "none"], g[g["design"] == "none"]
@@ -240,6 +246,7 @@ def interventions_claim_lines(summary: dict[str, Any], source: str) -> tuple[lis
 
 
 __all__ = [
+    "D_MODEL",
     "converged_claim_lines",
     "merge_summaries",
     "converged_settings",

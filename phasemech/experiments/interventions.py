@@ -65,6 +65,16 @@ DEFAULT_MODELS = (
     "mlp_d4_h2_T64_s0",
 )
 
+
+def _on_converged_sweep(name: str, analyse_seeds) -> Profile:
+    """The interventions profile of a converged sweep profile: its models, in its folder."""
+    return replace(
+        SWEEP_PROFILES[name], n_boot=1000, n_perm=1000,
+        extra=SWEEP_PROFILES[name].extra + (("sequences", 1024), ("pairs", 256),
+                                            ("analyse_seeds", analyse_seeds)),
+    )  # fmt: skip
+
+
 # Only ``models``, ``n_boot``/``n_perm`` and ``extra`` differ from the sweep's profiles: none of
 # them enters a train job's config, so the train jobs keep the sweep's keys (and its cache).
 # ``sequences``: balanced test-set size; ``pairs``: patching pairs per contrast.
@@ -77,24 +87,11 @@ PROFILES = {
     ),
     # the converged phase sweep's models (its search and seeds stages: the same cache), only
     # those that reached its pooling threshold, seed 0 of each setting
-    "converged": replace(
-        SWEEP_PROFILES["converged"], n_boot=1000, n_perm=1000,
-        extra=SWEEP_PROFILES["converged"].extra + (("sequences", 1024), ("pairs", 256),
-                                                   ("analyse_seeds", (0,))),
-    ),
+    "converged": _on_converged_sweep("converged", (0,)),
     # the same at d = 8, where some settings converged only in a later seed: the first seed of
-    # each setting that reached the threshold
-    "converged_d8": replace(
-        SWEEP_PROFILES["converged_d8"], n_boot=1000, n_perm=1000,
-        extra=SWEEP_PROFILES["converged_d8"].extra + (("sequences", 1024), ("pairs", 256),
-                                                      ("analyse_seeds", "first")),
-    ),
-    # the d = 8 sweep at d_model 128 (the width at which its settings converge)
-    "converged_d8_wide": replace(
-        SWEEP_PROFILES["converged_d8_wide"], n_boot=1000, n_perm=1000,
-        extra=SWEEP_PROFILES["converged_d8_wide"].extra + (
-            ("sequences", 1024), ("pairs", 256), ("analyse_seeds", "first")),
-    ),
+    # each setting that reached the threshold; and at d = 8 with d_model 128
+    "converged_d8": _on_converged_sweep("converged_d8", "first"),
+    "converged_d8_wide": _on_converged_sweep("converged_d8_wide", "first"),
 }  # fmt: skip
 
 

@@ -36,6 +36,17 @@ from phasemech.viz.dashboard import head_rank_key
 
 SHOWCASE_DIR = "showcase"
 
+
+def _on_converged_sweep(name: str, analyse_seeds) -> Profile:
+    """The dashboard profile of a converged sweep profile: its models, in its folder."""
+    return replace(
+        SWEEP_PROFILES[name],
+        extra=SWEEP_PROFILES[name].extra
+        + (("panel", PanelConfig(sequences=2048, n_boot=400, n_perm=400)),
+           ("analyse_seeds", analyse_seeds)),
+    )  # fmt: skip
+
+
 PROFILES = {
     "tiny": replace(
         SWEEP_PROFILES["tiny"],
@@ -55,27 +66,11 @@ PROFILES = {
     ),
     # the dashboard panels of the converged phase sweep's models (its search and seeds
     # stages: the same cache), those that reached 0.95, seed 0 of each setting
-    "converged": replace(
-        SWEEP_PROFILES["converged"],
-        extra=SWEEP_PROFILES["converged"].extra
-        + (("panel", PanelConfig(sequences=2048, n_boot=400, n_perm=400)),
-           ("analyse_seeds", (0,))),
-    ),
+    "converged": _on_converged_sweep("converged", (0,)),
     # the same at d = 8, the first seed of each setting that reached 0.95 (gated and mlp
-    # H = 4 converged only in seed 2)
-    "converged_d8": replace(
-        SWEEP_PROFILES["converged_d8"],
-        extra=SWEEP_PROFILES["converged_d8"].extra
-        + (("panel", PanelConfig(sequences=2048, n_boot=400, n_perm=400)),
-           ("analyse_seeds", "first")),
-    ),
-    # the d = 8 sweep at d_model 128
-    "converged_d8_wide": replace(
-        SWEEP_PROFILES["converged_d8_wide"],
-        extra=SWEEP_PROFILES["converged_d8_wide"].extra
-        + (("panel", PanelConfig(sequences=2048, n_boot=400, n_perm=400)),
-           ("analyse_seeds", "first")),
-    ),
+    # H = 4 converged only in seed 2), and at d = 8 with d_model 128
+    "converged_d8": _on_converged_sweep("converged_d8", "first"),
+    "converged_d8_wide": _on_converged_sweep("converged_d8_wide", "first"),
     # every run of the phase sweep's default profile (its train jobs: the same cache keys)
     "full": replace(
         SWEEP_PROFILES["default"],

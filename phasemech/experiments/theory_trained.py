@@ -92,6 +92,10 @@ PROFILES = {
 }  # fmt: skip
 
 
+#: the head dimension of every H unless a profile names its own (extra ``d_head``)
+D_HEAD = 16
+
+
 def task(p: Profile) -> MQARTask:
     return MQARTask(vocab_size=64, seq_len=p.seq_lens[0], n_pairs=p.n_pairs, stride=p.strides[0])
 
@@ -100,7 +104,9 @@ def train_config(heads: int, seed: int, p: Profile) -> TrainConfig:
     d = p.strides[0]
     return TrainConfig(
         task=task(p),
-        model=ModelSpec(n_layers=2, d_model=p.d_model, n_heads=heads, d_head=p.get("d_head", 16)),
+        model=ModelSpec(
+            n_layers=2, d_model=p.d_model, n_heads=heads, d_head=p.get("d_head", D_HEAD)
+        ),
         compression=CompressionConfig("gated", stride=d, window=2 * d, layers=(1,)),
         steps=dict(p.get("steps_for_heads", ())).get(heads, p.steps),
         eval_every=p.eval_every,
@@ -265,7 +271,7 @@ def finish(p: Profile, done: Done, out: Path) -> dict[str, Any]:
         "stride": p.strides[0], "heads": list(p.heads), "seq_len": p.seq_lens[0],
         "n_pairs": p.n_pairs, "seeds": list(p.seeds), "steps": p.steps,
         "test_sequences": p.test_sequences, "eval_every": p.eval_every, "d_model": p.d_model,
-        "d_head": p.get("d_head", 16), **{k: v for k, v in p.extra},
+        "d_head": D_HEAD, **{k: v for k, v in p.extra},  # extra's d_head overrides
     }  # fmt: skip
     summary = json_safe(
         {
