@@ -13,8 +13,8 @@ from phasemech.model.transformer import quiet_tl_deprecation
 torch.set_num_threads(1)
 warnings.filterwarnings("ignore", message="HookedTransformer is deprecated")
 
-DESIGNS = ("mean", "gated", "mlp", "route")
-EXACT_DESIGNS = ("mean", "gated", "route")
+DESIGNS = ("mean", "gated", "mlp", "route", "quest", "kpool")
+EXACT_DESIGNS = ("mean", "gated", "route", "quest", "kpool")
 D_VOCAB = 37
 N_CTX = 48
 

@@ -201,11 +201,14 @@ def test_matches_brute_force(comp):
     # selection: exact unless two scores tie within float noise (none here, checked)
     assert min(margins) > 1e-5
     assert torch.equal(got_sel, selected)
-    torch.testing.assert_close(ours[attn + "hook_pattern"].double(), pattern, atol=1e-5, rtol=0)
-    torch.testing.assert_close(ours[attn + "hook_token_pattern"], ours[attn + "hook_pattern"])
+    # the pattern on absolute key positions (the hook's own layout is the gathered one)
+    token_pattern = ours[attn + "hook_token_pattern"]
+    torch.testing.assert_close(token_pattern.double(), pattern, atol=1e-5, rtol=0)
+    gathered = ours[attn + "hook_pattern"]  # [batch, head, pos, kept tokens + band]
+    torch.testing.assert_close(gathered.sum(-1), token_pattern.sum(-1))
     # the layer's output is its pattern applied to the raw values
     v = model.blocks[1].attn._repeat_kv(ours[attn + "hook_v"], 2)
-    z = torch.einsum("bhqk,bkhd->bqhd", ours[attn + "hook_pattern"], v)
+    z = torch.einsum("bhqk,bkhd->bqhd", token_pattern, v)
     torch.testing.assert_close(ours[attn + "hook_z"], z, atol=1e-5, rtol=0)
 
 

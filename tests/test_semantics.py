@@ -108,10 +108,11 @@ def test_route_always_keeps_the_current_block(vis):
     """MoBA: the query's own block is always attended, even when it closes that block
     (inclusive, W = 0: nothing is left raw) and top-k would rank other blocks higher."""
     model = make_model("route", stride=4, window=0, visibility=vis, top_k=1)
+    model.set_use_token_pattern(True)
     x = tokens(seq=32)
     _, cache = model.run_with_cache(x)
     for layer in range(2):
-        pattern = cache[f"blocks.{layer}.attn.hook_pattern"]
+        pattern = cache[f"blocks.{layer}.attn.hook_token_pattern"]  # [.., pos, key_pos]
         self_mass = pattern.diagonal(dim1=-2, dim2=-1)
         assert (self_mass > 0).all()
         if vis == "inclusive":

@@ -11,6 +11,8 @@ COMPRESSOR_PARAMS = {
     "mlp": ("compress_k", "compress_v", "pos_embed_k", "pos_embed_v"),
     "mean": (),
     "route": (),
+    "quest": (),
+    "kpool": (),
 }
 
 

@@ -3,8 +3,10 @@
 from phasemech.attention.base import CompressedAttentionMixin, make_attention_class
 from phasemech.attention.evict import ChunkEvictAttention
 from phasemech.attention.gated import GatedPoolAttention
+from phasemech.attention.kpool import KPoolAttention
 from phasemech.attention.mean import MeanPoolAttention
 from phasemech.attention.mlp import MLPCompressorAttention
+from phasemech.attention.quest import QuestAttention
 from phasemech.attention.route import BlockRouteAttention
 
 DESIGN_CLASSES: dict[str, type] = {
@@ -13,6 +15,8 @@ DESIGN_CLASSES: dict[str, type] = {
     "mlp": MLPCompressorAttention,
     "route": BlockRouteAttention,
     "evict": ChunkEvictAttention,
+    "quest": QuestAttention,
+    "kpool": KPoolAttention,
 }
 
 __all__ = [
@@ -21,7 +25,9 @@ __all__ = [
     "ChunkEvictAttention",
     "CompressedAttentionMixin",
     "GatedPoolAttention",
+    "KPoolAttention",
     "MLPCompressorAttention",
     "MeanPoolAttention",
+    "QuestAttention",
     "make_attention_class",
 ]

@@ -1,93 +1,86 @@
 """``evict``: chunk eviction by observation-window attention (ChunkKV, 2025).
 
-Axes: ``batch, head, kv_head, pos, key_pos, block``. The KV cache is kept in chunks (the grid's
-blocks). For query ``t`` and KV head ``g``, each candidate block (exactly ``route``'s: the pooled
-designs' used blocks outside the raw window, see ``phasemech.core.grid``) is scored by the attention
-that the observation queries ``u in [max(0, t - obs_window + 1), t]`` of all query heads of KV
-group ``g`` pay to its tokens, where each ``u`` attends as ordinary dense causal attention over
-raw post-RoPE keys ``j <= u`` (the attention before any eviction; padding keys hidden). Only
-queries and keys ``<= t`` enter, so the score is causal; a query ``u`` that ``attention_mask``
-hides observes nothing (its query vector would carry the masked token into the ranking). The
-``top_k`` best blocks are kept for the whole KV group (eviction acts on a KV head's cache), plus
-what ``route`` forces (the current block when the query closes it); the query attends, in one
-softmax over raw tokens, the tokens of kept blocks plus its raw window, exactly as ``route``
-does. The rest is evicted. No parameters (applied post hoc with ``PhaseTransformer.from_hooked``);
-selection has no gradient.
+Axes: ``batch, head, kv_head, pos, row, u`` (an observation query), ``key_pos, block``. The KV
+cache is kept in chunks (the grid's blocks). For query ``t`` and KV head ``g``, each candidate
+block (exactly ``route``'s) is scored by the attention that the observation queries
+``u in [max(0, t - obs_window + 1), t]`` of all query heads of KV group ``g`` pay to its tokens,
+where each ``u`` attends as ordinary dense causal attention over raw post-RoPE keys ``j <= u``
+(the attention before any eviction; padding keys hidden). Only queries and keys ``<= t`` enter,
+so the score is causal; a query ``u`` that ``attention_mask`` hides observes nothing (its query
+vector would carry the masked token into the ranking). The ``top_k`` best blocks are kept for
+the whole KV group (eviction acts on a KV head's cache), plus the forced block; the query
+attends the tokens of kept blocks and its raw window in one softmax, as every selecting design
+does (:mod:`phasemech.attention.selection`). The rest is evicted. No parameters (applied post
+hoc); selection has no gradient.
 
-Everything but the ranking is ``route``'s code path (``BlockRouteAttention``), so the hooks are
-``route``'s: ``hook_route_scores`` ``[batch, head, pos, block]`` holds the eviction scores
-(identical across the heads of one KV group, ``-inf`` off the ranked candidates),
-``hook_route_selected`` the kept blocks, ``hook_attn_scores``/``hook_pattern`` and
-``hook_token_pattern`` (identical to the pattern, exact) are ``[batch, head, pos, key_pos]``.
-``hook_block_weights`` and ``hook_k_block`` do not run: eviction uses no block keys. Like
-``route`` this reference implementation materialises ``[pos, key_pos]`` scores (twice: the
-observation attention and the final one).
+The observation attention touches every key (``O(T^2)`` products: the rule's nature), computed
+in row chunks that are reduced to ``[u, block]`` at once, so memory stays ``O(chunk x T)``.
+Consecutive rows (a forward, a decode chunk) share their observation queries; scattered rows
+(one per sequence) score their own. ``hook_route_scores`` holds the eviction scores (identical
+across the heads of one KV group); ``hook_block_weights`` and ``hook_k_block`` do not run.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+from jaxtyping import Float, Int
+from torch import Tensor
 
-from phasemech.attention.route import BlockRouteAttention
+from phasemech.attention.selection import ROW_CHUNK, SelectingAttention
+from phasemech.core.grid import Geometry
 
 
-class ChunkEvictAttention(BlockRouteAttention):
+class ChunkEvictAttention(SelectingAttention):
     design = "evict"
 
     def __init__(self, cfg, attn_type: str = "global", layer_id: int | None = None):
         super().__init__(cfg, attn_type, layer_id)
         self.obs_window: int = self.cfg.compression.obs_window
 
-    def _members(self, geo, seq: int, dtype: torch.dtype) -> torch.Tensor:
-        """``[batch, head, block, key_pos]``: 1 where token ``key_pos`` lies in the block."""
-        member = self._blocks_to_tokens(geo.slot_valid.to(dtype), geo, seq) > 0
-        return self._repeat_kv(member.to(dtype), 1)
+    def row_chunk(self, seq: int) -> int:
+        return max(16, min(ROW_CHUNK, (ROW_CHUNK * 1024) // max(seq, 1)))
 
-    def _group_sum(self, mass: torch.Tensor) -> torch.Tensor:
-        """Sum ``[batch, head, ...]`` over the query heads of each KV group and give every head
-        its group's total (heads ``g*rep .. g*rep + rep - 1`` share KV head ``g``)."""
-        b, h = mass.shape[:2]
-        g = self.n_kv_heads
-        total = mass.reshape(b, g, h // g, *mass.shape[2:]).sum(2)
-        return self._repeat_kv(total, 1)
+    def block_scores(self, summary, q, rows, k, geo):
+        w = self.obs_window
+        b, n = rows.shape
+        consecutive = bool((rows == rows[:, :1] + torch.arange(n, device=rows.device)).all())
+        if consecutive:  # u in [first - w + 1, last]: each shared by up to w rows
+            u = rows[:, :1] - w + 1 + torch.arange(n + w - 1, device=rows.device)
+            mass = self._observed(q, u, k, geo)  # [batch, head, n + w - 1, block]
+            return mass.unfold(2, w, 1).sum(-1)  # [batch, head, n, block]
+        u = (rows[..., None] - torch.arange(w, device=rows.device)).reshape(b, n * w)
+        mass = self._observed(q, u, k, geo)
+        return mass.reshape(*mass.shape[:2], n, w, -1).sum(3)
 
-    def gate_scores(self, x, q, k, v, geo):
-        """Eviction score ``[batch, head, pos, block]`` of every block for every query."""
-        with torch.no_grad():
-            seq = q.shape[1]
-            qh = q.detach().transpose(1, 2)  # [batch, head, pos, d]
-            kh = self._repeat_kv(k.detach().transpose(1, 2), 1)
-            t = torch.arange(seq, device=q.device)
-            visible = (t[None, :] <= t[:, None])[None, None]  # [1, 1, pos(u), key_pos]
-            if geo.key_valid is not None:
-                visible = visible & geo.key_valid[:, None, None, :]
-            visible = visible.expand(qh.shape[0], qh.shape[1], seq, seq)
-            dense = self._row_pattern(qh @ kh.transpose(-1, -2), visible)  # [b, h, u, key]
-            member = self._members(geo, seq, dense.dtype)  # [batch, head, block, key_pos]
-            mass = self._group_sum(dense @ member.transpose(-1, -2))  # [b, h, u, block]
-            if geo.key_valid is not None:
-                # a masked position is no observation query: its q would leak its token
-                mass = mass * geo.key_valid[:, None, :, None].to(mass.dtype)
-            # observation window: sum over u in [t - obs_window + 1, t] (zeros before 0)
-            w = self.obs_window
-            padded = F.pad(mass, (0, 0, w - 1, 0))
-            return padded.unfold(2, w, 1).sum(-1)  # [batch, head, pos, block]
+    def _observed(
+        self,
+        q: Float[Tensor, "batch pos head d_head"],
+        u: Int[Tensor, "batch u"],
+        k: Float[Tensor, "batch pos kv_head d_head"],
+        geo: Geometry,
+    ) -> Float[Tensor, "batch head u block"]:
+        """Attention mass that observation query ``u`` (all heads of its KV group) pays to each
+        block, under dense causal attention; zero for ``u < 0`` and masked ``u``."""
+        seq = k.shape[1]
+        keys = torch.arange(seq, device=u.device)
+        visible = keys[None, None, :] <= u[..., None]  # [batch, u, key_pos]
+        if geo.key_valid is not None:
+            visible = visible & geo.key_valid[:, None, :]
+        dense = self._slot_free_scores(q, u, k)  # [batch, head, u, key_pos]
+        dense = self._row_pattern(dense, visible[:, None].expand_as(dense))
+        b, h = dense.shape[:2]
+        nb, sl = geo.slot_pos.shape[2:]
+        slot_pos = self._repeat_kv(geo.slot_pos.clamp(0, seq - 1), 1).reshape(b, h, 1, nb * sl)
+        held = dense.gather(-1, slot_pos.expand(-1, -1, u.shape[1], -1)).reshape(b, h, -1, nb, sl)
+        mass = (held * self._repeat_kv(geo.slot_valid, 1)[:, :, None]).sum(-1)
+        real = u >= 0
+        if geo.key_valid is not None:  # a masked position is no observation query
+            real = real & geo.key_valid.gather(1, u.clamp(min=0))
+        mass = mass * real[:, None, :, None]
+        g = self.n_kv_heads  # every head of a KV group gets the group's total
+        return self._repeat_kv(mass.reshape(b, g, h // g, *mass.shape[2:]).sum(2), 1)
 
-    def gate_scores_rows(self, x, q, k, v, geo, rows):
-        """``gate_scores`` at one query row per sequence: ``[batch, head, block]``."""
-        with torch.no_grad():
-            b, seq = q.shape[:2]
-            ar = torch.arange(b, device=q.device)
-            u = rows[:, None] - torch.arange(self.obs_window, device=q.device)  # [batch, obs]
-            q_u = q.detach()[ar[:, None], u.clamp(min=0)]  # [batch, obs, head, d]
-            scores = torch.einsum("bohd,bkhd->bhok", q_u, self._repeat_kv(k.detach(), 2))
-            keys = torch.arange(seq, device=q.device)
-            visible = (keys[None, None, :] <= u[:, :, None]) & (u[:, :, None] >= 0)
-            if geo.key_valid is not None:
-                visible = visible & geo.key_valid[:, None, :]
-            visible = visible[:, None].expand(-1, scores.shape[1], -1, -1)  # [b, h, obs, key]
-            dense = self._row_pattern(scores, visible)
-            member = self._members(geo, seq, dense.dtype)  # [batch, head, block, key_pos]
-            mass = torch.einsum("bhok,bhnk->bhn", dense, member)
-            return self._group_sum(mass)
+    def _slot_free_scores(self, q, u, k):
+        ar = torch.arange(q.shape[0], device=q.device)[:, None]
+        q_u = q[ar, u.clamp(min=0)].transpose(1, 2)  # [batch, head, u, d]
+        return q_u @ self._repeat_kv(k.transpose(1, 2), 1).transpose(-1, -2)

@@ -24,19 +24,22 @@ from transformer_lens import HookedTransformerConfig
 from phasemech.core.grid import last_query_blocks
 from phasemech.core.validation import is_int
 
-DESIGNS = ("none", "mean", "gated", "mlp", "route", "evict")
+DESIGNS = ("none", "mean", "gated", "mlp", "route", "evict", "quest", "kpool")
+#: the designs the from-scratch experiments train (their profiles' default); ``quest`` and
+#: ``kpool`` are post-hoc selection rules for the audit of pretrained models
+TRAINED_DESIGNS = ("none", "mean", "gated", "mlp", "route", "evict")
 VISIBILITY = ("inclusive", "strict")
 OFFSET_MODES = ("aligned", "per_layer", "per_head", "random")
 GATES = ("scalar", "channel")
 BLOCK_SCOPES = ("outside_window", "all")
 
-Design = Literal["none", "mean", "gated", "mlp", "route", "evict"]
+Design = Literal["none", "mean", "gated", "mlp", "route", "evict", "quest", "kpool"]
 OffsetSpec = str | int | tuple[int, ...] | tuple[tuple[int, ...], ...]
 
 DEFAULT_TOP_K = 2
 DEFAULT_OBS_WINDOW = 8
 #: designs that attend raw tokens of selected blocks (top-k over the pooled designs' candidates)
-SELECTING_DESIGNS = ("route", "evict")
+SELECTING_DESIGNS = ("route", "evict", "quest", "kpool")
 
 
 def _bad(field_name: str, value: Any, allowed: str) -> ValueError:
@@ -75,7 +78,10 @@ class CompressionConfig:
         design: ``"none"`` (dense attention), ``"mean"`` (mean-pooled K/V per block),
             ``"gated"`` (softmax-gated pooling with a learned intra-block position bias),
             ``"mlp"`` (NSA compressor MLP over the flattened block), ``"route"`` (MoBA block
-            routing over raw tokens) or ``"evict"`` (ChunkKV chunk eviction: raw tokens of the
+            routing over raw tokens), ``"quest"`` (Quest: blocks ranked by the upper bound of
+            ``q . k`` from element-wise key bounds), ``"kpool"`` (pools of ``d`` tokens ranked by
+            their best token's ``q . k``, GLM-5.3's k-pool rule) or ``"evict"`` (ChunkKV chunk
+            eviction: raw tokens of the
             chunks that recent queries attended most).
         stride: ``d``, the distance between consecutive block starts.
         block_len: ``l >= d``; ``None`` means ``l = d`` (no overlap).
@@ -91,8 +97,9 @@ class CompressionConfig:
             forward, ``eval_offset`` in eval mode), or explicit ints: one int, one per KV head
             ``[kv_head]``, or one per layer and KV head ``[layer, kv_head]`` (a tensor works).
         layers: indices of compressed layers; ``None`` means all layers.
-        top_k: blocks selected per query by ``route`` / kept per query and KV head by
-            ``evict``; ``None`` means 2 for them. Only ``route`` and ``evict`` accept it.
+        top_k: blocks selected per query by ``route``, ``quest`` and ``kpool`` / kept per query
+            and KV head by ``evict``; ``None`` means 2 for them. Only these selecting designs
+            accept it.
         gate: ``gated`` only: ``"scalar"`` (one gate per KV head and token: pooling weights are
             an exact convex mass, so token attribution is exact) or ``"channel"`` (DeepSeek-V4
             style, one gate per channel).
@@ -100,7 +107,7 @@ class CompressionConfig:
         block_scope: ``"outside_window"`` (default: blocks wholly inside the raw window are not
             used, so at most ``l - 1`` tokens are reached both raw and compressed) or ``"all"``
             (DeepSeek-V4: every complete block plus the raw window, in one softmax).
-            ``route`` and ``evict`` refuse ``"all"``.
+            The selecting designs (``route``, ``evict``, ``quest``, ``kpool``) refuse ``"all"``.
         obs_window: ``evict`` only: how many recent queries (the query included) score the
             chunks by the dense attention they pay to them; ``None`` means 8.
 

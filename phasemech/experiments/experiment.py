@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from phasemech.core.config import DESIGNS
+from phasemech.core.config import TRAINED_DESIGNS
 from phasemech.core.device import check_device_name
 from phasemech.experiments.jobs import Job
 from phasemech.experiments.launcher import Failure, _connect, launch, read_cached
@@ -42,7 +42,7 @@ class Profile:
 
     steps: int
     seeds: tuple[int, ...] = (0,)
-    designs: tuple[str, ...] = DESIGNS
+    designs: tuple[str, ...] = TRAINED_DESIGNS
     strides: tuple[int, ...] = (4, 8)
     heads: tuple[int, ...] = (2, 4)
     seq_lens: tuple[int, ...] = (64,)

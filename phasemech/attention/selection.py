@@ -1,0 +1,230 @@
+"""The engine shared by the selecting designs (``route``, ``evict``, ``quest``, ``kpool``).
+
+Axes: ``batch, head, kv_head, pos`` (every query), ``row`` (the query rows being computed),
+``block``, ``sel`` (a kept block), ``slot``, ``m`` (a kept token: ``sel x slot``), ``w`` (raw band
+slot: key ``t - Wr + 1 + w`` for query ``t``), ``d_head``.
+
+For each query row ``t`` a design scores every block (``block_scores``: its own rule, no
+gradient); the candidates are the pooled designs' used blocks (``phasemech.core.grid``), less the
+block the query closes, which is forced (MoBA keeps the current block). The ``top_k`` best
+candidates are kept and the query attends, in ONE softmax, the raw tokens of its kept blocks and
+its raw band. A token is counted once: kept-block tokens that the raw band already holds, and
+(with overlapping blocks, ``block_len > stride``) tokens an earlier kept block already holds,
+are masked. Nothing is compressed: tokens of unkept blocks are dropped on purpose.
+
+The kept tokens are *gathered* (``[row, sel x slot]``), never masked out of a ``[pos, key_pos]``
+matrix, and rows run in chunks: a chunk holds ``O(rows x (blocks + top_k x block_len + Wr))``
+scores per head, so memory is ``O(T (T/d + k l + W))`` for a forward (``bench/selection.py``).
+With any hook on the scores, selection or pattern attached (analysis, ``run_with_cache``) all
+rows run as one chunk so each hook fires once per forward.
+
+Hooks: ``hook_route_scores`` ``[batch, head, pos, block]`` (``-inf`` off the ranked candidates),
+``hook_route_selected`` ``[batch, head, pos, block]`` (kept blocks, forced one included; a hook
+may change the selection), ``hook_attn_scores`` / ``hook_pattern`` ``[batch, head, pos, m + w]``
+(the gathered layout: kept tokens, then the band; hidden entries ``-inf`` / 0) and
+``hook_token_pattern`` ``[batch, head, pos, key_pos]``: the same weights on absolute key
+positions (exact). The same engine computes any subset of rows (``attend_rows``: patching after
+the last layer, and the decode regime's question rows over a KV cache).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from jaxtyping import Bool, Float, Int
+from torch import Tensor
+from transformer_lens.hook_points import HookPoint
+
+from phasemech.attention.base import CompressedAttentionMixin
+from phasemech.core.grid import Geometry
+
+#: query rows per chunk of the engine (bounds the gathered tensors; see the module docstring)
+ROW_CHUNK = 256
+
+
+def gather_heads(
+    x: Float[Tensor, "batch pos kv_head d"], pos: Int[Tensor, "batch head row m"]
+) -> Float[Tensor, "batch head row m d"]:
+    """``x`` at positions ``pos`` for every query head (head ``i`` reads KV head ``i // rep``),
+    without repeating ``x`` per query head."""
+    b, seq, g, dd = x.shape
+    h, rest = pos.shape[1], pos.shape[2:]
+    idx = pos.clamp(0, seq - 1).reshape(b, g, -1, 1).expand(-1, -1, -1, dd)
+    return x.transpose(1, 2).gather(2, idx).reshape(b, h, *rest, dd)
+
+
+def at_rows(t: Tensor, rows: Int[Tensor, "batch row"]) -> Tensor:
+    """``t [batch, kv_head, pos, ...]`` at each sequence's rows: ``[batch, kv_head, row, ...]``."""
+    ar = torch.arange(t.shape[0], device=t.device)[:, None]
+    return t.transpose(1, 2)[ar, rows].transpose(1, 2)
+
+
+class SelectingAttention(CompressedAttentionMixin):
+    """Top-k block selection over raw tokens; a design implements ``block_scores`` (and, when
+    it scores from per-block statistics, ``block_summary``)."""
+
+    design = "abstract-select"
+
+    def __init__(self, cfg, attn_type: str = "global", layer_id: int | None = None):
+        super().__init__(cfg, attn_type, layer_id)
+        self.top_k: int = self.cfg.compression.top_k
+        self.hook_route_scores = HookPoint()  # [batch, head, pos, block]
+        self.hook_route_selected = HookPoint()  # [batch, head, pos, block] (bool)
+
+    # ------------------------------------------------------------------ design interface
+    def block_summary(self, x: Tensor | None, k: Tensor, v: Tensor, geo: Geometry) -> Any:
+        """What the rule needs per block, computed once per forward (default: nothing)."""
+        return None
+
+    def block_scores(
+        self,
+        summary: Any,
+        q: Float[Tensor, "batch pos head d_head"],
+        rows: Int[Tensor, "batch row"],
+        k: Float[Tensor, "batch pos kv_head d_head"],
+        geo: Geometry,
+    ) -> Float[Tensor, "batch head row block"]:
+        """Score of every block for every query row (no gradient; masked by the engine)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ entry points
+    def attend(self, x, q, k, v, geo):
+        rows = torch.arange(q.shape[1], device=q.device).expand(q.shape[0], -1)
+        z, token_pattern = self.attend_many(x, q, k, v, geo, rows)
+        return z, token_pattern
+
+    def attend_rows(self, x, q, k, v, geo, rows):
+        """One query row per sequence (``rows [batch]``): ``[batch, head, d_head]``."""
+        z, _ = self.attend_many(x, q, k, v, geo, rows[:, None])
+        return z[:, 0]
+
+    def attend_many(
+        self,
+        x: Tensor | None,
+        q: Float[Tensor, "batch pos head d_head"],
+        k: Float[Tensor, "batch pos kv_head d_head"],
+        v: Float[Tensor, "batch pos kv_head d_head"],
+        geo: Geometry,
+        rows: Int[Tensor, "batch row"],
+    ) -> tuple[Float[Tensor, "batch row head d_head"], Tensor | None]:
+        """``z`` at the given query rows (and the token pattern there when wanted)."""
+        summary = self.block_summary(x, k, v, geo)
+        hooks = (self.hook_route_scores, self.hook_route_selected)
+        hooked = any(hp.has_hooks() for hp in (*hooks, self.hook_attn_scores, self.hook_pattern))
+        n = rows.shape[1]
+        chunk = n if hooked else self.row_chunk(k.shape[1])
+        zs, tps = [], []
+        for s in range(0, n, chunk):
+            z, tp = self._chunk(summary, q, k, v, geo, rows[:, s : s + chunk], hooked)
+            zs.append(z)
+            tps.append(tp)
+        token_pattern = None if tps[0] is None else torch.cat(tps, dim=2)
+        return torch.cat(zs, dim=2).transpose(1, 2), token_pattern
+
+    def row_chunk(self, seq: int) -> int:
+        """Rows per chunk (a design whose scores touch every key uses smaller chunks)."""
+        return ROW_CHUNK
+
+    # ------------------------------------------------------------------ the engine
+    def _chunk(self, summary, q, k, v, geo, rows, hooked: bool):
+        gate = self.block_scores(summary, q, rows, k, geo).detach()  # [batch, head, row, block]
+        candidate = self._repeat_kv(at_rows(geo.block_used, rows), 1)
+        own = geo.block_last[:, :, None, :] == rows[:, None, :, None]  # [batch, kv_head, row, blk]
+        forced = candidate & self._repeat_kv(own, 1)
+        gate = self.hook_route_scores(gate.masked_fill(~(candidate & ~forced), float("-inf")))
+        idx, ok = self._select(gate, forced)  # [batch, head, row, sel]
+        pos, keep = self._kept_tokens(idx, ok, geo, rows, k.shape[1])  # [b, h, row, m]
+        band_pos = rows[:, None, :, None] - geo.band + 1 + torch.arange(geo.band, device=q.device)
+        band_pos = band_pos.expand(-1, self.cfg.n_heads, -1, -1)  # [batch, head, row, w]
+        band_ok = self._repeat_kv(at_rows(geo.band_valid, rows), 1)
+        all_pos, visible = torch.cat([pos, band_pos], -1), torch.cat([keep, band_ok], -1)
+        ar = torch.arange(q.shape[0], device=q.device)[:, None]
+        q_rows = q[ar, rows].transpose(1, 2)  # [batch, head, row, d]
+        scores = torch.einsum("bhrd,bhrmd->bhrm", q_rows, gather_heads(k, all_pos))
+        pattern = self._pattern(scores, visible) if hooked else self._row_pattern(scores, visible)
+        z = torch.einsum("bhrm,bhrmd->bhrd", pattern, gather_heads(v, all_pos))
+        token_pattern = None
+        if self._token_pattern_wanted():
+            token_pattern = pattern.new_zeros(*pattern.shape[:3], k.shape[1])
+            token_pattern.scatter_add_(-1, all_pos.clamp(0, k.shape[1] - 1), pattern * visible)
+        return z, token_pattern
+
+    def _select(
+        self, gate: Float[Tensor, "batch head row block"], forced: Bool[Tensor, "batch head row block"]
+    ) -> tuple[Int[Tensor, "batch head row sel"], Bool[Tensor, "batch head row sel"]]:
+        """Kept block indices (top-k of the gate, then the forced block) and which are real."""
+        val, top = gate.topk(min(self.top_k, gate.shape[-1]), dim=-1)
+        idx = torch.cat([top, forced.float().argmax(-1, keepdim=True)], -1)
+        ok = torch.cat([val > float("-inf"), forced.any(-1, keepdim=True)], -1)
+        if not self.hook_route_selected.has_hooks():
+            return idx, ok
+        # the selection as a mask, through the hook (an ablation may change it), and back
+        mask = gate.new_zeros(gate.shape).scatter_add(-1, idx, ok.to(gate.dtype)) > 0
+        mask = self.hook_route_selected(mask)
+        n_max = max(1, int(mask.sum(-1).max()))
+        val, idx = mask.to(gate.dtype).topk(n_max, dim=-1)
+        return idx, val > 0
+
+    def _kept_tokens(
+        self,
+        idx: Int[Tensor, "batch head row sel"],
+        ok: Bool[Tensor, "batch head row sel"],
+        geo: Geometry,
+        rows: Int[Tensor, "batch row"],
+        seq: int,
+    ) -> tuple[Int[Tensor, "batch head row m"], Bool[Tensor, "batch head row m"]]:
+        """Positions of the kept blocks' tokens and which to attend: real tokens (in the
+        sequence, not padding), not already in the raw band, not already in a kept block."""
+        d, length = geo.stride, geo.block_len
+        # block i of offset o covers [i*d + o - l, i*d + o - 1]; block_last[..., 0] = o - 1
+        origin = self._repeat_kv(geo.block_last[:, :, :1] + 1, 1)[..., None]  # [b, h, 1, 1]
+        if length > d:  # overlapping blocks: sort, so a token's first holder is the earlier one
+            idx = torch.where(ok, idx, -1)
+            idx, order = idx.sort(-1)
+            ok = ok.gather(-1, order)
+        start = idx * d + origin - length  # [batch, head, row, sel]
+        slot = torch.arange(length, device=idx.device)
+        pos = start[..., None] + slot  # [batch, head, row, sel, slot]
+        # causal even under a hooked selection: nothing after the query
+        keep = ok[..., None] & (pos >= 0) & (pos <= rows[:, None, :, None, None])
+        raw_start = self._repeat_kv(at_rows(geo.raw_start, rows), 1)  # [batch, head, row]
+        keep &= pos < raw_start[..., None, None]
+        if length > d:
+            prev_last = torch.where(ok, idx * d + origin - 1, -1)[..., :-1]
+            prev_last = torch.cat([torch.full_like(idx[..., :1], -1), prev_last], -1)
+            keep &= pos > prev_last[..., None]
+        if geo.key_valid is not None:
+            b = torch.arange(pos.shape[0], device=pos.device)[:, None, None, None, None]
+            keep &= geo.key_valid[b, pos.clamp(0, seq - 1)]
+        return pos.flatten(-2), keep.flatten(-2)
+
+    # ------------------------------------------------------------------ shared by rules
+    def _block_key_scores(
+        self,
+        k_blk: Float[Tensor, "batch kv_head block d_head"],
+        q: Float[Tensor, "batch pos head d_head"],
+        rows: Int[Tensor, "batch row"],
+    ) -> Float[Tensor, "batch head row block"]:
+        """``q_t . K_b`` for per-block keys (route's mean key)."""
+        ar = torch.arange(q.shape[0], device=q.device)[:, None]
+        q_rows = q[ar, rows].transpose(1, 2)  # [batch, head, row, d]
+        return q_rows @ self._repeat_kv(k_blk, 1).transpose(-1, -2)
+
+    def _slot_scores(
+        self,
+        q: Float[Tensor, "batch pos head d_head"],
+        rows: Int[Tensor, "batch row"],
+        k: Float[Tensor, "batch pos kv_head d_head"],
+        geo: Geometry,
+    ) -> Float[Tensor, "batch head row block slot"]:
+        """``q_t . k_j`` for every slot of every block (``-inf`` on missing slots)."""
+        ar = torch.arange(q.shape[0], device=q.device)[:, None]
+        q_rows = q[ar, rows].transpose(1, 2)  # [batch, head, row, d]
+        scores = q_rows @ self._repeat_kv(k.transpose(1, 2), 1).transpose(-1, -2)  # [b,h,r,key]
+        b, h, r, seq = scores.shape
+        nb, sl = geo.slot_pos.shape[2:]
+        slot_pos = self._repeat_kv(geo.slot_pos.clamp(0, seq - 1), 1).reshape(b, h, 1, nb * sl)
+        per_slot = scores.gather(-1, slot_pos.expand(-1, -1, r, -1)).reshape(b, h, r, nb, sl)
+        valid = self._repeat_kv(geo.slot_valid, 1)[:, :, None]
+        return per_slot.masked_fill(~valid, float("-inf"))
