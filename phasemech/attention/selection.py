@@ -151,7 +151,9 @@ class SelectingAttention(CompressedAttentionMixin):
         return z, token_pattern
 
     def _select(
-        self, gate: Float[Tensor, "batch head row block"], forced: Bool[Tensor, "batch head row block"]
+        self,
+        gate: Float[Tensor, "batch head row block"],
+        forced: Bool[Tensor, "batch head row block"],
     ) -> tuple[Int[Tensor, "batch head row sel"], Bool[Tensor, "batch head row sel"]]:
         """Kept block indices (top-k of the gate, then the forced block) and which are real."""
         val, top = gate.topk(min(self.top_k, gate.shape[-1]), dim=-1)

@@ -238,6 +238,13 @@ class CompressionConfig:
                 f"design={self.design!r} reads blocks raw, so its candidates must lie outside "
                 "the window",
             )
+        if self.design == "kpool" and self.block_len != self.stride:
+            raise _bad(
+                "block_len",
+                self.block_len,
+                f"kpool's pools are disjoint runs of stride={self.stride} tokens (overlapping "
+                "pools would tie on a shared best token); allowed: block_len=None or = stride",
+            )
         if self.eval_offset != 0 and self.offsets != "random":
             raise _bad("eval_offset", self.eval_offset, "only offsets='random' uses eval_offset")
 

@@ -1,0 +1,173 @@
+"""The selecting designs (``route``, ``quest``, ``kpool``) against a naive per-query reference:
+outputs, gradients, overlapping blocks, padding, and the rows path. The reference loops over
+(sequence, head, query) with Python sets of token positions: no gathering, no chunking."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_hooked, tokens
+
+from phasemech import CompressionConfig, PhaseTransformer
+
+torch.set_num_threads(1)
+
+RG = {"rotary": True, "gqa": True}  # 4 query heads over 2 KV heads
+
+
+def _block_score(rule: str, q: torch.Tensor, keys: torch.Tensor) -> float:
+    """The rule's score of one block (its real keys ``[slot, d]``) for one query ``[d]``."""
+    q, keys = q.detach(), keys.detach()  # selection has no gradient
+    if rule == "route":
+        return float(q @ keys.mean(0))
+    if rule == "quest":
+        lo, hi = keys.amin(0), keys.amax(0)
+        return float(sum(max(q[i] * lo[i], q[i] * hi[i]) for i in range(len(q))))
+    return float((keys @ q).max())  # kpool
+
+
+def naive_z(layer, q, k, v, geo, rule: str, key_valid=None):
+    """``z [batch, pos, head, d]`` by the definition: candidates from the geometry (the coverage
+    rule, tested on its own), top-k by the rule's score, attend the union of the kept blocks'
+    real tokens and the raw span ``[r_t, t]`` in one softmax."""
+    b, seq, h, _ = q.shape
+    rep = h // k.shape[2]
+    out = torch.zeros_like(q)
+    for s in range(b):
+        for head in range(h):
+            g = head // rep
+            real = lambda j, s=s: key_valid is None or bool(key_valid[s, j])  # noqa: E731
+            for t in range(seq):
+                cand = geo.block_used[s, g, t].nonzero().flatten().tolist()
+                forced = [i for i in cand if int(geo.block_last[s, g, i]) == t]
+                ranked = []
+                for i in cand:
+                    if i in forced:
+                        continue
+                    slots = [
+                        int(p)
+                        for p, ok in zip(geo.slot_pos[s, g, i], geo.slot_valid[s, g, i])
+                        if ok
+                    ]
+                    ranked.append((_block_score(rule, q[s, t, head], k[s, slots, g]), i))
+                kept = [i for _, i in sorted(ranked, reverse=True)[: layer.top_k]] + forced
+                toks = {
+                    int(p)
+                    for i in kept
+                    for p, ok in zip(geo.slot_pos[s, g, i], geo.slot_valid[s, g, i])
+                    if ok
+                }
+                toks |= {j for j in range(max(int(geo.raw_start[s, g, t]), 0), t + 1) if real(j)}
+                idx = torch.tensor(sorted(toks))
+                scores = (k[s, idx, g] @ q[s, t, head]) / layer.attn_scale
+                out[s, t, head] = torch.softmax(scores, 0) @ v[s, idx, g]
+    return out
+
+
+def _model(rule: str, **comp) -> PhaseTransformer:
+    tl_model = make_hooked(**RG, n_layers=1)
+    return PhaseTransformer.from_hooked(tl_model, CompressionConfig(rule, **comp)).eval()
+
+
+def _layer_inputs(model, x, attention_mask=None):
+    """Post-RoPE ``q, k``, ``v`` and the geometry of layer 0 for input ``x``."""
+    _, cache = model.run_with_cache(x, attention_mask=attention_mask)
+    attn = model.blocks[0].attn
+    q, k = cache["blocks.0.attn.hook_rot_q"], cache["blocks.0.attn.hook_rot_k"]
+    v = cache["blocks.0.attn.hook_v"]
+    offsets = cache["blocks.0.attn.hook_grid_offset"]
+    kv = None if attention_mask is None else attention_mask.bool()
+    return attn, q, k, v, attn._geometry(offsets, x.shape[1], kv), cache
+
+
+COMPS = [
+    dict(stride=4, window=6, top_k=2),
+    dict(stride=3, block_len=6, window=0, top_k=2, offsets=(1, 2)),  # overlapping blocks
+    dict(stride=4, window=3, top_k=1, visibility="strict", offsets=(0, 3)),
+]
+
+
+@pytest.mark.parametrize("rule", ["route", "quest", "kpool"])
+@pytest.mark.parametrize("comp", COMPS)
+def test_matches_naive_reference(rule, comp):
+    if rule == "kpool" and "block_len" in comp:
+        comp = {k: v for k, v in comp.items() if k != "block_len"}  # kpool's pools are disjoint
+    model = _model(rule, **comp)
+    x = tokens(2, 30, seed=5)
+    attn, q, k, v, geo, cache = _layer_inputs(model, x)
+    want = naive_z(attn, q.double(), k.double(), v.double(), geo, rule)
+    torch.testing.assert_close(cache["blocks.0.attn.hook_z"].double(), want, atol=1e-5, rtol=0)
+    # selection bites: some query ranks more candidates than it keeps
+    ranked = cache["blocks.0.attn.hook_route_scores"].isfinite().sum(-1)
+    assert (ranked > attn.top_k).any()
+    assert cache["blocks.0.attn.hook_route_selected"].sum(-1).max() <= attn.top_k + 1
+
+
+@pytest.mark.parametrize("rule", ["route", "quest", "kpool"])
+def test_gradients_match_naive_reference(rule):
+    """Gradients through the kept tokens equal the reference's (selection has none)."""
+    overlap = {} if rule == "kpool" else {"block_len": 6}
+    model = _model(rule, stride=3, window=2, top_k=2, **overlap)
+    x = tokens(1, 20, seed=2)
+    attn, q, k, v, geo, _ = _layer_inputs(model, x)
+    q, k, v = (t.double().requires_grad_() for t in (q, k, v))
+    z, _ = attn.attend(None, q, k, v, geo)
+    ref = naive_z(attn, q, k, v, geo, rule)
+    w = torch.randn_like(z, generator=torch.Generator().manual_seed(0))
+    g_ours = torch.autograd.grad((z * w).sum(), (q, k, v))
+    g_ref = torch.autograd.grad((ref * w).sum(), (q, k, v))
+    for a, b in zip(g_ours, g_ref, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-8, rtol=0)
+
+
+@pytest.mark.parametrize("rule", ["quest", "kpool"])
+def test_left_padding_is_invisible(rule):
+    """Left padding: the padded sequence's outputs equal the unpadded one's on real tokens,
+    and they equal the reference with the padding hidden."""
+    model = _model(rule, stride=4, window=4, top_k=1)
+    x = tokens(1, 24, seed=3)
+    pad = 5
+    padded = torch.cat([torch.zeros(1, pad, dtype=torch.long), x], 1)
+    mask = torch.cat([torch.zeros(1, pad, dtype=torch.long), torch.ones_like(x)], 1)
+    torch.testing.assert_close(
+        model(padded, attention_mask=mask)[:, pad:], model(x), atol=1e-5, rtol=0
+    )
+
+
+@pytest.mark.parametrize("rule", ["route", "quest", "kpool", "evict"])
+def test_rows_equal_the_full_forward(rule):
+    """Any subset of rows (scattered, one per sequence, or a consecutive run) computes what the
+    full forward computes there; small chunks change nothing."""
+    extra = {"obs_window": 3} if rule == "evict" else {}
+    model = _model(rule, stride=4, window=5, top_k=2, **extra)
+    x = tokens(2, 40, seed=8)
+    attn, q, k, v, geo, cache = _layer_inputs(model, x)
+    z_full = cache["blocks.0.attn.hook_z"]  # [batch, pos, head, d]
+    rows = torch.tensor([[3, 17, 39], [0, 22, 30]])
+    z, _ = attn.attend_many(None, q, k, v, geo, rows)
+    ar = torch.arange(2)[:, None]
+    torch.testing.assert_close(z, z_full[ar, rows], atol=1e-5, rtol=0)
+    run = torch.arange(25, 40).expand(2, -1)
+    z, _ = attn.attend_many(None, q, k, v, geo, run)
+    torch.testing.assert_close(z, z_full[:, 25:], atol=1e-5, rtol=0)
+    attn.row_chunk = lambda seq: 7  # chunks of 7 rows
+    z, _ = attn.attend(None, q, k, v, geo)
+    torch.testing.assert_close(z, z_full, atol=1e-5, rtol=0)
+
+
+def test_kpool_refuses_overlapping_pools():
+    with pytest.raises(ValueError, match="block_len=8 is invalid"):
+        CompressionConfig("kpool", stride=4, block_len=8)
+
+
+def test_quest_bound_is_an_upper_bound():
+    """Quest's score is never below any real key's ``q . k`` in the block."""
+    model = _model("quest", stride=4, window=4, top_k=1)
+    x = tokens(1, 32, seed=1)
+    attn, q, k, v, geo, _ = _layer_inputs(model, x)
+    rows = torch.arange(32)[None]
+    bound = attn.block_scores(attn.block_summary(None, k, v, geo), q, rows, k, geo)
+    best = attn._slot_scores(q, rows, k, geo).amax(-1)  # kpool's score: the best real key
+    has = geo.slot_valid.any(-1)[:, :, None, :].repeat_interleave(2, 1).expand_as(bound)
+    assert (bound[has] >= best[has] - 1e-5).all()
+    assert (bound[has] > best[has] + 1e-3).any()  # and not trivially equal
