@@ -26,6 +26,11 @@ def _block_score(rule: str, q: torch.Tensor, keys: torch.Tensor) -> float:
     return float((keys @ q).max())  # kpool
 
 
+def _real_slots(geo, s: int, g: int, i: int) -> list[int]:
+    pairs = zip(geo.slot_pos[s, g, i].tolist(), geo.slot_valid[s, g, i].tolist(), strict=True)
+    return [p for p, ok in pairs if ok]
+
+
 def naive_z(layer, q, k, v, geo, rule: str, key_valid=None):
     """``z [batch, pos, head, d]`` by the definition: candidates from the geometry (the coverage
     rule, tested on its own), top-k by the rule's score, attend the union of the kept blocks'
@@ -51,12 +56,7 @@ def naive_z(layer, q, k, v, geo, rule: str, key_valid=None):
                     ]
                     ranked.append((_block_score(rule, q[s, t, head], k[s, slots, g]), i))
                 kept = [i for _, i in sorted(ranked, reverse=True)[: layer.top_k]] + forced
-                toks = {
-                    int(p)
-                    for i in kept
-                    for p, ok in zip(geo.slot_pos[s, g, i], geo.slot_valid[s, g, i])
-                    if ok
-                }
+                toks = {p for i in kept for p in _real_slots(geo, s, g, i)}
                 toks |= {j for j in range(max(int(geo.raw_start[s, g, t]), 0), t + 1) if real(j)}
                 idx = torch.tensor(sorted(toks))
                 scores = (k[s, idx, g] @ q[s, t, head]) / layer.attn_scale
