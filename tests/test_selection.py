@@ -49,11 +49,7 @@ def naive_z(layer, q, k, v, geo, rule: str, key_valid=None):
                 for i in cand:
                     if i in forced:
                         continue
-                    slots = [
-                        int(p)
-                        for p, ok in zip(geo.slot_pos[s, g, i], geo.slot_valid[s, g, i])
-                        if ok
-                    ]
+                    slots = _real_slots(geo, s, g, i)
                     ranked.append((_block_score(rule, q[s, t, head], k[s, slots, g]), i))
                 kept = [i for _, i in sorted(ranked, reverse=True)[: layer.top_k]] + forced
                 toks = {p for i in kept for p in _real_slots(geo, s, g, i)}
