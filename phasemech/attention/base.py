@@ -59,6 +59,23 @@ def _masked_softmax(
     return torch.softmax(filled, dim=-1) * visible
 
 
+def gather_heads(
+    x: Float[Tensor, "batch pos kv_head d"], pos: Int[Tensor, "batch head row m"]
+) -> Float[Tensor, "batch head row m d"]:
+    """``x`` at positions ``pos`` for every query head (head ``i`` reads KV head ``i // rep``),
+    without repeating ``x`` per query head."""
+    b, seq, g, dd = x.shape
+    h, rest = pos.shape[1], pos.shape[2:]
+    idx = pos.clamp(0, seq - 1).reshape(b, g, -1, 1).expand(-1, -1, -1, dd)
+    return x.transpose(1, 2).gather(2, idx).reshape(b, h, *rest, dd)
+
+
+def at_rows(t: Tensor, rows: Int[Tensor, "batch row"]) -> Tensor:
+    """``t [batch, kv_head, pos, ...]`` at each sequence's rows: ``[batch, kv_head, row, ...]``."""
+    ar = torch.arange(t.shape[0], device=t.device)[:, None]
+    return t.transpose(1, 2)[ar, rows].transpose(1, 2)
+
+
 #: longest context the training fast path lays raw keys out densely for (``O(T^2)`` scores)
 DENSE_MAX_POS = 256
 
@@ -250,16 +267,13 @@ class CompressedAttentionMixin:
         attention_mask: Int[Tensor, "batch pos"] | None = None,
         position_bias: Tensor | None = None,
     ) -> Float[Tensor, "batch pos d_model"]:
-        if past_kv_cache_entry is not None:
-            raise NotImplementedError(
-                f"layer {self.layer_id} ({self.design}): past_kv_cache is not supported on "
-                "compressed layers; score continuations with one teacher-forced forward"
-            )
         if additive_attention_mask is not None or position_bias is not None:
             raise NotImplementedError(
                 f"layer {self.layer_id} ({self.design}): additive masks and position biases "
                 "are not supported on compressed layers"
             )
+        if past_kv_cache_entry is not None:
+            return self._forward_cached(query_input, past_kv_cache_entry, attention_mask)
         if self.training:  # one fused projection; the same q, k, v and hooks
             q, k, v = fused_qkv(self, query_input, key_input, value_input)
         else:
@@ -410,21 +424,94 @@ class CompressedAttentionMixin:
         geo: Geometry,
         rows: Int[Tensor, "batch"],
     ) -> Float[Tensor, "batch head d_head"]:
-        """``attend`` at one query row per sequence (pooled designs)."""
-        ar = torch.arange(q.shape[0], device=q.device)
+        """``attend`` at one query row per sequence."""
+        return self.attend_many(x, q, k, v, geo, rows[:, None])[0][:, 0]
+
+    def attend_many(
+        self,
+        x: Tensor | None,
+        q: Float[Tensor, "batch pos head d_head"],
+        k: Float[Tensor, "batch pos kv_head d_head"],
+        v: Float[Tensor, "batch pos kv_head d_head"],
+        geo: Geometry,
+        rows: Int[Tensor, "batch row"],
+    ) -> tuple[Float[Tensor, "batch row head d_head"], None]:
+        """``attend`` at the given query rows of each sequence (pooled designs; no hooks on
+        scores or patterns, no token pattern): blocks pooled once, the raw band gathered."""
         k_blk, v_blk, _ = self.pool(x, k, v, geo)  # [batch, kv_head, block, d_head]
-        q_t = q[ar, rows]  # [batch, head, d_head]
-        s_blk = torch.einsum("bhd,bhnd->bhn", q_t, self._repeat_kv(k_blk, 1))
-        band_pos = rows[:, None] - geo.band + 1 + torch.arange(geo.band, device=q.device)
-        k_band = k[ar[:, None], band_pos.clamp(min=0)]  # [batch, w, kv_head, d_head]
-        v_band = v[ar[:, None], band_pos.clamp(min=0)]
-        s_raw = torch.einsum("bhd,bwhd->bhw", q_t, self._repeat_kv(k_band, 2))
-        visible = torch.cat([geo.block_used[ar, :, rows], geo.band_valid[ar, :, rows]], dim=-1)
-        pattern = self._row_pattern(torch.cat([s_blk, s_raw], dim=-1), self._repeat_kv(visible, 1))
+        ar = torch.arange(q.shape[0], device=q.device)[:, None]
+        q_rows = q[ar, rows].transpose(1, 2)  # [batch, head, row, d]
+        s_blk = q_rows @ self._repeat_kv(k_blk, 1).transpose(-1, -2)  # [batch, head, row, block]
+        band_pos = rows[:, None, :, None] - geo.band + 1 + torch.arange(geo.band, device=q.device)
+        band_pos = band_pos.expand(-1, self.cfg.n_heads, -1, -1)  # [batch, head, row, w]
+        s_raw = torch.einsum("bhrd,bhrwd->bhrw", q_rows, gather_heads(k, band_pos))
+        visible = torch.cat([at_rows(geo.block_used, rows), at_rows(geo.band_valid, rows)], -1)
+        pattern = self._row_pattern(torch.cat([s_blk, s_raw], -1), self._repeat_kv(visible, 1))
         nb = s_blk.shape[-1]
-        return torch.einsum(
-            "bhn,bhnd->bhd", pattern[..., :nb], self._repeat_kv(v_blk, 1)
-        ) + torch.einsum("bhw,bwhd->bhd", pattern[..., nb:], self._repeat_kv(v_band, 2))
+        z = pattern[..., :nb] @ self._repeat_kv(v_blk, 1) + torch.einsum(
+            "bhrw,bhrwd->bhrd", pattern[..., nb:], gather_heads(v, band_pos)
+        )
+        return z.transpose(1, 2), None
+
+    # ------------------------------------------------------------------ decode regime
+    #: whether a KV cache (keys and values only) holds what the design needs: ``gated`` pools
+    #: with gates computed from the layer input, which a cache does not keep
+    serves_from_cache: bool = True
+    #: how many of the prefill's last queries a cache should keep (``evict`` observes them)
+    cached_queries: int = 0
+    #: the first position whose query this forward knows (a cached forward: the prefill's
+    #: older queries are not kept)
+    known_queries_from: int = 0
+
+    def _forward_cached(
+        self, x: Float[Tensor, "batch new d_model"], entry: Any, attention_mask: Tensor | None
+    ) -> Float[Tensor, "batch new d_model"]:
+        """The decode regime: the new rows (positions ``past .. past + new - 1``) read the
+        compressed cache (``entry``: TransformerLens' KV cache entry, pre-RoPE keys); the
+        prefill that filled it ran with full attention. Exactly one step of decode-time
+        compression per row, computed for all new rows at once (teacher forcing)."""
+        if not self.serves_from_cache:
+            raise NotImplementedError(
+                f"layer {self.layer_id}: design {self.design!r} cannot read a KV cache (its "
+                "pooling reads the layer input); decode-regime designs: mean, mlp, route, "
+                "evict, quest, kpool"
+            )
+        if attention_mask is not None and not bool(attention_mask.bool().all()):
+            raise NotImplementedError(
+                f"layer {self.layer_id} ({self.design}): a padded KV cache is not supported; "
+                "decode one sequence (or equal-length sequences) at a time"
+            )
+        q, k, v = self.calculate_qkv_matrices(x, x, x)
+        past = entry.past_keys.shape[1]
+        k, v = entry.append(k, v)
+        if self.cfg.positional_embedding_type == "rotary":
+            q = self.hook_rot_q(self.apply_rotary(q, past, None))
+            k = self.hook_rot_k(self.apply_rotary(k, 0, None))
+        q_full, known_from = self._cached_queries(entry, q, past)
+        offsets = self.hook_grid_offset(self.grid_offsets(q.shape[0], q.device))
+        geo = self._geometry(offsets, k.shape[1], None)
+        rows = torch.arange(past, k.shape[1], device=q.device).expand(q.shape[0], -1)
+        self.known_queries_from = known_from  # a rule that reads past queries checks it
+        try:
+            z, _ = self.attend_many(x, q_full, k, v, geo, rows)
+        finally:
+            self.known_queries_from = 0
+        return self._output(self.hook_z(z))
+
+    def _cached_queries(
+        self, entry: Any, q: Float[Tensor, "batch new head d_head"], past: int
+    ) -> tuple[Float[Tensor, "batch pos head d_head"], int]:
+        """Queries on every position (the prefill's unknown ones zero) and the first position
+        whose query is known; an unfrozen cache keeps the last ``cached_queries`` of them."""
+        stored = getattr(entry, "past_queries", None)
+        known = 0 if stored is None else stored.shape[1]
+        q_full = q.new_zeros(q.shape[0], past + q.shape[1], *q.shape[2:])
+        q_full[:, past:] = q
+        if known:
+            q_full[:, past - known : past] = stored.to(q.dtype)
+        if not entry.frozen and self.cached_queries:
+            entry.past_queries = q_full[:, -self.cached_queries :].detach()
+        return q_full, past - known if past else 0
 
     def _pattern(
         self,

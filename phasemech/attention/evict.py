@@ -36,6 +36,7 @@ class ChunkEvictAttention(SelectingAttention):
     def __init__(self, cfg, attn_type: str = "global", layer_id: int | None = None):
         super().__init__(cfg, attn_type, layer_id)
         self.obs_window: int = self.cfg.compression.obs_window
+        self.cached_queries = self.obs_window  # a decode step observes recent prefill queries
 
     def row_chunk(self, seq: int) -> int:
         return max(16, min(ROW_CHUNK, (ROW_CHUNK * 1024) // max(seq, 1)))
@@ -62,6 +63,13 @@ class ChunkEvictAttention(SelectingAttention):
         """Attention mass that observation query ``u`` (all heads of its KV group) pays to each
         block, under dense causal attention; zero for ``u < 0`` and masked ``u``."""
         seq = k.shape[1]
+        lacking = (u >= 0) & (u < self.known_queries_from)
+        if bool(lacking.any()):
+            raise ValueError(
+                f"layer {self.layer_id} (evict): observation query {int(u[lacking].min())} "
+                "is in the prefill but the KV cache kept no query for it; prefill with "
+                "phasemech.model.decode.prefill (it keeps the last obs_window queries)"
+            )
         keys = torch.arange(seq, device=u.device)
         visible = keys[None, None, :] <= u[..., None]  # [batch, u, key_pos]
         if geo.key_valid is not None:

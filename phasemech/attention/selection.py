@@ -36,28 +36,11 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 from transformer_lens.hook_points import HookPoint
 
-from phasemech.attention.base import CompressedAttentionMixin
+from phasemech.attention.base import CompressedAttentionMixin, at_rows, gather_heads
 from phasemech.core.grid import Geometry
 
 #: query rows per chunk of the engine (bounds the gathered tensors; see the module docstring)
 ROW_CHUNK = 256
-
-
-def gather_heads(
-    x: Float[Tensor, "batch pos kv_head d"], pos: Int[Tensor, "batch head row m"]
-) -> Float[Tensor, "batch head row m d"]:
-    """``x`` at positions ``pos`` for every query head (head ``i`` reads KV head ``i // rep``),
-    without repeating ``x`` per query head."""
-    b, seq, g, dd = x.shape
-    h, rest = pos.shape[1], pos.shape[2:]
-    idx = pos.clamp(0, seq - 1).reshape(b, g, -1, 1).expand(-1, -1, -1, dd)
-    return x.transpose(1, 2).gather(2, idx).reshape(b, h, *rest, dd)
-
-
-def at_rows(t: Tensor, rows: Int[Tensor, "batch row"]) -> Tensor:
-    """``t [batch, kv_head, pos, ...]`` at each sequence's rows: ``[batch, kv_head, row, ...]``."""
-    ar = torch.arange(t.shape[0], device=t.device)[:, None]
-    return t.transpose(1, 2)[ar, rows].transpose(1, 2)
 
 
 class SelectingAttention(CompressedAttentionMixin):
