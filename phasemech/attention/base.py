@@ -435,10 +435,11 @@ class CompressedAttentionMixin:
         v: Float[Tensor, "batch pos kv_head d_head"],
         geo: Geometry,
         rows: Int[Tensor, "batch row"],
-    ) -> tuple[Float[Tensor, "batch row head d_head"], None]:
+    ) -> tuple[Float[Tensor, "batch row head d_head"], Tensor | None]:
         """``attend`` at the given query rows of each sequence (pooled designs; no hooks on
-        scores or patterns, no token pattern): blocks pooled once, the raw band gathered."""
-        k_blk, v_blk, _ = self.pool(x, k, v, geo)  # [batch, kv_head, block, d_head]
+        scores or patterns): blocks pooled once, the raw band gathered. The token pattern
+        ``[batch, head, row, key_pos]`` when wanted."""
+        k_blk, v_blk, weights = self.pool(x, k, v, geo)  # [batch, kv_head, block, d_head]
         ar = torch.arange(q.shape[0], device=q.device)[:, None]
         q_rows = q[ar, rows].transpose(1, 2)  # [batch, head, row, d]
         s_blk = q_rows @ self._repeat_kv(k_blk, 1).transpose(-1, -2)  # [batch, head, row, block]
@@ -451,7 +452,15 @@ class CompressedAttentionMixin:
         z = pattern[..., :nb] @ self._repeat_kv(v_blk, 1) + torch.einsum(
             "bhrw,bhrwd->bhrd", pattern[..., nb:], gather_heads(v, band_pos)
         )
-        return z.transpose(1, 2), None
+        token_pattern = None
+        if self._token_pattern_wanted():  # [batch, head, row, key_pos]
+            if weights is None:
+                weights = self.block_attribution(x, k, v, geo)
+            a = self._blocks_to_tokens(weights, geo, k.shape[1])  # [batch, kv_head, block, key]
+            token_pattern = pattern[..., :nb] @ self._repeat_kv(a, 1)
+            band_at = band_pos.clamp(0, k.shape[1] - 1)
+            token_pattern.scatter_add_(-1, band_at, pattern[..., nb:])
+        return z.transpose(1, 2), token_pattern
 
     # ------------------------------------------------------------------ decode regime
     #: whether a KV cache (keys and values only) holds what the design needs: ``gated`` pools
@@ -493,9 +502,11 @@ class CompressedAttentionMixin:
         rows = torch.arange(past, k.shape[1], device=q.device).expand(q.shape[0], -1)
         self.known_queries_from = known_from  # a rule that reads past queries checks it
         try:
-            z, _ = self.attend_many(x, q_full, k, v, geo, rows)
+            z, token_pattern = self.attend_many(x, q_full, k, v, geo, rows)
         finally:
             self.known_queries_from = 0
+        if token_pattern is not None:  # [batch, head, new, key_pos]: the new rows only
+            self.hook_token_pattern(token_pattern)
         return self._output(self.hook_z(z))
 
     def _cached_queries(

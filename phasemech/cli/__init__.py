@@ -113,4 +113,4 @@ def theory(
 
 
 # the commands live in one module per group; importing them registers them on ``app``
-from phasemech.cli import data, evaluate, experiments, interventions, training  # noqa: E402, F401
+from phasemech.cli import audit, data, evaluate, experiments, interventions, training  # noqa: E402, F401,I001

@@ -1,0 +1,75 @@
+"""``phasemech audit``: the per-phase retrieval audit of compression designs on a real model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from phasemech.cli import DeviceOpt, _device, _fail, app, console
+
+
+def _ints(value: str, flag: str) -> tuple[int, ...]:
+    """``"512,2048"`` or ranges ``"2-29"`` as ints; a one-line error names the flag."""
+    out: list[int] = []
+    try:
+        for part in (p.strip() for p in value.split(",") if p.strip()):
+            lo, _, hi = part.partition("-")
+            out += list(range(int(lo), int(hi) + 1)) if hi else [int(lo)]
+    except ValueError:
+        raise typer.BadParameter(f"{value!r}: expected ints or ranges like 2-29", param_hint=flag)
+    return tuple(out)
+
+
+def _offsets(value: str) -> str | int:
+    return int(value) if value.isdigit() else value
+
+
+@app.command()
+def audit(
+    design: Annotated[str, typer.Option(help="mean, route, evict, quest, kpool (comma-list)")],
+    out: Annotated[Path, typer.Option("-o", "--out", help="the audit folder to write")],
+    model: Annotated[
+        str, typer.Option(help="bundled name, local HF folder, .gguf file or TransformerLens name")
+    ] = "smollm2-135m",
+    stride: Annotated[int, typer.Option(min=1, help="d: tokens per block")] = 4,
+    top_k: Annotated[int, typer.Option(min=1, help="blocks kept per query (selecting)")] = 8,
+    window: Annotated[int, typer.Option(min=0, help="raw window W (tokens)")] = 16,
+    layers: Annotated[str | None, typer.Option(help="compressed layers, e.g. 2-29")] = None,
+    offsets: Annotated[str, typer.Option(help="aligned, per_layer, per_head, random or an int")] = (
+        "aligned"
+    ),
+    block_len: Annotated[int | None, typer.Option(help="block length (default: stride)")] = None,
+    obs_window: Annotated[int | None, typer.Option(help="evict's observation queries")] = None,
+    regime: Annotated[str, typer.Option(help="trained or decode")] = "trained",
+    context: Annotated[str, typer.Option(help="prompt lengths in tokens, e.g. 512,2048")] = "1024",
+    depths: Annotated[str, typer.Option(help="needle depths (fractions)")] = "0.1,0.3,0.5,0.7,0.9",
+    task: Annotated[str, typer.Option(help="passkey, multikey or kv")] = "passkey",
+    distractors: Annotated[int | None, typer.Option(help="multikey/kv: other codes")] = None,
+    contents: Annotated[int, typer.Option(min=1, help="contents per context (x stride)")] = 50,
+    seed: int = 0,
+    address: Annotated[str | None, typer.Option(help="join this Ray cluster")] = None,
+    num_cpus: Annotated[int | None, typer.Option(min=1, help="embedded Ray's CPUs")] = None,
+    device: DeviceOpt = "cpu",
+) -> None:
+    """Per-phase retrieval of each design against the uncompressed model (the null), on the
+    same paired prompts (every content at every phase at every depth), through the launcher."""
+    from phasemech.experiments.audit import AuditConfig, run_audit
+
+    _device(device)
+    try:
+        cfg = AuditConfig(
+            designs=tuple(d.strip() for d in design.split(",") if d.strip()),
+            model=model, stride=stride, window=window, top_k=top_k,
+            layers=None if layers is None else _ints(layers, "--layers"),
+            offsets=_offsets(offsets), block_len=block_len, obs_window=obs_window,
+            regime=regime, contexts=_ints(context, "--context"),
+            depths=tuple(float(x) for x in depths.split(",")), task=task,
+            distractors=distractors, contents=contents, seed=seed,
+        )  # fmt: skip
+        summary = run_audit(cfg, out, address=address, num_cpus=num_cpus, device=device)
+    except (ValueError, ConnectionError, FileNotFoundError, RuntimeError) as err:
+        raise _fail(err) from err
+    console.print((out / "summary.md").read_text(), markup=False, highlight=False)
+    console.print(f"wrote {out} ({summary['wall_s']:.0f} s); open {out / 'audit.html'}")

@@ -1,0 +1,279 @@
+"""``phasemech audit``: does a compression design's retrieval depend on the needle's phase, on a
+real model, at long context, in the regime the design serves?
+
+Axes: ``setting`` (``null``: the uncompressed model; then one per design), ``phase``, ``depth``,
+``layer``, ``head``; prompts are rows of tidy frames.
+
+An audit is one :class:`AuditConfig`: a model, one or more designs (each a post-hoc
+:class:`~phasemech.core.config.CompressionConfig` on the model's own weights), a regime
+(``trained``: every query reads the compressed history; ``decode``: a full-attention prefill of
+the document, then the question and answer read the compressed cache,
+:mod:`phasemech.model.decode`), contexts and a retrieval task whose prompts put every content
+at every phase at every depth (:mod:`phasemech.data.retrieval`). The null and every design
+score the SAME prompts (paired). Prompts run in chunks as jobs on the experiment launcher
+(embedded Ray, or a cluster by ``address``), cached by config under ``OUT/jobs``: a rerun or a
+wider audit computes only what is missing. In the decode regime one prefill serves the null
+and every design. :mod:`phasemech.experiments.audit_report` turns the scored prompts into the
+audit's tables, ``summary.md`` and ``audit.html``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pandas as pd
+
+from phasemech.core.config import CompressionConfig
+from phasemech.core.validation import is_int
+from phasemech.data.retrieval import TASK_KINDS, RetrievalTask
+from phasemech.experiments.jobs import Job, job_device, report_progress
+from phasemech.model.decode import REGIMES
+
+#: position encodings a compressed layer can host (keys carry their positions)
+HOSTS = ("standard", "shortformer", "rotary")
+#: designs an audit applies post hoc (no trained parameters)
+AUDIT_DESIGNS = ("mean", "route", "evict", "quest", "kpool")
+
+
+@dataclass(frozen=True)
+class AuditConfig:
+    """What to audit. ``designs``: one or more of :data:`AUDIT_DESIGNS`, each with the same
+    grid (``stride``, ``window``, ``top_k`` for selecting designs, ``layers``, ``offsets``,
+    ``block_len``, ``obs_window`` for ``evict``). ``contexts``: prompt lengths in tokens.
+    ``contents``: contents per context, each at every phase (``contents x stride`` prompts)."""
+
+    designs: tuple[str, ...] = ("route",)
+    model: str = "smollm2-135m"
+    stride: int = 4
+    window: int | None = 16
+    top_k: int | None = 8
+    layers: tuple[int, ...] | None = None
+    offsets: str | int = "aligned"
+    block_len: int | None = None
+    obs_window: int | None = None
+    regime: str = "trained"
+    contexts: tuple[int, ...] = (1024,)
+    depths: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9)
+    task: str = "passkey"
+    distractors: int | None = None
+    contents: int = 50
+    seed: int = 0
+    attention_prompts: int = 8
+    n_boot: int = 1000
+    n_perm: int = 1000
+
+    def __post_init__(self) -> None:
+        bad = [d for d in self.designs if d not in AUDIT_DESIGNS]
+        if not self.designs or bad or len(set(self.designs)) != len(self.designs):
+            raise ValueError(
+                f"AuditConfig: designs={self.designs!r} is invalid: allowed one or more of "
+                f"{AUDIT_DESIGNS}, each once (gated and mlp need trained compressors)"
+            )
+        if self.regime not in REGIMES:
+            raise ValueError(f"AuditConfig: regime={self.regime!r} is invalid: allowed {REGIMES}")
+        if self.task not in TASK_KINDS:
+            raise ValueError(f"AuditConfig: task={self.task!r} is invalid: allowed {TASK_KINDS}")
+        for name in ("contents", "attention_prompts"):
+            v = getattr(self, name)
+            if not is_int(v) or v < 1:
+                raise ValueError(f"AuditConfig: {name}={v!r} is invalid: expected an int >= 1")
+        if not self.contexts or not all(is_int(c) and c >= 64 for c in self.contexts):
+            raise ValueError(
+                f"AuditConfig: contexts={self.contexts!r} is invalid: expected ints >= 64"
+            )
+        for design in self.designs:  # every compression is checked before any work
+            self.compression(design)
+        self.retrieval_task(self.contexts[0])
+
+    def compression(self, design: str) -> CompressionConfig:
+        selecting = design != "mean"
+        return CompressionConfig(
+            design,
+            stride=self.stride,
+            window=self.window,
+            top_k=self.top_k if selecting else None,
+            layers=self.layers,
+            offsets=self.offsets,
+            block_len=self.block_len,
+            obs_window=self.obs_window if design == "evict" else None,
+        )
+
+    def retrieval_task(self, context: int) -> RetrievalTask:
+        extra = {} if self.distractors is None else {"distractors": self.distractors}
+        if self.task == "passkey":
+            extra = {"distractors": 0}
+        kw = dict(kind=self.task, context=context, depths=self.depths, stride=self.stride)
+        return RetrievalTask(**kw, **extra)
+
+    def settings(self) -> list[tuple[str, CompressionConfig | None]]:
+        """``(name, compression)``: the null first, then each design."""
+        return [("null", None)] + [
+            (self.setting_name(d), self.compression(d)) for d in self.designs
+        ]
+
+    def setting_name(self, design: str) -> str:
+        c = self.compression(design)
+        k = f"_k{c.top_k}" if c.top_k is not None else ""
+        return f"{design}_d{c.stride}_w{c.window}{k}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ------------------------------------------------------------------------------ worker side
+class _Worker:
+    """One per worker process: the model (loaded once), its compressed copies, the prompts."""
+
+    def __init__(self) -> None:
+        self.key: tuple | None = None
+        self.base = None
+        self.compressed: dict[str, Any] = {}
+        self.prompts: dict[tuple, Any] = {}
+
+    def model(self, spec: str, n_ctx: int, device):
+        from phasemech.model.sources import describe, load
+
+        if self.key != (spec, str(device)) or self.base.cfg.n_ctx < n_ctx:
+            source = describe(spec)
+            self.base = load(source, min(source.max_context, max(n_ctx, 2048)), device)
+            self.key, self.compressed = (spec, str(device)), {}
+        return self.base
+
+    def setting(self, name: str, comp: CompressionConfig | None):
+        from phasemech.model.transformer import PhaseTransformer
+
+        if comp is None:
+            return self.base
+        if name not in self.compressed:
+            self.compressed[name] = PhaseTransformer.from_hooked(self.base, comp).eval()
+        return self.compressed[name]
+
+    def batch(self, task: RetrievalTask, contents: int, seed: int):
+        from phasemech.data.retrieval import build_retrieval_prompts
+
+        key = (task, contents, seed)
+        if key not in self.prompts:
+            self.prompts = {key: build_retrieval_prompts(self.base.tokenizer, task, contents, seed)}
+        return self.prompts[key]
+
+
+_WORKER = _Worker()
+
+
+@dataclass(frozen=True)
+class AuditJob(Job):
+    """Prompts ``start`` to ``stop`` of one context's prompt set, scored by the null and
+    every design of ``audit`` (the first ``attention_prompts`` also give per-head attention
+    from the answer onto the needle)."""
+
+    kind: ClassVar[str] = "audit"
+    audit: AuditConfig
+    context: int
+    start: int
+    stop: int
+
+    @property
+    def label(self) -> str:
+        return f"T={self.context} [{self.start}:{self.stop}]"
+
+    def run(self, workdir: Path) -> dict[str, Any]:
+        from phasemech.experiments.audit_score import score_prompt
+
+        a = self.audit
+        base = _WORKER.model(a.model, self.context + 64, job_device())
+        batch = _WORKER.batch(a.retrieval_task(self.context), a.contents, a.seed)
+        models = [(n, _WORKER.setting(n, c)) for n, c in a.settings()]
+        rows, heads = [], []
+        t0 = time.perf_counter()
+        for i in range(self.start, self.stop):
+            attend = i < a.attention_prompts
+            r, h = score_prompt(base, models, batch, i, a.regime, attend)
+            rows += [dict(x, context=self.context) for x in r]
+            heads += [dict(x, context=self.context) for x in h]
+            report_progress(i + 1 - self.start, self.stop - self.start)
+        seconds = time.perf_counter() - t0
+        return {"targets": rows, "heads": heads, "seconds": seconds}
+
+
+def audit_jobs(a: AuditConfig, chunks_per_context: int = 8) -> list[AuditJob]:
+    """Every context's prompts in chunks (a few chunks per CPU balance the load; the model
+    loads once per worker process)."""
+    jobs = []
+    for context in a.contexts:
+        n = a.contents * a.stride
+        chunk = max(1, -(-n // chunks_per_context))
+        jobs += [AuditJob(a, context, i, min(i + chunk, n)) for i in range(0, n, chunk)]
+    return jobs
+
+
+def check_audit(a: AuditConfig) -> None:
+    """Every bad input fails here, in one line, before any forward: the model spec, contexts
+    longer than the model was trained for, a tokenizer that cannot place the needle on every
+    phase, a design the model's attention cannot host, layers the model lacks."""
+    from phasemech.data.retrieval import check_task
+    from phasemech.model.sources import describe, tokenizer
+
+    source = describe(a.model)
+    too_long = [c for c in a.contexts if c > source.max_context]
+    if too_long:
+        raise ValueError(
+            f"contexts {too_long} are invalid: {a.model!r} was trained to {source.max_context} "
+            f"tokens; allowed 64..{source.max_context}"
+        )
+    tok = tokenizer(source)
+    for c in a.contexts:
+        check_task(tok, a.retrieval_task(c), source.max_context)
+    _check_host(a, source)
+
+
+def _check_host(a: AuditConfig, source) -> None:
+    if a.layers is not None and max(a.layers) >= source.n_layers:
+        raise ValueError(
+            f"layers={list(a.layers)} is invalid: {a.model!r} has {source.n_layers} layers; "
+            f"allowed 0..{source.n_layers - 1}"
+        )
+    if source.positional not in HOSTS:
+        raise ValueError(
+            f"model {a.model!r} uses {source.positional} position encoding, which compressed "
+            f"attention cannot host (an additive bias over [pos, key_pos]); allowed {HOSTS}"
+        )
+
+
+def run_audit(
+    a: AuditConfig,
+    out: str | Path,
+    *,
+    address: str | None = None,
+    num_cpus: int | None = None,
+    device: str = "cpu",
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Run (or finish from the cache) the audit ``a`` into ``out``: tables, ``summary.md``,
+    ``summary.json`` and ``audit.html``. Returns the summary."""
+    from phasemech.experiments.audit_report import write_report
+    from phasemech.experiments.experiment import ray_session
+    from phasemech.experiments.launcher import launch, read_cached
+
+    check_audit(a)
+    out = Path(out)
+    jobs = audit_jobs(a)
+    t0 = time.perf_counter()
+    with ray_session(address, num_cpus) as ensure:
+        if any(read_cached(out / "jobs", j) is None for j in jobs):
+            ensure()
+        done = launch(jobs, out / "jobs", progress=progress, device=device)
+    if done.failures:
+        f = done.failures[0]
+        raise RuntimeError(f"{len(done.failures)} audit jobs failed; first: {f.label}\n{f.error}")
+    results = [done.results[j.key] for j in jobs]
+    targets = pd.DataFrame([r for res in results for r in res["targets"]])
+    heads = pd.DataFrame([h for res in results for h in res["heads"]])
+    worker_s = sum(res["seconds"] for res in results)
+    return write_report(a, targets, heads, out, time.perf_counter() - t0, worker_s)
+
+
+__all__ = ["AUDIT_DESIGNS", "AuditConfig", "AuditJob", "audit_jobs", "check_audit", "run_audit"]

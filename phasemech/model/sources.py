@@ -1,0 +1,143 @@
+"""Where an audited model comes from, and how long a context it was trained for.
+
+Axes: none (models and their metadata).
+
+A model spec is one of: a bundled name (:data:`phasemech.model.pretrained.LOCAL`, read from an
+installed package: no network); a local Hugging Face model folder (``config.json`` and weights);
+a local ``.gguf`` file; or a TransformerLens model name (downloaded: needs a reachable hub).
+Local folders and GGUF files are converted with phasemech's llama conversion, so they must
+hold a llama-architecture model (Llama, SmolLM, Mistral-style without sliding windows).
+:func:`describe` resolves the spec and reads the trained context WITHOUT loading weights, so
+every bad input fails in one line before any forward; :func:`load` then loads it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformer_lens import HookedTransformer
+
+from phasemech.model.pretrained import LOCAL, gguf_path, hooked_from_hf
+
+LLAMA = ("LlamaForCausalLM", "MistralForCausalLM")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A resolved model spec: ``kind`` is ``bundled``, ``folder``, ``gguf`` or ``hub``."""
+
+    spec: str
+    kind: str
+    path: str | None
+    max_context: int  # the context the model was trained for
+    architecture: str
+    n_layers: int
+    positional: str  # TransformerLens' positional_embedding_type
+
+
+def _hf_config(folder: Path, gguf_file: str | None = None):
+    from transformers import AutoConfig
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return AutoConfig.from_pretrained(folder, gguf_file=gguf_file)
+
+
+def _from_config(spec: str, kind: str, path: Path, cfg) -> ModelSource:
+    arch = (getattr(cfg, "architectures", None) or [type(cfg).__name__])[0]
+    if cfg.model_type not in ("llama", "mistral") or getattr(cfg, "sliding_window", None):
+        raise ValueError(
+            f"model {spec!r} is a {arch} ({cfg.model_type}): a local model must be a "
+            f"llama-architecture causal LM ({', '.join(LLAMA)}); other architectures load by "
+            "TransformerLens name"
+        )
+    n_ctx, n_layers = int(cfg.max_position_embeddings), int(cfg.num_hidden_layers)
+    return ModelSource(spec, kind, str(path), n_ctx, arch, n_layers, "rotary")
+
+
+def describe(spec: str) -> ModelSource:
+    """Resolve ``spec`` and read its trained context; a one-line ``ValueError`` (or
+    ``ConnectionError`` for an unreachable hub) naming the alternatives otherwise."""
+    if spec in LOCAL:
+        path = gguf_path(spec)
+        return _from_config(spec, "bundled", path, _hf_config(path.parent, path.name))
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model folder {spec!r} has no config.json: not a Hugging Face model")
+        return _from_config(spec, "folder", path, _hf_config(path))
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ValueError(f"model file {spec!r} does not exist")
+        return _from_config(spec, "gguf", path, _hf_config(path.parent, path.name))
+    return _hub(spec)
+
+
+def _hub(spec: str) -> ModelSource:
+    from transformer_lens.loading_from_pretrained import (
+        OFFICIAL_MODEL_NAMES,
+        get_official_model_name,
+    )
+
+    try:
+        name = get_official_model_name(spec)
+    except ValueError:
+        raise ValueError(
+            f"model {spec!r} is unknown: allowed a bundled model ({', '.join(LOCAL)}), a local "
+            "Hugging Face folder, a .gguf file, or a TransformerLens name (e.g. gpt2, "
+            f"EleutherAI/pythia-70m; {len(OFFICIAL_MODEL_NAMES)} known)"
+        ) from None
+    from transformer_lens.loading_from_pretrained import get_pretrained_model_config
+
+    try:
+        if not os.environ.get("HF_HUB_OFFLINE"):  # fail in seconds, not after hub retries
+            socket.create_connection(("huggingface.co", 443), timeout=5).close()
+        cfg = get_pretrained_model_config(name)
+    except OSError as err:  # no network, no local HF cache
+        raise ConnectionError(
+            f"model {spec!r} needs the Hugging Face hub, which cannot be reached "
+            f"({type(err).__name__}); use a bundled model ({', '.join(LOCAL)}), a local folder "
+            "or a .gguf file"
+        ) from None
+    arch = cfg.original_architecture or ""
+    pos = cfg.positional_embedding_type
+    return ModelSource(spec, "hub", name, int(cfg.n_ctx), arch, int(cfg.n_layers), pos)
+
+
+def tokenizer(source: ModelSource):
+    """The model's tokenizer alone (no weights): prompts are checked before any load."""
+    from transformers import AutoTokenizer
+
+    if source.kind == "hub":
+        return AutoTokenizer.from_pretrained(source.path)
+    path = Path(source.path)
+    if source.kind == "folder":
+        return AutoTokenizer.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
+def load(source: ModelSource, n_ctx: int, device: str | torch.device = "cpu") -> HookedTransformer:
+    """The model as an uncompressed ``HookedTransformer`` in eval mode on ``device``, allocating
+    ``n_ctx`` positions (at most the trained context)."""
+    from phasemech.model.pretrained import load_pretrained
+
+    if source.kind in ("bundled", "hub"):
+        return load_pretrained(source.spec, n_ctx=n_ctx, device=device)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(source.path)
+    folder, gguf = (path, None) if source.kind == "folder" else (path.parent, path.name)
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=torch.float32)
+    model = hooked_from_hf(hf.eval(), tok, n_ctx)
+    return model.to(str(device), print_details=False)
+
+
+__all__ = ["ModelSource", "describe", "load", "tokenizer"]
