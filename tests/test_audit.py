@@ -1,0 +1,126 @@
+"""``phasemech audit``: bad input fails in one line before any forward; scoring in both regimes
+matches plain forwards; a tiny end-to-end audit on the bundled SmolLM2 writes every table and
+page. The end-to-end run is short prompts (128 tokens) and one content."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from phasemech.experiments.audit import AuditConfig, check_audit, run_audit
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        (dict(designs=("gated",)), "designs=\\('gated',\\) is invalid"),
+        (dict(designs=()), "designs=\\(\\) is invalid"),
+        (dict(regime="prefill"), "regime='prefill' is invalid"),
+        (dict(task="qa"), "task='qa' is invalid"),
+        (dict(contexts=(32,)), "contexts=\\(32,\\) is invalid"),
+        (dict(contents=0), "contents=0 is invalid"),
+        (dict(designs=("kpool",), block_len=8), "block_len=8 is invalid"),
+    ],
+)
+def test_config_refuses_bad_input(kw, match):
+    with pytest.raises(ValueError, match=match) as err:
+        AuditConfig(**kw)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("kw", "exc", "match"),
+    [
+        (dict(contexts=(9000,)), ValueError, "trained to 8192 tokens; allowed 64..8192"),
+        (dict(layers=(2, 40)), ValueError, "has 30 layers; allowed 0..29"),
+        (dict(model="no-such-model"), ValueError, "model 'no-such-model' is unknown"),
+        (dict(model="/nonexistent/x.gguf"), ValueError, "does not exist"),
+    ],
+)
+def test_check_refuses_before_any_forward(kw, exc, match):
+    with pytest.raises(exc, match=match) as err:
+        check_audit(AuditConfig(**kw))
+    assert "\n" not in str(err.value)
+
+
+def test_cli_bad_input_is_one_line(tmp_path):
+    cmd = [sys.executable, "-m", "phasemech.cli", "audit", "--design", "gated", "-o", str(tmp_path)]
+    env = dict(os.environ, COLUMNS="500")  # rich wraps at the terminal width
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120, env=env)
+    assert res.returncode == 1
+    lines = [ln for ln in res.stdout.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "designs=('gated',) is invalid" in lines[0]
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    from phasemech.model.pretrained import load_pretrained
+
+    return load_pretrained("smollm2-135m", n_ctx=256)
+
+
+@pytest.mark.parametrize("regime", ["trained", "decode"])
+def test_score_prompt_matches_plain_forwards(smollm, regime):
+    """The scorer's verdict for the null equals a plain full forward's argmax (both regimes
+    share the null's numbers: a dense prefill + cached rows is the dense forward)."""
+    from phasemech.data.retrieval import RetrievalTask, build_retrieval_prompts
+    from phasemech.experiments.audit_score import score_prompt
+
+    a = AuditConfig(designs=("route",), contexts=(128,), regime=regime, layers=tuple(range(2, 30)))
+    batch = build_retrieval_prompts(smollm.tokenizer, RetrievalTask(context=128), 1, seed=0)
+    comp = PhaseTransformerFrom(smollm, a)
+    rows, heads = score_prompt(smollm, [("null", smollm), ("route", comp)], batch, 2, regime, True)
+    info = batch.frame.iloc[2]
+    start, n = int(info.answer_start), batch.answer.shape[1]
+    with torch.inference_mode():
+        logits = smollm(batch.tokens[2:3, : start + n - 1])[0, start - 1 :]
+    want = bool((logits.argmax(-1) == batch.answer[2]).all())
+    assert rows[0]["correct"] == want and rows[0]["setting"] == "null"
+    assert {r["setting"] for r in rows} == {"null", "route"}
+    h = pd.DataFrame(heads)
+    assert len(h) == 2 * 30 * 9 and h.mass.between(0, 1).all()
+    # the null's per-head attention is the dense pattern from the answer row onto the needle
+    with torch.inference_mode():
+        _, cache = smollm.run_with_cache(batch.tokens[2:3, : start + n - 1],
+                                         names_filter="blocks.5.attn.hook_pattern")  # fmt: skip
+    ref = cache["blocks.5.attn.hook_pattern"][0, :, start - 1, int(info.needle_pos)]
+    got = h[(h.setting == "null") & (h.layer == 5)].sort_values("head").mass.to_numpy()
+    torch.testing.assert_close(
+        torch.tensor(got, dtype=torch.float32), ref.float(), atol=1e-5, rtol=0
+    )
+
+
+def PhaseTransformerFrom(base, a: AuditConfig):  # noqa: N802
+    from phasemech.model.transformer import PhaseTransformer
+
+    return PhaseTransformer.from_hooked(base, a.compression(a.designs[0])).eval()
+
+
+def test_tiny_audit_end_to_end(tmp_path):
+    a = AuditConfig(designs=("route", "mean"), contexts=(128,), contents=1, regime="decode",
+                    layers=tuple(range(2, 30)), n_boot=20, n_perm=20)  # fmt: skip
+    out = tmp_path / "audit"
+    summary = run_audit(a, out, num_cpus=1, progress=False)
+    for name in ("targets", "per_phase", "depth_phase", "head_phase", "summary"):
+        assert len(pd.read_parquet(out / f"{name}.parquet"))
+    t = pd.read_parquet(out / "targets.parquet")
+    assert sorted(t.setting.unique()) == ["mean_d4_w16", "null", "route_d4_w16_k8"]
+    assert sorted(t.phase.unique()) == [0, 1, 2, 3] and len(t) == 3 * 4
+    assert [r["setting"] for r in summary["rows"]][0] == "null"
+    text = (out / "summary.md").read_text()
+    assert "decode regime" in text and "route_d4_w16_k8" in text
+    page = (out / "audit.html").read_text()
+    assert "phasemech-data" in page and "<script src=" not in page
+    assert json.loads((out / "summary.json").read_text())["config"]["regime"] == "decode"
+    # a rerun reads every job from the cache
+    again = run_audit(a, out, num_cpus=1, progress=False)
+    assert again["rows"] == summary["rows"]
