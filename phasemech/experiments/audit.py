@@ -149,7 +149,11 @@ class _Worker:
         if comp is None:
             return self.base
         if name not in self.compressed:
-            self.compressed[name] = PhaseTransformer.from_hooked(self.base, comp).eval()
+            model = PhaseTransformer.from_hooked(self.base, comp).eval()
+            # post hoc designs add no parameters: share the base's tensors instead of a copy
+            # per design (a worker holds the model once, however many designs it scores)
+            model.load_state_dict(self.base.state_dict(), strict=False, assign=True)
+            self.compressed[name] = model
         return self.compressed[name]
 
     def batch(self, task: RetrievalTask, contents: int, seed: int):
