@@ -16,7 +16,7 @@ N_LAYERS = 2
 
 @st.composite
 def configs(draw):
-    design = draw(st.sampled_from(["mean", "gated", "mlp", "route", "evict"]))
+    design = draw(st.sampled_from(["mean", "gated", "mlp", "route", "evict", "quest", "kpool"]))
     d = draw(st.integers(1, 6))
     gqa = draw(st.booleans())
     n_kv = 2 if gqa else 4
@@ -33,7 +33,7 @@ def configs(draw):
     comp = CompressionConfig(
         design,
         stride=d,
-        block_len=d + draw(st.integers(0, 3)),
+        block_len=d + (0 if design == "kpool" else draw(st.integers(0, 3))),
         window=draw(st.integers(0, 12)),
         visibility=draw(st.sampled_from(["inclusive", "strict"])),
         offsets=offsets,
