@@ -4,6 +4,7 @@ page. The end-to-end run is short prompts (128 tokens) and one content."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -28,6 +29,8 @@ ROOT = Path(__file__).resolve().parents[1]
         (dict(task="qa"), "task='qa' is invalid"),
         (dict(contexts=(32,)), "contexts=\\(32,\\) is invalid"),
         (dict(contents=0), "contents=0 is invalid"),
+        (dict(offsets="random"), "offsets='random' is invalid"),
+        (dict(task="passkey", distractors=2), "distractors=2 is invalid"),
         (dict(designs=("kpool",), block_len=8), "block_len=8 is invalid"),
     ],
 )
@@ -79,6 +82,7 @@ def test_score_prompt_matches_plain_forwards(smollm, regime):
     share the null's numbers: a dense prefill + cached rows is the dense forward)."""
     from phasemech.data.retrieval import RetrievalTask, build_retrieval_prompts
     from phasemech.experiments.audit_score import score_prompt
+    from phasemech.model.decode import prefill, read_rows
 
     a = AuditConfig(designs=("route",), contexts=(128,), regime=regime, layers=tuple(range(2, 30)))
     batch = build_retrieval_prompts(smollm.tokenizer, RetrievalTask(context=128), 1, seed=0)
@@ -86,10 +90,20 @@ def test_score_prompt_matches_plain_forwards(smollm, regime):
     rows, heads = score_prompt(smollm, [("null", smollm), ("route", comp)], batch, 2, regime, True)
     info = batch.frame.iloc[2]
     start, n = int(info.answer_start), batch.answer.shape[1]
+    x = batch.tokens[2:3, : start + n - 1]
+    qs = int(info.question_start)
     with torch.inference_mode():
-        logits = smollm(batch.tokens[2:3, : start + n - 1])[0, start - 1 :]
-    want = bool((logits.argmax(-1) == batch.answer[2]).all())
-    assert rows[0]["correct"] == want and rows[0]["setting"] == "null"
+        logits = smollm(x)[0, start - 1 :]
+        if regime == "trained":  # route runs the whole prompt
+            routed = comp(x)[0, start - 1 :]
+        else:  # route reads the dense prefill's cache from the question on
+            resid = read_rows(comp, prefill(smollm, x[:, :qs]), x[:, qs:])
+            routed = comp.unembed(comp.ln_final(resid))[0, start - 1 - qs :]
+    for row, lg, name in ((rows[0], logits, "null"), (rows[1], routed, "route")):
+        assert row["setting"] == name
+        assert row["correct"] == bool((lg.argmax(-1) == batch.answer[2]).all())
+        lp = lg.log_softmax(-1).gather(-1, batch.answer[2][:, None]).sum()
+        assert row["logprob"] == pytest.approx(float(lp), abs=1e-3)
     assert {r["setting"] for r in rows} == {"null", "route"}
     h = pd.DataFrame(heads)
     assert len(h) == 2 * 30 * 9 and h.mass.between(0, 1).all()
@@ -126,6 +140,9 @@ def test_tiny_audit_end_to_end(tmp_path):
     page = (out / "audit.html").read_text()
     assert "phasemech-data" in page and "<script src=" not in page
     assert json.loads((out / "summary.json").read_text())["config"]["regime"] == "decode"
-    # a rerun reads every job from the cache
-    again = run_audit(a, out, num_cpus=1, progress=False)
-    assert again["rows"] == summary["rows"]
+    # a rerun, even with other statistics sizes, reads every job from the cache
+    jobs = {p: p.stat().st_mtime_ns for p in (out / "jobs").glob("*.json")}
+    assert len(jobs) >= 1
+    again = run_audit(dataclasses.replace(a, n_boot=30), out, num_cpus=1, progress=False)
+    assert {p: p.stat().st_mtime_ns for p in (out / "jobs").glob("*.json")} == jobs
+    assert [r["accuracy"] for r in again["rows"]] == [r["accuracy"] for r in summary["rows"]]

@@ -80,6 +80,17 @@ def test_decode_after_one_token_is_the_trained_regime(design):
                                atol=1e-5, rtol=0)  # fmt: skip
 
 
+def test_shortformer_decode_reads_key_and_value_inputs():
+    """Shortformer adds positions to keys and values, not queries: the cached rows must use
+    the layer's key/value inputs (one layer: decode equals the full forward)."""
+    tl_model = make_hooked(n_layers=1, positional_embedding_type="shortformer").eval()
+    model = PhaseTransformer.from_hooked(tl_model, CompressionConfig("route", stride=4, window=3,
+                                                                     top_k=1)).eval()  # fmt: skip
+    x = tokens(1, 40, seed=3)
+    got = read_rows(model, prefill(tl_model, x[:, :23]), x[:, 23:])
+    torch.testing.assert_close(got, _resid(model, x)[:, 23:], atol=1e-5, rtol=0)
+
+
 def test_null_rows_equal_the_dense_forward():
     tl_model, _ = _pair("mean", n_layers=2)
     x = tokens(2, 30, seed=2)

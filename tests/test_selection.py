@@ -54,6 +54,8 @@ def naive_z(layer, q, k, v, geo, rule: str, key_valid=None):
                 kept = [i for _, i in sorted(ranked, reverse=True)[: layer.top_k]] + forced
                 toks = {p for i in kept for p in _real_slots(geo, s, g, i)}
                 toks |= {j for j in range(max(int(geo.raw_start[s, g, t]), 0), t + 1) if real(j)}
+                if not toks:  # a masked query row with nothing visible: compared nowhere
+                    continue
                 idx = torch.tensor(sorted(toks))
                 scores = (k[s, idx, g] @ q[s, t, head]) / layer.attn_scale
                 out[s, t, head] = torch.softmax(scores, 0) @ v[s, idx, g]
@@ -116,11 +118,15 @@ def test_gradients_match_naive_reference(rule):
         torch.testing.assert_close(a, b, atol=1e-8, rtol=0)
 
 
-@pytest.mark.parametrize("rule", ["quest", "kpool"])
-def test_left_padding_is_invisible(rule):
+@pytest.mark.parametrize("rule", ["route", "quest", "kpool"])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_left_padding_is_invisible(rule, overlap):
     """Left padding: the padded sequence's outputs equal the unpadded one's on real tokens,
-    and they equal the reference with the padding hidden."""
-    model = _model(rule, stride=4, window=4, top_k=1)
+    and the layer equals the reference with the padding hidden."""
+    if rule == "kpool" and overlap:
+        pytest.skip("kpool's pools are disjoint")
+    comp = dict(stride=3, block_len=7, offsets=(1, 2)) if overlap else dict(stride=4)
+    model = _model(rule, window=4, top_k=1, **comp)
     x = tokens(1, 24, seed=3)
     pad = 5
     padded = torch.cat([torch.zeros(1, pad, dtype=torch.long), x], 1)
@@ -128,6 +134,27 @@ def test_left_padding_is_invisible(rule):
     torch.testing.assert_close(
         model(padded, attention_mask=mask)[:, pad:], model(x), atol=1e-5, rtol=0
     )
+    attn, q, k, v, geo, cache = _layer_inputs(model, padded, attention_mask=mask)
+    want = naive_z(attn, q.double(), k.double(), v.double(), geo, rule, key_valid=mask.bool())
+    got = cache["blocks.0.attn.hook_z"].double()
+    torch.testing.assert_close(got[:, pad:], want[:, pad:], atol=1e-5, rtol=0)
+
+
+def test_ties_go_to_the_later_block():
+    """Quest's bounds tie exactly when overlapping blocks share their extreme keys: the later
+    block wins, as in the reference, whatever ``topk`` would pick."""
+    from phasemech.attention.selection import top_k_latest
+
+    gate = torch.tensor([[3.0, 5.0, 1.0, 5.0, 5.0, float("-inf")]])
+    val, idx = top_k_latest(gate, 2)
+    assert sorted(idx[0].tolist()) == [3, 4] and val[0].tolist() == [5.0, 5.0]
+    val, idx = top_k_latest(gate, 4)
+    assert sorted(idx[0].tolist()) == [0, 1, 3, 4]
+    model = _model("quest", stride=3, block_len=7, window=2, top_k=1, offsets=(1, 2))
+    x = tokens(2, 30, seed=5)
+    attn, q, k, v, geo, cache = _layer_inputs(model, x)
+    want = naive_z(attn, q.double(), k.double(), v.double(), geo, "quest")
+    torch.testing.assert_close(cache["blocks.0.attn.hook_z"].double(), want, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("rule", ["route", "quest", "kpool", "evict"])

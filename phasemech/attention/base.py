@@ -277,7 +277,8 @@ class CompressedAttentionMixin:
                 "are not supported on compressed layers"
             )
         if past_kv_cache_entry is not None:
-            return self._forward_cached(query_input, past_kv_cache_entry, attention_mask)
+            inputs = (query_input, key_input, value_input)
+            return self._forward_cached(inputs, past_kv_cache_entry, attention_mask)
         if self.training:  # one fused projection; the same q, k, v and hooks
             q, k, v = fused_qkv(self, query_input, key_input, value_input)
         else:
@@ -477,7 +478,7 @@ class CompressedAttentionMixin:
     known_queries_from: int = 0
 
     def _forward_cached(
-        self, x: Float[Tensor, "batch new d_model"], entry: Any, attention_mask: Tensor | None
+        self, inputs: tuple[Tensor, Tensor, Tensor], entry: Any, attention_mask: Tensor | None
     ) -> Float[Tensor, "batch new d_model"]:
         """The decode regime: the new rows (positions ``past .. past + new - 1``) read the
         compressed cache (``entry``: TransformerLens' KV cache entry, pre-RoPE keys); the
@@ -494,7 +495,8 @@ class CompressedAttentionMixin:
                 f"layer {self.layer_id} ({self.design}): a padded KV cache is not supported; "
                 "decode one sequence (or equal-length sequences) at a time"
             )
-        q, k, v = self.calculate_qkv_matrices(x, x, x)
+        q, k, v = self.calculate_qkv_matrices(*inputs)  # query, key, value inputs (shortformer)
+        x = inputs[1]  # the layer input a pooling rule may read (as ``forward`` passes it)
         past = entry.past_keys.shape[1]
         k, v = entry.append(k, v)
         if self.cfg.positional_embedding_type == "rotary":
@@ -524,9 +526,11 @@ class CompressedAttentionMixin:
         q_full[:, past:] = q
         if known:
             q_full[:, past - known : past] = stored.to(q.dtype)
-        if not entry.frozen and self.cached_queries:
-            entry.past_queries = q_full[:, -self.cached_queries :].detach()
-        return q_full, past - known if past else 0
+        known_from = past - known if past else 0
+        if not entry.frozen and self.cached_queries:  # only queries this forward knows
+            keep_from = max(known_from, q_full.shape[1] - self.cached_queries)
+            entry.past_queries = q_full[:, keep_from:].detach()
+        return q_full, known_from
 
     def _pattern(
         self,

@@ -43,6 +43,28 @@ from phasemech.core.grid import Geometry
 ROW_CHUNK = 256
 
 
+def top_k_latest(
+    gate: Float[Tensor, "... block"], k: int
+) -> tuple[Float[Tensor, "... k"], Int[Tensor, "... k"]]:
+    """``topk`` with ties at the cut broken toward the later block (a deterministic rule:
+    ``topk`` itself breaks ties arbitrarily, and rules such as Quest's bounds tie exactly
+    when overlapping blocks share their extreme keys). Rows with a tie at the cut (rare) are
+    re-ranked by a stable sort; the rest keep ``topk``'s answer."""
+    n = gate.shape[-1]
+    if k >= n:
+        return gate.topk(k, dim=-1)
+    val, top = gate.topk(k + 1, dim=-1)
+    cut = val[..., k - 1]
+    tied = (cut == val[..., k]) & (cut > float("-inf"))
+    val, top = val[..., :k], top[..., :k]
+    if bool(tied.any()):
+        rows = gate[tied].flip(-1)  # a stable descending sort of the reversed blocks
+        order = rows.sort(dim=-1, descending=True, stable=True).indices[..., :k]
+        top[tied] = n - 1 - order
+        val[tied] = rows.gather(-1, order)
+    return val, top
+
+
 class SelectingAttention(CompressedAttentionMixin):
     """Top-k block selection over raw tokens; a design implements ``block_scores`` (and, when
     it scores from per-block statistics, ``block_summary``)."""
@@ -139,7 +161,7 @@ class SelectingAttention(CompressedAttentionMixin):
         forced: Bool[Tensor, "batch head row block"],
     ) -> tuple[Int[Tensor, "batch head row sel"], Bool[Tensor, "batch head row sel"]]:
         """Kept block indices (top-k of the gate, then the forced block) and which are real."""
-        val, top = gate.topk(min(self.top_k, gate.shape[-1]), dim=-1)
+        val, top = top_k_latest(gate, min(self.top_k, gate.shape[-1]))
         idx = torch.cat([top, forced.float().argmax(-1, keepdim=True)], -1)
         ok = torch.cat([val > float("-inf"), forced.any(-1, keepdim=True)], -1)
         if not self.hook_route_selected.has_hooks():

@@ -22,10 +22,6 @@ def _ints(value: str, flag: str) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _offsets(value: str) -> str | int:
-    return int(value) if value.isdigit() else value
-
-
 @app.command()
 def audit(
     design: Annotated[str, typer.Option(help="mean, route, evict, quest, kpool (comma-list)")],
@@ -37,9 +33,7 @@ def audit(
     top_k: Annotated[int, typer.Option(min=1, help="blocks kept per query (selecting)")] = 8,
     window: Annotated[int, typer.Option(min=0, help="raw window W (tokens)")] = 16,
     layers: Annotated[str | None, typer.Option(help="compressed layers, e.g. 2-29")] = None,
-    offsets: Annotated[str, typer.Option(help="aligned, per_layer, per_head, random or an int")] = (
-        "aligned"
-    ),
+    offsets: Annotated[str, typer.Option(help="aligned, per_layer or per_head")] = "aligned",
     block_len: Annotated[int | None, typer.Option(help="block length (default: stride)")] = None,
     obs_window: Annotated[int | None, typer.Option(help="evict's observation queries")] = None,
     regime: Annotated[str, typer.Option(help="trained or decode")] = "trained",
@@ -63,7 +57,7 @@ def audit(
             designs=tuple(d.strip() for d in design.split(",") if d.strip()),
             model=model, stride=stride, window=window, top_k=top_k,
             layers=None if layers is None else _ints(layers, "--layers"),
-            offsets=_offsets(offsets), block_len=block_len, obs_window=obs_window,
+            offsets=offsets, block_len=block_len, obs_window=obs_window,
             regime=regime, contexts=_ints(context, "--context"),
             depths=tuple(float(x) for x in depths.split(",")), task=task,
             distractors=distractors, contents=contents, seed=seed,

@@ -11,15 +11,17 @@ the document, then the question and answer read the compressed cache,
 :mod:`phasemech.model.decode`), contexts and a retrieval task whose prompts put every content
 at every phase at every depth (:mod:`phasemech.data.retrieval`). The null and every design
 score the SAME prompts (paired). Prompts run in chunks as jobs on the experiment launcher
-(embedded Ray, or a cluster by ``address``), cached by config under ``OUT/jobs``: a rerun or a
-wider audit computes only what is missing. In the decode regime one prefill serves the null
-and every design. :mod:`phasemech.experiments.audit_report` turns the scored prompts into the
+(embedded Ray, or a cluster by ``address``), cached by config under ``OUT/jobs``: a rerun (or
+one with other statistics sizes) computes nothing, a killed one resumes; other prompts,
+designs or grids are a new audit. In the decode regime one prefill serves the null and every
+design. :mod:`phasemech.experiments.audit_report` turns the scored prompts into the
 audit's tables, ``summary.md`` and ``audit.html``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +37,8 @@ from phasemech.model.decode import REGIMES
 
 #: position encodings a compressed layer can host (keys carry their positions)
 HOSTS = ("standard", "shortformer", "rotary")
+#: grid offsets an audit takes: phases are reported on the aligned reference grid
+AUDIT_OFFSETS = ("aligned", "per_layer", "per_head")
 #: designs an audit applies post hoc (no trained parameters)
 AUDIT_DESIGNS = ("mean", "route", "evict", "quest", "kpool")
 
@@ -44,7 +48,9 @@ class AuditConfig:
     """What to audit. ``designs``: one or more of :data:`AUDIT_DESIGNS`, each with the same
     grid (``stride``, ``window``, ``top_k`` for selecting designs, ``layers``, ``offsets``,
     ``block_len``, ``obs_window`` for ``evict``). ``contexts``: prompt lengths in tokens.
-    ``contents``: contents per context, each at every phase (``contents x stride`` prompts)."""
+    ``contents``: contents per context, each at every phase (``contents x stride`` prompts).
+    ``attention_groups``: the first contents (consecutive contents cycle through the depths)
+    whose prompts, at every phase, also give per-head attention onto the needle."""
 
     designs: tuple[str, ...] = ("route",)
     model: str = "smollm2-135m"
@@ -52,7 +58,7 @@ class AuditConfig:
     window: int | None = 16
     top_k: int | None = 8
     layers: tuple[int, ...] | None = None
-    offsets: str | int = "aligned"
+    offsets: str = "aligned"
     block_len: int | None = None
     obs_window: int | None = None
     regime: str = "trained"
@@ -62,7 +68,7 @@ class AuditConfig:
     distractors: int | None = None
     contents: int = 50
     seed: int = 0
-    attention_prompts: int = 8
+    attention_groups: int = 5
     n_boot: int = 1000
     n_perm: int = 1000
 
@@ -77,7 +83,13 @@ class AuditConfig:
             raise ValueError(f"AuditConfig: regime={self.regime!r} is invalid: allowed {REGIMES}")
         if self.task not in TASK_KINDS:
             raise ValueError(f"AuditConfig: task={self.task!r} is invalid: allowed {TASK_KINDS}")
-        for name in ("contents", "attention_prompts"):
+        if self.offsets not in AUDIT_OFFSETS:
+            raise ValueError(
+                f"AuditConfig: offsets={self.offsets!r} is invalid: allowed {AUDIT_OFFSETS} "
+                "(phases are reported on the aligned grid, which these share; random offsets "
+                "per sequence are not audited yet)"
+            )
+        for name in ("contents", "attention_groups"):
             v = getattr(self, name)
             if not is_int(v) or v < 1:
                 raise ValueError(f"AuditConfig: {name}={v!r} is invalid: expected an int >= 1")
@@ -103,11 +115,8 @@ class AuditConfig:
         )
 
     def retrieval_task(self, context: int) -> RetrievalTask:
-        extra = {} if self.distractors is None else {"distractors": self.distractors}
-        if self.task == "passkey":
-            extra = {"distractors": 0}
         kw = dict(kind=self.task, context=context, depths=self.depths, stride=self.stride)
-        return RetrievalTask(**kw, **extra)
+        return RetrievalTask(**kw, distractors=self.distractors)
 
     def settings(self) -> list[tuple[str, CompressionConfig | None]]:
         """``(name, compression)``: the null first, then each design."""
@@ -138,16 +147,18 @@ class _Worker:
         from phasemech.model.sources import describe, load
 
         if self.key != (spec, str(device)) or self.base.cfg.n_ctx < n_ctx:
+            self.prompts = {}
             source = describe(spec)
             self.base = load(source, min(source.max_context, max(n_ctx, 2048)), device)
             self.key, self.compressed = (spec, str(device)), {}
         return self.base
 
-    def setting(self, name: str, comp: CompressionConfig | None):
+    def setting(self, comp: CompressionConfig | None):
         from phasemech.model.transformer import PhaseTransformer
 
         if comp is None:
             return self.base
+        name = json.dumps(comp.to_dict(), sort_keys=True)  # the whole config, not a label
         if name not in self.compressed:
             model = PhaseTransformer.from_hooked(self.base, comp).eval()
             # post hoc designs add no parameters: share the base's tensors instead of a copy
@@ -159,7 +170,7 @@ class _Worker:
     def batch(self, task: RetrievalTask, contents: int, seed: int):
         from phasemech.data.retrieval import build_retrieval_prompts
 
-        key = (task, contents, seed)
+        key = (self.key, task, contents, seed)  # prompts are the model's tokenizer's
         if key not in self.prompts:
             self.prompts = {key: build_retrieval_prompts(self.base.tokenizer, task, contents, seed)}
         return self.prompts[key]
@@ -171,8 +182,8 @@ _WORKER = _Worker()
 @dataclass(frozen=True)
 class AuditJob(Job):
     """Prompts ``start`` to ``stop`` of one context's prompt set, scored by the null and
-    every design of ``audit`` (the first ``attention_prompts`` also give per-head attention
-    from the answer onto the needle)."""
+    every design of ``audit`` (the prompts of the first ``attention_groups`` contents also
+    give per-head attention from the answer onto the needle)."""
 
     kind: ClassVar[str] = "audit"
     audit: AuditConfig
@@ -190,11 +201,11 @@ class AuditJob(Job):
         a = self.audit
         base = _WORKER.model(a.model, self.context + 64, job_device())
         batch = _WORKER.batch(a.retrieval_task(self.context), a.contents, a.seed)
-        models = [(n, _WORKER.setting(n, c)) for n, c in a.settings()]
+        models = [(n, _WORKER.setting(c)) for n, c in a.settings()]
         rows, heads = [], []
         t0 = time.perf_counter()
         for i in range(self.start, self.stop):
-            attend = i < a.attention_prompts
+            attend = int(batch.frame.group_id.iloc[i]) < a.attention_groups
             r, h = score_prompt(base, models, batch, i, a.regime, attend)
             rows += [dict(x, context=self.context) for x in r]
             heads += [dict(x, context=self.context) for x in h]
@@ -205,7 +216,8 @@ class AuditJob(Job):
 
 def audit_jobs(a: AuditConfig, chunks_per_context: int = 8) -> list[AuditJob]:
     """Every context's prompts in chunks (a few chunks per CPU balance the load; the model
-    loads once per worker process)."""
+    loads once per worker process). The statistics' sizes are not part of a job's key."""
+    a = dataclasses.replace(a, n_boot=0, n_perm=0)
     jobs = []
     for context in a.contexts:
         n = a.contents * a.stride

@@ -7,9 +7,8 @@ logprob, phase, depth, ...), ``per_phase`` (context, setting, phase: accuracy wi
 bootstrap CIs), ``depth_phase`` (context, setting, depth, phase), ``head_phase`` (context,
 setting, layer, head, phase: mean answer-onto-needle attention) and ``summary`` (context,
 setting: accuracy, debiased gap with CI, permutation / logistic / Cochran / McNemar tests, and
-what an average or a random-offset test would report). A setting whose accuracy is not above
-chance on every phase is no evidence of a phase effect either way; ``summary.md`` says so
-beside it. ``audit.html`` (one per context; ``audit.html`` is the first) is the interactive
+what an average or a random-offset test would report). A setting that retrieves nothing at
+any phase is no evidence of a phase effect either way; ``summary.md`` says so beside it. ``audit.html`` (one per context; ``audit.html`` is the first) is the interactive
 page of :mod:`phasemech.viz.audit`.
 """
 
@@ -88,9 +87,7 @@ def summary_markdown(a, summary: pd.DataFrame, wall_s: float, worker_s: float) -
             f"{x:.2f} [{lo:.2f}, {hi:.2f}]"
             for x, lo, hi in zip(r.acc_by_phase, r.ci_lo, r.ci_hi, strict=True)
         )
-        floor = " (not above 0 on every phase: no evidence either way)" if min(
-            r.acc_by_phase
-        ) == 0 else ""  # fmt: skip
+        floor = " (0 on every phase: no evidence either way)" if max(r.acc_by_phase) == 0 else ""
         lines.append(
             f"| {r.context} | {r.setting}: {r.description}{floor} | {r.accuracy:.3f} | {by} | "
             f"{_f(r.debiased_gap)} [{_f(r.gap_lo)}, {_f(r.gap_hi)}] | {_f(r.p_perm, '.2g')} | "
