@@ -21,11 +21,17 @@ Hooks added to TransformerLens' set:
 * ``hook_block_weights`` ``[batch, kv_head, block, slot]``: pooling weights (``gated`` with
   ``gate="channel"``: ``[batch, kv_head, block, slot, d_head]``);
 * ``hook_attn_scores``, ``hook_pattern`` ``[batch, head, pos, block + w]`` for pooled designs
-  (masked scores are ``-inf``), ``[batch, head, pos, key_pos]`` for ``route``;
+  (masked scores are ``-inf``); the selecting designs' gathered layout is in
+  :mod:`phasemech.attention.selection`;
 * ``hook_token_pattern`` ``[batch, head, pos, key_pos]``: attention paid to each source token,
-  ``m_t = p_t^blocks A + p_t^raw``. Exact for ``mean``, scalar ``gated`` and ``route``; for
-  ``mlp`` (and channel-gated pooling) an approximation, flagged by ``token_pattern_exact``.
-  Computed only when ``cfg.use_token_pattern`` is set or a hook is attached to it.
+  ``m_t = p_t^blocks A + p_t^raw``. Exact for ``mean``, scalar ``gated`` and the selecting
+  designs; for ``mlp`` (and channel-gated pooling) an approximation, flagged by
+  ``token_pattern_exact``. Computed only when ``cfg.use_token_pattern`` is set or a hook is
+  attached to it.
+
+With a TransformerLens KV cache (the decode regime, :mod:`phasemech.model.decode`) a layer
+computes only the new rows: ``hook_z``, ``hook_token_pattern`` and the selecting designs'
+``hook_route_*`` then have ``new`` rows where ``pos`` stands above.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ A prompt is correct iff every answer token is the argmax given the correct prefi
 decoding, teacher-forced). ``trained``: each model runs the whole prompt. ``decode``: the
 uncompressed model prefills the document (everything before the question) once; the null and
 each design then run the question and answer rows over that frozen cache. Per-head attention
-is read from the position that predicts the first answer token onto the needle's first token:
+is read from the position that predicts the first answer token onto the needle's first answer
+token:
 ``hook_pattern`` on uncompressed layers, ``hook_token_pattern`` (exact for the selecting
 designs and ``mean``) on compressed ones.
 """
