@@ -18,7 +18,8 @@ def _ints(value: str, flag: str) -> tuple[int, ...]:
             lo, _, hi = part.partition("-")
             out += list(range(int(lo), int(hi) + 1)) if hi else [int(lo)]
     except ValueError:
-        raise typer.BadParameter(f"{value!r}: expected ints or ranges like 2-29", param_hint=flag)
+        msg = f"{value!r}: expected ints or ranges like 2-29"
+        raise typer.BadParameter(msg, param_hint=flag) from None
     return tuple(out)
 
 

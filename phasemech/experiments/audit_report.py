@@ -8,8 +8,9 @@ bootstrap CIs), ``depth_phase`` (context, setting, depth, phase), ``head_phase``
 setting, layer, head, phase: mean answer-onto-needle attention) and ``summary`` (context,
 setting: accuracy, debiased gap with CI, permutation / logistic / Cochran / McNemar tests, and
 what an average or a random-offset test would report). A setting that retrieves nothing at
-any phase is no evidence of a phase effect either way; ``summary.md`` says so beside it. ``audit.html`` (one per context; ``audit.html`` is the first) is the interactive
-page of :mod:`phasemech.viz.audit`.
+any phase is no evidence of a phase effect either way; ``summary.md`` says so beside it.
+``audit.html`` (one per context; ``audit.html`` is the first) is the interactive page of
+:mod:`phasemech.viz.audit`.
 """
 
 from __future__ import annotations
