@@ -47,6 +47,7 @@ bench: $(STAMP)
 	$(PY) bench/patching.py
 	$(PY) bench/launcher.py
 	$(PY) bench/train_step.py
+	$(PY) bench/selection.py
 
 pretrained: $(STAMP)
 	$(VENV)/bin/phasemech run pretrained --runs runs --profile $(if $(filter 1,$(FULL)),full,default)

@@ -18,3 +18,17 @@ def test_attention_scaling_benchmark_runs(tmp_path):
     rows = result["rows"]
     assert {(r["design"], r["T"]) for r in rows} == {("mean", 64), ("mean", 128)}
     assert all(r["comp_ms"] > 0 and r["dense_ms"] > 0 for r in rows)
+
+
+def test_selection_benchmark_runs(tmp_path):
+    """Whole-model forwards, dense vs the selecting designs, at toy sizes."""
+    out = tmp_path / "selection.json"
+    cmd = [sys.executable, str(ROOT / "bench/selection.py"), "--tiny", "--seq-lens", "64", "128"]
+    cmd += ["--designs", "route", "quest", "--repeats", "1", "--out", str(out)]
+    subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, timeout=300)
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["variant"], r["T"]) for r in rows} == {
+        (v, t) for v in ("dense", "route", "quest") for t in (64, 128)
+    }
+    assert all(r["forward_s"] > 0 and r["attn_s"] > 0 for r in rows)
+    assert all(r["forward_s_ratio"] == 1.0 for r in rows if r["variant"] == "dense")
