@@ -79,6 +79,8 @@ def make_model(
         "block_scope",
     }
     comp_kw = {k: kw.pop(k) for k in list(kw) if k in comp_keys}
+    if design == "kpool":  # kpool's pools are disjoint: a shared grid's overlap does not apply
+        comp_kw.pop("block_len", None)
     if compression is None:
         compression = CompressionConfig(design, **comp_kw)
     elif comp_kw:
