@@ -146,3 +146,23 @@ def test_tiny_audit_end_to_end(tmp_path):
     again = run_audit(dataclasses.replace(a, n_boot=30), out, num_cpus=1, progress=False)
     assert {p: p.stat().st_mtime_ns for p in (out / "jobs").glob("*.json")} == jobs
     assert [r["accuracy"] for r in again["rows"]] == [r["accuracy"] for r in summary["rows"]]
+
+
+def test_audit_table_collects_summaries(tmp_path):
+    """``analyses/audit_table.py`` turns audit folders into one markdown table."""
+    row = dict(context=512, setting="route_d4_w16_k8", accuracy=0.5, acc_by_phase=[1, 0, 1, 0],
+               debiased_gap=0.9, gap_lo=0.8, gap_hi=1.0, p_cochran=0.001, n=8)  # fmt: skip
+    for regime in ("decode", "trained"):
+        folder = tmp_path / regime
+        folder.mkdir()
+        summary = dict(config=dict(regime=regime), wall_s=10.0, worker_s=15.0, rows=[row])
+        (folder / "summary.json").write_text(json.dumps(summary))
+    out = tmp_path / "table.md"
+    cmd = [sys.executable, str(ROOT / "analyses/audit_table.py"), str(tmp_path / "decode"),
+           str(tmp_path / "trained"), "--out", str(out)]  # fmt: skip
+    subprocess.run(cmd, check=True, capture_output=True, cwd=ROOT, timeout=120)
+    lines = out.read_text().splitlines()
+    assert len(lines) == 4 and lines[2].startswith("| decode | 512 | route_d4_w16_k8 | 0.500 |")
+    assert "1.00 / 0.00 / 1.00 / 0.00" in lines[3] and "0.900 [0.800, 1.000]" in lines[3]
+    res = subprocess.run(cmd[:2] + [str(tmp_path / "nowhere")], capture_output=True, text=True)
+    assert res.returncode == 2 and "no summary.json" in res.stderr
