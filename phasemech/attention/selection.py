@@ -36,7 +36,8 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 from transformer_lens.hook_points import HookPoint
 
-from phasemech.attention.base import CompressedAttentionMixin, at_rows, gather_heads
+from phasemech.attention.base import CompressedAttentionMixin
+from phasemech.attention.rows import at_rows, gather_heads
 from phasemech.core.grid import Geometry
 
 #: query rows per chunk of the engine (bounds the gathered tensors; see the module docstring)

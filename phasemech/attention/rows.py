@@ -1,0 +1,195 @@
+"""Computing a compressed layer at chosen query rows: the rows path and the decode regime.
+
+Axes: ``batch, head, kv_head, pos`` (every position), ``row`` (the query rows computed),
+``new`` (rows after a KV cache's prefill), ``block``, ``w`` (raw band slot), ``d_head``.
+
+:class:`RowsMixin` is part of every compressed layer (``CompressedAttentionMixin`` derives from
+it): ``forward_rows`` / ``attend_rows`` give one row per sequence (what patching needs after the
+last layer), ``attend_many`` any rows (pooled designs here; the selecting designs' engine has
+its own), and ``_forward_cached`` is the decode regime, a layer reading a TransformerLens KV
+cache and computing only the new rows (:mod:`phasemech.model.decode`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from jaxtyping import Bool, Float, Int
+from torch import Tensor
+from transformer_lens.utilities.activation_functions import apply_softcap
+
+from phasemech.core.grid import Geometry
+
+
+def _masked_softmax(
+    scores: Float[Tensor, "... key"], visible: Bool[Tensor, "... key"], neg_inf_masked: bool = False
+) -> Float[Tensor, "... key"]:
+    """Softmax over visible entries; rows with nothing visible give zeros (and finite grads).
+
+    ``neg_inf_masked``: the caller guarantees every hidden entry already holds ``-inf``; then,
+    unless a row is entirely hidden, a plain softmax is exact and saves two passes.
+    """
+    if neg_inf_masked and bool(visible.any(-1).all()):
+        return torch.softmax(scores, dim=-1)
+    filled = scores.masked_fill(~visible, torch.finfo(scores.dtype).min)
+    return torch.softmax(filled, dim=-1) * visible
+
+
+def gather_heads(
+    x: Float[Tensor, "batch pos kv_head d"], pos: Int[Tensor, "batch head row m"]
+) -> Float[Tensor, "batch head row m d"]:
+    """``x`` at positions ``pos`` for every query head (head ``i`` reads KV head ``i // rep``),
+    without repeating ``x`` per query head."""
+    b, seq, g, dd = x.shape
+    h, rest = pos.shape[1], pos.shape[2:]
+    # whole rows of a flat [batch * pos * kv_head, d] table (a row copy per index, several
+    # times faster than an element-wise gather with a broadcast index)
+    base = torch.arange(b, device=pos.device)[:, None] * (seq * g)
+    head = torch.arange(g, device=pos.device)[None, :]
+    rows = base[..., None] + pos.clamp(0, seq - 1).reshape(b, g, -1) * g + head[..., None]
+    return x.reshape(b * seq * g, dd).index_select(0, rows.flatten()).reshape(b, h, *rest, dd)
+
+
+def at_rows(t: Tensor, rows: Int[Tensor, "batch row"]) -> Tensor:
+    """``t [batch, kv_head, pos, ...]`` at each sequence's rows: ``[batch, kv_head, row, ...]``."""
+    ar = torch.arange(t.shape[0], device=t.device)[:, None]
+    return t.transpose(1, 2)[ar, rows].transpose(1, 2)
+
+
+class RowsMixin:
+    """The rows path and the decode regime of a compressed layer (see the module docstring)."""
+
+    # ------------------------------------------------------------------ one query row
+    def forward_rows(
+        self, x: Float[Tensor, "batch pos d_model"], rows: Int[Tensor, "batch"]
+    ) -> Float[Tensor, "batch d_model"]:
+        """This layer's output at ONE query position per sequence (``rows``), as ``forward``
+        computes it there, without the other queries' scores (what patching needs after the
+        last layer). ``x`` is the normalised layer input; no padding mask; hooks on scores and
+        patterns do not run (callers use it only where none are attached)."""
+        q, k, v = self.calculate_qkv_matrices(x, x, x)
+        if self.cfg.positional_embedding_type == "rotary":
+            q, k = self.apply_rotary(q, 0, None), self.apply_rotary(k, 0, None)
+        geo = self._geometry(self.grid_offsets(q.shape[0], q.device), q.shape[1], None)
+        z = self.attend_rows(x, q, k, v, geo, rows)  # [batch, head, d_head]
+        return self._output(z[:, None])[:, 0]
+
+    def _row_pattern(
+        self, scores: Float[Tensor, "batch head key"], visible: Bool[Tensor, "batch head key"]
+    ) -> Float[Tensor, "batch head key"]:
+        """``_pattern``'s arithmetic on one query row (no hooks)."""
+        scores = apply_softcap(scores / self.attn_scale, self.cfg.attn_scores_soft_cap)
+        return _masked_softmax(scores.masked_fill(~visible, float("-inf")), visible)
+
+    def attend_rows(
+        self,
+        x: Tensor | None,
+        q: Float[Tensor, "batch pos head d_head"],
+        k: Float[Tensor, "batch pos kv_head d_head"],
+        v: Float[Tensor, "batch pos kv_head d_head"],
+        geo: Geometry,
+        rows: Int[Tensor, "batch"],
+    ) -> Float[Tensor, "batch head d_head"]:
+        """``attend`` at one query row per sequence."""
+        return self.attend_many(x, q, k, v, geo, rows[:, None])[0][:, 0]
+
+    def attend_many(
+        self,
+        x: Tensor | None,
+        q: Float[Tensor, "batch pos head d_head"],
+        k: Float[Tensor, "batch pos kv_head d_head"],
+        v: Float[Tensor, "batch pos kv_head d_head"],
+        geo: Geometry,
+        rows: Int[Tensor, "batch row"],
+    ) -> tuple[Float[Tensor, "batch row head d_head"], Tensor | None]:
+        """``attend`` at the given query rows of each sequence (pooled designs; no hooks on
+        scores or patterns): blocks pooled once, the raw band gathered. The token pattern
+        ``[batch, head, row, key_pos]`` when wanted."""
+        k_blk, v_blk, weights = self.pool(x, k, v, geo)  # [batch, kv_head, block, d_head]
+        ar = torch.arange(q.shape[0], device=q.device)[:, None]
+        q_rows = q[ar, rows].transpose(1, 2)  # [batch, head, row, d]
+        s_blk = q_rows @ self._repeat_kv(k_blk, 1).transpose(-1, -2)  # [batch, head, row, block]
+        band_pos = rows[:, None, :, None] - geo.band + 1 + torch.arange(geo.band, device=q.device)
+        band_pos = band_pos.expand(-1, self.cfg.n_heads, -1, -1)  # [batch, head, row, w]
+        s_raw = torch.einsum("bhrd,bhrwd->bhrw", q_rows, gather_heads(k, band_pos))
+        visible = torch.cat([at_rows(geo.block_used, rows), at_rows(geo.band_valid, rows)], -1)
+        pattern = self._row_pattern(torch.cat([s_blk, s_raw], -1), self._repeat_kv(visible, 1))
+        nb = s_blk.shape[-1]
+        z = pattern[..., :nb] @ self._repeat_kv(v_blk, 1) + torch.einsum(
+            "bhrw,bhrwd->bhrd", pattern[..., nb:], gather_heads(v, band_pos)
+        )
+        token_pattern = None
+        if self._token_pattern_wanted():  # [batch, head, row, key_pos]
+            if weights is None:
+                weights = self.block_attribution(x, k, v, geo)
+            a = self._blocks_to_tokens(weights, geo, k.shape[1])  # [batch, kv_head, block, key]
+            token_pattern = pattern[..., :nb] @ self._repeat_kv(a, 1)
+            band_at = band_pos.clamp(0, k.shape[1] - 1)
+            token_pattern.scatter_add_(-1, band_at, pattern[..., nb:])
+        return z.transpose(1, 2), token_pattern
+
+    # ------------------------------------------------------------------ decode regime
+    #: whether a KV cache (keys and values only) holds what the design needs: ``gated`` pools
+    #: with gates computed from the layer input, which a cache does not keep
+    serves_from_cache: bool = True
+    #: how many of the prefill's last queries a cache should keep (``evict`` observes them)
+    cached_queries: int = 0
+    #: the first position whose query this forward knows (a cached forward: the prefill's
+    #: older queries are not kept)
+    known_queries_from: int = 0
+
+    def _forward_cached(
+        self, inputs: tuple[Tensor, Tensor, Tensor], entry: Any, attention_mask: Tensor | None
+    ) -> Float[Tensor, "batch new d_model"]:
+        """The decode regime: the new rows (positions ``past .. past + new - 1``) read the
+        compressed cache (``entry``: TransformerLens' KV cache entry, pre-RoPE keys); the
+        prefill that filled it ran with full attention. Exactly one step of decode-time
+        compression per row, computed for all new rows at once (teacher forcing)."""
+        if not self.serves_from_cache:
+            raise NotImplementedError(
+                f"layer {self.layer_id}: design {self.design!r} cannot read a KV cache (its "
+                "pooling reads the layer input); decode-regime designs: mean, mlp, route, "
+                "evict, quest, kpool"
+            )
+        if attention_mask is not None and not bool(attention_mask.bool().all()):
+            raise NotImplementedError(
+                f"layer {self.layer_id} ({self.design}): a padded KV cache is not supported; "
+                "decode one sequence (or equal-length sequences) at a time"
+            )
+        q, k, v = self.calculate_qkv_matrices(*inputs)  # query, key, value inputs (shortformer)
+        x = inputs[1]  # the layer input a pooling rule may read (as ``forward`` passes it)
+        past = entry.past_keys.shape[1]
+        k, v = entry.append(k, v)
+        if self.cfg.positional_embedding_type == "rotary":
+            q = self.hook_rot_q(self.apply_rotary(q, past, None))
+            k = self.hook_rot_k(self.apply_rotary(k, 0, None))
+        q_full, known_from = self._cached_queries(entry, q, past)
+        offsets = self.hook_grid_offset(self.grid_offsets(q.shape[0], q.device))
+        geo = self._geometry(offsets, k.shape[1], None)
+        rows = torch.arange(past, k.shape[1], device=q.device).expand(q.shape[0], -1)
+        self.known_queries_from = known_from  # a rule that reads past queries checks it
+        try:
+            z, token_pattern = self.attend_many(x, q_full, k, v, geo, rows)
+        finally:
+            self.known_queries_from = 0
+        if token_pattern is not None:  # [batch, head, new, key_pos]: the new rows only
+            self.hook_token_pattern(token_pattern)
+        return self._output(self.hook_z(z))
+
+    def _cached_queries(
+        self, entry: Any, q: Float[Tensor, "batch new head d_head"], past: int
+    ) -> tuple[Float[Tensor, "batch pos head d_head"], int]:
+        """Queries on every position (the prefill's unknown ones zero) and the first position
+        whose query is known; an unfrozen cache keeps the last ``cached_queries`` of them."""
+        stored = getattr(entry, "past_queries", None)
+        known = 0 if stored is None else stored.shape[1]
+        q_full = q.new_zeros(q.shape[0], past + q.shape[1], *q.shape[2:])
+        q_full[:, past:] = q
+        if known:
+            q_full[:, past - known : past] = stored.to(q.dtype)
+        known_from = past - known if past else 0
+        if not entry.frozen and self.cached_queries:  # only queries this forward knows
+            keep_from = max(known_from, q_full.shape[1] - self.cached_queries)
+            entry.past_queries = q_full[:, keep_from:].detach()
+        return q_full, known_from
