@@ -110,3 +110,22 @@ def test_refusals():
         read_rows(gated, prefill(tl_model, x[:, :20]), x[:, 20:])
     with pytest.raises(ValueError, match="regime='prefill' is invalid"):
         check_regime("prefill")
+
+
+def test_eval_sdpa_equals_transformer_lens():
+    """The audit's SDPA dense attention (eval, cache included) equals TransformerLens' own,
+    and steps aside when a pattern hook is attached."""
+    from phasemech.model.fast import EvalSDPAGroupedQueryAttention, use_eval_sdpa
+
+    tl_model, _ = _pair("mean", n_layers=2)
+    x = tokens(2, 30, seed=4)
+    want = _resid(tl_model, x)
+    cache_tl = prefill(tl_model, x[:, :17])
+    rows_tl = read_rows(tl_model, cache_tl, x[:, 17:])
+    assert use_eval_sdpa(tl_model) == 2
+    assert isinstance(tl_model.blocks[0].attn, EvalSDPAGroupedQueryAttention)
+    torch.testing.assert_close(_resid(tl_model, x), want, atol=1e-5, rtol=0)
+    rows = read_rows(tl_model, prefill(tl_model, x[:, :17]), x[:, 17:])
+    torch.testing.assert_close(rows, rows_tl, atol=1e-5, rtol=0)
+    _, cache = tl_model.run_with_cache(x, names_filter="blocks.1.attn.hook_pattern")
+    assert cache["blocks.1.attn.hook_pattern"].shape == (2, 4, 30, 30)

@@ -144,16 +144,19 @@ class _Worker:
         self.prompts: dict[tuple, Any] = {}
 
     def model(self, spec: str, n_ctx: int, device):
+        from phasemech.model.fast import use_eval_sdpa
         from phasemech.model.sources import describe, load
 
         if self.key != (spec, str(device)) or self.base.cfg.n_ctx < n_ctx:
             self.prompts = {}
             source = describe(spec)
             self.base = load(source, min(source.max_context, max(n_ctx, 2048)), device)
+            use_eval_sdpa(self.base)  # dense attention through SDPA where nothing reads scores
             self.key, self.compressed = (spec, str(device)), {}
         return self.base
 
     def setting(self, comp: CompressionConfig | None):
+        from phasemech.model.fast import use_eval_sdpa
         from phasemech.model.transformer import PhaseTransformer
 
         if comp is None:
@@ -164,6 +167,7 @@ class _Worker:
             # post hoc designs add no parameters: share the base's tensors instead of a copy
             # per design (a worker holds the model once, however many designs it scores)
             model.load_state_dict(self.base.state_dict(), strict=False, assign=True)
+            use_eval_sdpa(model)  # its uncompressed layers
             self.compressed[name] = model
         return self.compressed[name]
 

@@ -25,7 +25,12 @@ import torch
 import torch.nn.functional as F
 from jaxtyping import Float
 from torch import Tensor, nn
-from transformer_lens.components import Attention, LayerNorm, TransformerBlock
+from transformer_lens.components import (
+    Attention,
+    GroupedQueryAttention,
+    LayerNorm,
+    TransformerBlock,
+)
 from transformer_lens.components.transformer_block import POST_NORM_ARCHITECTURES as _POST_NORM
 
 from phasemech.attention.projection import fused_qkv
@@ -158,4 +163,110 @@ def use_fast_modules(model: nn.Module) -> int:
     return n
 
 
-__all__ = ["FastAttention", "FastBlock", "FastLayerNorm", "use_fast_modules"]
+def _sdpa_ok(self, kw: dict) -> bool:
+    c, mask = self.cfg, kw["attention_mask"]
+    return (
+        not self.training
+        and kw["additive_attention_mask"] is None
+        and kw["position_bias"] is None
+        and (mask is None or bool(mask.bool().all()))
+        and not self.hook_attn_scores.has_hooks()
+        and not self.hook_pattern.has_hooks()
+        and not self.hook_result.has_hooks()
+        and not c.use_attn_result
+        and c.positional_embedding_type in ("standard", "shortformer", "rotary")
+        and (self._attention_dir_override or c.attention_dir) == "causal"
+        and c.attn_scores_soft_cap <= 0
+        and not c.use_attention_sinks
+        and not c.use_qk_norm
+        and not getattr(c, "use_logn_attn", False)
+        and c.clip_qkv is None
+        and not c.load_in_4bit
+        and c.original_architecture not in _QK_NORM_ARCHS
+    )
+
+
+def _sdpa_forward(
+    self,
+    query_input: Tensor,
+    key_input: Tensor,
+    value_input: Tensor,
+    past_kv_cache_entry=None,
+    additive_attention_mask=None,
+    attention_mask=None,
+    position_bias=None,
+) -> Float[Tensor, "batch pos d_model"]:
+    kw = dict(
+        past_kv_cache_entry=past_kv_cache_entry,
+        additive_attention_mask=additive_attention_mask,
+        attention_mask=attention_mask,
+        position_bias=position_bias,
+    )
+    if not self._sdpa_ok(kw):
+        return self._tl_forward(query_input, key_input, value_input, **kw)
+    q, k, v = self.calculate_qkv_matrices(query_input, key_input, value_input)
+    past = 0 if past_kv_cache_entry is None else past_kv_cache_entry.past_keys.shape[1]
+    if past_kv_cache_entry is not None:
+        k, v = past_kv_cache_entry.append(k, v)
+    if self.cfg.positional_embedding_type == "rotary":
+        q = self.hook_rot_q(self.apply_rotary(q, past, None))
+        k = self.hook_rot_k(self.apply_rotary(k, 0, None))
+    qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    rep = qh.shape[1] // kh.shape[1]
+    if rep > 1:  # grouped-query attention: head i reads KV head i // rep
+        kh, vh = kh.repeat_interleave(rep, 1), vh.repeat_interleave(rep, 1)
+    n, total = qh.shape[2], kh.shape[2]
+    mask = None  # no past: plain causal; with a past, row i sees keys <= past + i
+    if past:
+        keys = torch.arange(total, device=qh.device)
+        mask = keys[None, :] <= past + torch.arange(n, device=qh.device)[:, None]
+    z = F.scaled_dot_product_attention(
+        qh, kh, vh, attn_mask=mask, is_causal=not past, scale=1.0 / self.attn_scale
+    )
+    z = self.hook_z(z.transpose(1, 2))  # [batch, pos, head, d_head]
+    w = self.W_O.reshape(-1, self.W_O.shape[-1]).T  # [d_model, head * d_head]
+    return F.linear(z.reshape(z.shape[0], z.shape[1], -1), w, self.b_O)
+
+
+class EvalSDPAAttention(Attention):
+    """Dense causal ``Attention`` through SDPA in eval mode (a KV cache included) while nothing
+    reads its scores or pattern: what an audit's prefill and uncompressed forwards need. Any
+    score/pattern/result hook, a padding mask or an unusual attention feature falls back to
+    TransformerLens' own forward."""
+
+    _sdpa_ok = _sdpa_ok
+    forward = _sdpa_forward
+    _tl_forward = Attention.forward
+
+
+class EvalSDPAGroupedQueryAttention(GroupedQueryAttention):
+    """``EvalSDPAAttention`` for grouped-query attention (head ``i`` reads KV head ``i // rep``)."""
+
+    _sdpa_ok = _sdpa_ok
+    forward = _sdpa_forward
+    _tl_forward = GroupedQueryAttention.forward
+
+
+def use_eval_sdpa(model: nn.Module) -> int:
+    """Swap every plain dense ``Attention`` / ``GroupedQueryAttention`` (compressed layers are
+    left alone) for its eval-mode SDPA subclass, in place; the number swapped."""
+    n = 0
+    for module in model.modules():
+        if type(module) is Attention:
+            module.__class__ = EvalSDPAAttention
+            n += 1
+        elif type(module) is GroupedQueryAttention:
+            module.__class__ = EvalSDPAGroupedQueryAttention
+            n += 1
+    return n
+
+
+__all__ = [
+    "EvalSDPAAttention",
+    "EvalSDPAGroupedQueryAttention",
+    "FastAttention",
+    "FastBlock",
+    "FastLayerNorm",
+    "use_eval_sdpa",
+    "use_fast_modules",
+]
