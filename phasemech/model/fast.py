@@ -17,6 +17,11 @@ TransformerLens' own code, unchanged; in eval mode too, so every analysis reads
 TransformerLens' exact arithmetic (the fused kernels agree with it to float rounding, ~1e-6,
 not bit for bit). A model is switched by swapping module classes in place:
 the same parameters, names and hook points.
+
+``use_eval_sdpa`` is the eval-mode counterpart for dense attention only (``Attention`` and
+``GroupedQueryAttention``, a KV cache included): the audit's prefill and uncompressed forwards
+(``phasemech audit``) run through SDPA while no score, pattern or result hook is attached;
+with one attached (the per-head attention read-out) TransformerLens' own forward runs.
 """
 
 from __future__ import annotations
