@@ -37,7 +37,7 @@ def audit(
     offsets: Annotated[str, typer.Option(help="aligned, per_layer or per_head")] = "aligned",
     block_len: Annotated[int | None, typer.Option(help="block length (default: stride)")] = None,
     obs_window: Annotated[int | None, typer.Option(help="evict's observation queries")] = None,
-    regime: Annotated[str, typer.Option(help="trained or decode")] = "trained",
+    regime: Annotated[str, typer.Option(help="decode (default) or trained")] = "decode",
     context: Annotated[str, typer.Option(help="prompt lengths in tokens, e.g. 512,2048")] = "1024",
     depths: Annotated[str, typer.Option(help="needle depths (fractions)")] = "0.1,0.3,0.5,0.7,0.9",
     task: Annotated[str, typer.Option(help="passkey, multikey or kv")] = "passkey",

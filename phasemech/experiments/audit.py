@@ -61,7 +61,7 @@ class AuditConfig:
     offsets: str = "aligned"
     block_len: int | None = None
     obs_window: int | None = None
-    regime: str = "trained"
+    regime: str = "decode"  # one shared prefill: the cheaper regime (docs/audit.md, Cost)
     contexts: tuple[int, ...] = (1024,)
     depths: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9)
     task: str = "passkey"
