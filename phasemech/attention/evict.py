@@ -26,6 +26,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
+from phasemech.attention.rows import query_rows
 from phasemech.attention.selection import ROW_CHUNK, SelectingAttention
 from phasemech.core.grid import Geometry
 
@@ -74,7 +75,7 @@ class ChunkEvictAttention(SelectingAttention):
         visible = keys[None, None, :] <= u[..., None]  # [batch, u, key_pos]
         if geo.key_valid is not None:
             visible = visible & geo.key_valid[:, None, :]
-        dense = self._slot_free_scores(q, u, k)  # [batch, head, u, key_pos]
+        dense = query_rows(q, u) @ self._repeat_kv(k.transpose(1, 2), 1).transpose(-1, -2)
         dense = self._row_pattern(dense, visible[:, None].expand_as(dense))
         b, h = dense.shape[:2]
         nb, sl = geo.slot_pos.shape[2:]
@@ -87,8 +88,3 @@ class ChunkEvictAttention(SelectingAttention):
         mass = mass * real[:, None, :, None]
         g = self.n_kv_heads  # every head of a KV group gets the group's total
         return self._repeat_kv(mass.reshape(b, g, h // g, *mass.shape[2:]).sum(2), 1)
-
-    def _slot_free_scores(self, q, u, k):
-        ar = torch.arange(q.shape[0], device=q.device)[:, None]
-        q_u = q[ar, u.clamp(min=0)].transpose(1, 2)  # [batch, head, u, d]
-        return q_u @ self._repeat_kv(k.transpose(1, 2), 1).transpose(-1, -2)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from phasemech.attention.rows import query_rows
 from phasemech.attention.selection import SelectingAttention
 
 
@@ -33,8 +34,7 @@ class QuestAttention(SelectingAttention):
 
     def block_scores(self, summary, q, rows, k, geo):
         low, high = summary
-        ar = torch.arange(q.shape[0], device=q.device)[:, None]
-        q_rows = q[ar, rows].transpose(1, 2)  # [batch, head, row, d]
+        q_rows = query_rows(q, rows)  # [batch, head, row, d]
         pos_part = q_rows.clamp(min=0)
         return pos_part @ self._repeat_kv(high, 1).transpose(-1, -2) + (
             q_rows - pos_part

@@ -57,6 +57,20 @@ def at_rows(t: Tensor, rows: Int[Tensor, "batch row"]) -> Tensor:
     return t.transpose(1, 2)[ar, rows].transpose(1, 2)
 
 
+def query_rows(
+    q: Float[Tensor, "batch pos head d"], rows: Int[Tensor, "batch row"]
+) -> Float[Tensor, "batch head row d"]:
+    """Each sequence's queries at its rows, head-major."""
+    ar = torch.arange(q.shape[0], device=q.device)[:, None]
+    return q[ar, rows.clamp(min=0)].transpose(1, 2)
+
+
+def band_positions(rows: Int[Tensor, "batch row"], band: int, n_heads: int) -> Tensor:
+    """``[batch, head, row, w]``: key position of raw band slot ``w`` of each row."""
+    pos = rows[:, None, :, None] - band + 1 + torch.arange(band, device=rows.device)
+    return pos.expand(-1, n_heads, -1, -1)
+
+
 class RowsMixin:
     """The rows path and the decode regime of a compressed layer (see the module docstring)."""
 
@@ -107,11 +121,9 @@ class RowsMixin:
         scores or patterns): blocks pooled once, the raw band gathered. The token pattern
         ``[batch, head, row, key_pos]`` when wanted."""
         k_blk, v_blk, weights = self.pool(x, k, v, geo)  # [batch, kv_head, block, d_head]
-        ar = torch.arange(q.shape[0], device=q.device)[:, None]
-        q_rows = q[ar, rows].transpose(1, 2)  # [batch, head, row, d]
+        q_rows = query_rows(q, rows)  # [batch, head, row, d]
         s_blk = q_rows @ self._repeat_kv(k_blk, 1).transpose(-1, -2)  # [batch, head, row, block]
-        band_pos = rows[:, None, :, None] - geo.band + 1 + torch.arange(geo.band, device=q.device)
-        band_pos = band_pos.expand(-1, self.cfg.n_heads, -1, -1)  # [batch, head, row, w]
+        band_pos = band_positions(rows, geo.band, self.cfg.n_heads)  # [batch, head, row, w]
         s_raw = torch.einsum("bhrd,bhrwd->bhrw", q_rows, gather_heads(k, band_pos))
         visible = torch.cat([at_rows(geo.block_used, rows), at_rows(geo.band_valid, rows)], -1)
         pattern = self._row_pattern(torch.cat([s_blk, s_raw], -1), self._repeat_kv(visible, 1))

@@ -37,7 +37,7 @@ from torch import Tensor
 from transformer_lens.hook_points import HookPoint
 
 from phasemech.attention.base import CompressedAttentionMixin
-from phasemech.attention.rows import at_rows, gather_heads
+from phasemech.attention.rows import at_rows, band_positions, gather_heads, query_rows
 from phasemech.core.grid import Geometry
 
 #: query rows per chunk of the engine (bounds the gathered tensors; see the module docstring)
@@ -100,11 +100,6 @@ class SelectingAttention(CompressedAttentionMixin):
         z, token_pattern = self.attend_many(x, q, k, v, geo, rows)
         return z, token_pattern
 
-    def attend_rows(self, x, q, k, v, geo, rows):
-        """One query row per sequence (``rows [batch]``): ``[batch, head, d_head]``."""
-        z, _ = self.attend_many(x, q, k, v, geo, rows[:, None])
-        return z[:, 0]
-
     def attend_many(
         self,
         x: Tensor | None,
@@ -141,12 +136,10 @@ class SelectingAttention(CompressedAttentionMixin):
         gate = self.hook_route_scores(gate.masked_fill(~(candidate & ~forced), float("-inf")))
         idx, ok = self._select(gate, forced)  # [batch, head, row, sel]
         pos, keep = self._kept_tokens(idx, ok, geo, rows, k.shape[1])  # [b, h, row, m]
-        band_pos = rows[:, None, :, None] - geo.band + 1 + torch.arange(geo.band, device=q.device)
-        band_pos = band_pos.expand(-1, self.cfg.n_heads, -1, -1)  # [batch, head, row, w]
+        band_pos = band_positions(rows, geo.band, self.cfg.n_heads)  # [batch, head, row, w]
         band_ok = self._repeat_kv(at_rows(geo.band_valid, rows), 1)
         all_pos, visible = torch.cat([pos, band_pos], -1), torch.cat([keep, band_ok], -1)
-        ar = torch.arange(q.shape[0], device=q.device)[:, None]
-        q_rows = q[ar, rows].transpose(1, 2)  # [batch, head, row, d]
+        q_rows = query_rows(q, rows)  # [batch, head, row, d]
         scores = torch.einsum("bhrd,bhrmd->bhrm", q_rows, gather_heads(k, all_pos))
         pattern = self._pattern(scores, visible) if hooked else self._row_pattern(scores, visible)
         z = torch.einsum("bhrm,bhrmd->bhrd", pattern, gather_heads(v, all_pos))
@@ -215,9 +208,7 @@ class SelectingAttention(CompressedAttentionMixin):
         rows: Int[Tensor, "batch row"],
     ) -> Float[Tensor, "batch head row block"]:
         """``q_t . K_b`` for per-block keys (route's mean key)."""
-        ar = torch.arange(q.shape[0], device=q.device)[:, None]
-        q_rows = q[ar, rows].transpose(1, 2)  # [batch, head, row, d]
-        return q_rows @ self._repeat_kv(k_blk, 1).transpose(-1, -2)
+        return query_rows(q, rows) @ self._repeat_kv(k_blk, 1).transpose(-1, -2)
 
     def _slot_scores(
         self,
@@ -227,9 +218,8 @@ class SelectingAttention(CompressedAttentionMixin):
         geo: Geometry,
     ) -> Float[Tensor, "batch head row block slot"]:
         """``q_t . k_j`` for every slot of every block (``-inf`` on missing slots)."""
-        ar = torch.arange(q.shape[0], device=q.device)[:, None]
-        q_rows = q[ar, rows].transpose(1, 2)  # [batch, head, row, d]
-        scores = q_rows @ self._repeat_kv(k.transpose(1, 2), 1).transpose(-1, -2)  # [b,h,r,key]
+        keys = self._repeat_kv(k.transpose(1, 2), 1).transpose(-1, -2)
+        scores = query_rows(q, rows) @ keys  # [batch, head, row, key_pos]
         b, h, r, seq = scores.shape
         nb, sl = geo.slot_pos.shape[2:]
         slot_pos = self._repeat_kv(geo.slot_pos.clamp(0, seq - 1), 1).reshape(b, h, 1, nb * sl)
