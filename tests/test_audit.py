@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
         (dict(task="qa"), "task='qa' is invalid"),
         (dict(contexts=(32,)), "contexts=\\(32,\\) is invalid"),
         (dict(contents=0), "contents=0 is invalid"),
-        (dict(offsets="random"), "offsets='random' is invalid"),
+        (dict(offsets="staggered"), "offsets='staggered' is invalid"),
         (dict(task="passkey", distractors=2), "distractors=2 is invalid"),
         (dict(designs=("kpool",), block_len=8), "block_len=8 is invalid"),
     ],

@@ -162,6 +162,9 @@ def test_base_offsets():
     assert c.base_offsets(2, 4).tolist() == [[0, 1, 2, 3]] * 2
     c = CompressionConfig("mean", stride=4, offsets="per_layer", layers=(1, 2))
     assert c.base_offsets(3, 2).tolist() == [[0, 0], [0, 0], [2, 2]]
+    # both staggers summed mod d: layer 2 (offset 2) + head 1 of 2 (offset 2) wraps to 0
+    c = CompressionConfig("mean", stride=4, offsets="per_layer_head", layers=(1, 2))
+    assert c.base_offsets(3, 2).tolist() == [[0, 2], [0, 2], [2, 0]]
     c = CompressionConfig("mean", stride=4, offsets=3)
     assert (c.base_offsets(2, 2) == 3).all()
     c = CompressionConfig("mean", stride=4, offsets=((0, 1), (2, 3)))

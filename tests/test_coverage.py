@@ -32,9 +32,14 @@ def ref_latest_end(t: int, d: int, o: int, vis: str) -> int:
     return max(e for e in range(-2 * d - 1, newest + 1) if (e + 1 - o) % d == 0)
 
 
-def ref_raw_start(t: int, d: int, w: int, o: int, vis: str) -> int:
-    """The window, extended back to just after the latest visible block."""
-    return max(0, min(t - w + 1, ref_latest_end(t, d, o, vis) + 1))
+def ref_raw_start(t: int, d: int, w: int, o: int, vis: str, scope: str = "outside_window") -> int:
+    """The window, extended back to just after the latest visible block (``before_window``:
+    first back to the start of the segment holding its first token)."""
+    start = t - w + 1
+    if scope == "before_window":
+        while (start - o) % d:
+            start -= 1
+    return max(0, min(start, ref_latest_end(t, d, o, vis) + 1))
 
 
 def geometry_sets(geo, b: int, g: int, t: int) -> tuple[set[int], set[int], list[int]]:
@@ -66,7 +71,7 @@ def check_geometry(
     geo = build_geometry(off, seq, d, l, w, vis, key_valid, scope)
     nb = n_blocks(seq, d)
     assert geo.slot_pos.shape == (batch, len(offsets), nb, l)
-    assert geo.band == raw_band_width(seq, d, w)
+    assert geo.band == raw_band_width(seq, d, w, scope)
     for b, (g, o) in itertools.product(range(batch), enumerate(offsets)):
         real = [True] * seq if key_valid is None else [bool(x) for x in key_valid[b]]
         # every block's slots are exactly its positions, valid where real and in the sequence
@@ -79,13 +84,16 @@ def check_geometry(
         for t in range(seq):
             raw, blk, used = geometry_sets(geo, b, g, t)
             past = {j for j in range(t + 1) if real[j]}
-            r_t = ref_raw_start(t, d, w, o, vis)
+            r_t = ref_raw_start(t, d, w, o, vis, scope)
             ctx = f"T={seq} d={d} l={l} W={w} {vis} {scope} o={o} b={b} t={t}"
             # (a) no hole, nothing from the future, no padding
             assert raw | blk == past, f"{ctx}: missing {past - raw - blk}, extra {raw | blk - past}"
             # (b) at most l - 1 tokens reached both ways (all of the window may be, with "all")
-            bound = l - 1 if scope == "outside_window" else w
+            bound = {"outside_window": l - 1, "before_window": 0, "all": w}[scope]
             assert len(raw & blk) <= bound, f"{ctx}: overlap {sorted(raw & blk)}"
+            if scope == "before_window" and w >= 1 and t - w + 1 >= d:
+                assert w <= t - r_t + 1 <= w + d - 1, f"{ctx}: raw span {t - r_t + 1}"
+                assert phase_of(r_t, d, o) == 0, f"{ctx}: raw span starts off a boundary"
             # (c) the raw set is [r_t, t] (minus padding)
             assert raw == {j for j in range(r_t, t + 1) if real[j]}, f"{ctx}: raw {sorted(raw)}"
             # everything after the latest visible block (the own incomplete block) is raw
@@ -100,13 +108,17 @@ def check_geometry(
                 assert toks, f"{ctx}: block {i} holds only padding"
                 if scope == "outside_window":
                     assert min(toks) < r_t, f"{ctx}: block {i} lies inside the raw window"
+                if scope == "before_window":
+                    assert last < r_t, f"{ctx}: block {i} is partly raw"
             # and the rule is exactly that (no useful candidate is skipped)
             expect_used = []
             for i in range(nb):
                 last = i * d + o - 1
                 toks = [p for p in range(last - l + 1, last + 1) if 0 <= p < seq and real[p]]
                 visible = last <= t if vis == "inclusive" else last < t
-                if visible and toks and (scope == "all" or min(toks) < r_t):
+                scoped = {"all": True, "outside_window": bool(toks) and min(toks) < r_t,
+                          "before_window": last < r_t}[scope]  # fmt: skip
+                if visible and toks and scoped:
                     expect_used.append(i)
             assert used == expect_used, f"{ctx}: used {used} != {expect_used}"
 
@@ -120,7 +132,10 @@ GRID = [
 ]
 
 
-@pytest.mark.parametrize("scope", ["outside_window", "all"])
+SCOPES = ["outside_window", "before_window", "all"]
+
+
+@pytest.mark.parametrize("scope", SCOPES)
 @pytest.mark.parametrize("d", range(1, 6))
 def test_coverage_grid(d, scope):
     """All offsets at once (one kv_head each), T = 30, many block lengths and windows."""
@@ -140,7 +155,7 @@ def test_coverage_grid(d, scope):
 )
 def test_coverage_hypothesis(seq, d, extra, w, vis, data):
     offsets = data.draw(st.lists(st.integers(0, d - 1), min_size=1, max_size=3))
-    scope = data.draw(st.sampled_from(["outside_window", "all"]))
+    scope = data.draw(st.sampled_from(SCOPES))
     check_geometry(seq, d, d + extra, w, vis, offsets, scope=scope)
 
 
@@ -162,7 +177,8 @@ def test_coverage_with_padding(seq, d, extra, w, vis, data):
     )
     n_left = data.draw(st.integers(0, seq))
     rows.append([False] * n_left + [True] * (seq - n_left))  # a left-padded row
-    check_geometry(seq, d, d + extra, w, vis, offsets, torch.tensor(rows))
+    scope = data.draw(st.sampled_from(SCOPES))
+    check_geometry(seq, d, d + extra, w, vis, offsets, torch.tensor(rows), scope)
 
 
 def test_padding_only_blocks_never_used():
@@ -230,7 +246,7 @@ def test_raw_band_is_wide_enough_and_never_past_t():
     extra=st.integers(0, 3),
     w=st.integers(0, 34),
     vis=st.sampled_from(VIS),
-    scope=st.sampled_from(["outside_window", "all"]),
+    scope=st.sampled_from(SCOPES),
     data=st.data(),
 )
 def test_last_query_blocks_is_the_maximum_over_every_query(seq, d, extra, w, vis, scope, data):

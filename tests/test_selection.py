@@ -82,6 +82,8 @@ COMPS = [
     dict(stride=4, window=6, top_k=2),
     dict(stride=3, block_len=6, window=0, top_k=2, offsets=(1, 2)),  # overlapping blocks
     dict(stride=4, window=3, top_k=1, visibility="strict", offsets=(0, 3)),
+    # the candidate-set fix: raw span from a block boundary, only blocks wholly before it
+    dict(stride=4, window=5, top_k=2, block_scope="before_window", offsets=(1, 2)),
 ]
 
 

@@ -23,6 +23,16 @@ def _ints(value: str, flag: str) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _variants(fix: str | None) -> tuple[str, ...]:
+    """``--fix``: the aligned baseline first, then the named fixes (``all``: every fix)."""
+    from phasemech.experiments.audit_fixes import FIXES
+
+    if fix is None:
+        return ("aligned",)
+    names = [f.strip() for f in fix.split(",") if f.strip()]
+    return ("aligned", *(FIXES if names == ["all"] else [n for n in names if n != "aligned"]))
+
+
 @app.command()
 def audit(
     design: Annotated[str, typer.Option(help="mean, route, evict, quest, kpool (comma-list)")],
@@ -34,7 +44,15 @@ def audit(
     top_k: Annotated[int, typer.Option(min=1, help="blocks kept per query (selecting)")] = 8,
     window: Annotated[int, typer.Option(min=0, help="raw window W (tokens)")] = 16,
     layers: Annotated[str | None, typer.Option(help="compressed layers, e.g. 2-29")] = None,
-    offsets: Annotated[str, typer.Option(help="aligned, per_layer or per_head")] = "aligned",
+    offsets: Annotated[
+        str, typer.Option(help="aligned, per_layer, per_head, per_layer_head or random")
+    ] = "aligned",
+    fix: Annotated[
+        str | None,
+        typer.Option(help="fixes to compare with the aligned grid (comma-list, or 'all'): "
+                     "per_head, per_layer, per_layer_head, random, overlap, before_window, "
+                     "half_stride, topk_x2, topk_x4, topk_x8"),
+    ] = None,  # fmt: skip
     block_len: Annotated[int | None, typer.Option(help="block length (default: stride)")] = None,
     obs_window: Annotated[int | None, typer.Option(help="evict's observation queries")] = None,
     regime: Annotated[str, typer.Option(help="decode (default) or trained")] = "decode",
@@ -61,7 +79,7 @@ def audit(
             offsets=offsets, block_len=block_len, obs_window=obs_window,
             regime=regime, contexts=_ints(context, "--context"),
             depths=tuple(float(x) for x in depths.split(",")), task=task,
-            distractors=distractors, contents=contents, seed=seed,
+            distractors=distractors, contents=contents, seed=seed, variants=_variants(fix),
         )  # fmt: skip
         summary = run_audit(cfg, out, address=address, num_cpus=num_cpus, device=device)
     except (ValueError, ConnectionError, FileNotFoundError, RuntimeError) as err:

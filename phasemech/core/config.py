@@ -29,9 +29,9 @@ DESIGNS = ("none", "mean", "gated", "mlp", "route", "evict", "quest", "kpool")
 #: ``kpool`` are post-hoc selection rules for the audit of pretrained models
 TRAINED_DESIGNS = ("none", "mean", "gated", "mlp", "route", "evict")
 VISIBILITY = ("inclusive", "strict")
-OFFSET_MODES = ("aligned", "per_layer", "per_head", "random")
+OFFSET_MODES = ("aligned", "per_layer", "per_head", "per_layer_head", "random")
 GATES = ("scalar", "channel")
-BLOCK_SCOPES = ("outside_window", "all")
+BLOCK_SCOPES = ("outside_window", "before_window", "all")
 
 Design = Literal["none", "mean", "gated", "mlp", "route", "evict", "quest", "kpool"]
 OffsetSpec = str | int | tuple[int, ...] | tuple[tuple[int, ...], ...]
@@ -93,8 +93,9 @@ class CompressionConfig:
             ``<= t``; NSA, DeepSeek-V4) or ``"strict"`` (last token ``< t``; lucidrains NSA).
         offsets: the grid offset ``o``: ``"aligned"`` (0 everywhere), ``"per_layer"``
             (compressed layer ``r`` of ``n`` gets ``(r*d)//n``), ``"per_head"`` (KV head ``g`` of
-            ``G`` gets ``(g*d)//G``), ``"random"`` (a fresh offset per sequence at every training
-            forward, ``eval_offset`` in eval mode), or explicit ints: one int, one per KV head
+            ``G`` gets ``(g*d)//G``), ``"per_layer_head"`` (both, summed mod ``d``),
+            ``"random"`` (a fresh offset per sequence at every training forward,
+            ``eval_offset`` in eval mode), or explicit ints: one int, one per KV head
             ``[kv_head]``, or one per layer and KV head ``[layer, kv_head]`` (a tensor works).
         layers: indices of compressed layers; ``None`` means all layers.
         top_k: blocks selected per query by ``route``, ``quest`` and ``kpool`` / kept per query
@@ -105,8 +106,10 @@ class CompressionConfig:
             style, one gate per channel).
         eval_offset: the offset that ``offsets="random"`` uses in eval mode.
         block_scope: ``"outside_window"`` (default: blocks wholly inside the raw window are not
-            used, so at most ``l - 1`` tokens are reached both raw and compressed) or ``"all"``
-            (DeepSeek-V4: every complete block plus the raw window, in one softmax).
+            used, so at most ``l - 1`` tokens are reached both raw and compressed),
+            ``"before_window"`` (the raw span starts at a block boundary, ``W`` to ``W + d - 1``
+            tokens, and only blocks wholly before it are used: no block is partly raw) or
+            ``"all"`` (DeepSeek-V4: every complete block plus the raw window, in one softmax).
             The selecting designs (``route``, ``evict``, ``quest``, ``kpool``) refuse ``"all"``.
         obs_window: ``evict`` only: how many recent queries (the query included) score the
             chunks by the dense attention they pay to them; ``None`` means 8.
@@ -125,7 +128,7 @@ class CompressionConfig:
     top_k: int | None = None
     gate: Literal["scalar", "channel"] = "scalar"
     eval_offset: int = 0
-    block_scope: Literal["outside_window", "all"] = "outside_window"
+    block_scope: Literal["outside_window", "before_window", "all"] = "outside_window"
     obs_window: int | None = None
 
     def __post_init__(self) -> None:
@@ -263,12 +266,12 @@ class CompressionConfig:
         d = self.stride
         out = np.zeros((n_layers, n_kv_heads), dtype=np.int64)
         spec = self.offsets
-        if spec == "per_layer":
+        if spec in ("per_layer", "per_layer_head"):
             layers = self.compressed_layers(n_layers)
             for rank, layer in enumerate(layers):
                 out[layer, :] = (rank * d) // len(layers)
-        elif spec == "per_head":
-            out[:, :] = (np.arange(n_kv_heads) * d) // n_kv_heads
+        if spec in ("per_head", "per_layer_head"):
+            out[:, :] = (out + (np.arange(n_kv_heads) * d) // n_kv_heads) % d
         elif isinstance(spec, int):
             out[:, :] = spec
         elif isinstance(spec, tuple):
@@ -300,7 +303,7 @@ def _check_compression_acts(c: CompressionConfig, n_ctx: int, offsets: set[int])
     """Refuse a compression that could never change the model in ``n_ctx`` positions: no
     query ever reads a block, or ``route``/``evict`` always keep every block. Such a model
     would silently be the dense one. ``offsets``: the grid offsets the layers can have."""
-    if c.window >= n_ctx and c.block_scope == "outside_window":
+    if c.window >= n_ctx and c.block_scope != "all":
         raise ValueError(
             f"CompressionConfig.window={c.window} is invalid with n_ctx={n_ctx}: the raw window "
             "already holds every past token of every query, so nothing would be compressed; "

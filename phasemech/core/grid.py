@@ -25,6 +25,12 @@ Coverage rule (one rule for every design; tested in ``tests/test_coverage.py``):
   by neither path. Tokens reached **both ways** are the raw tokens of a used block straddling
   ``r_t``: at most ``l - 1`` per query. A naive "blocks that end before the window" rule would
   leave up to ``d - 1`` tokens reachable by neither path;
+* ``block_scope="before_window"`` (the candidate-set fix): the raw span starts at a block
+  boundary, the start of the segment holding ``t - W + 1``, so ``r_t = min(s(t - W + 1), e_t + 1)``
+  and the query reads ``W`` to ``W + d - 1`` tokens raw; it uses only the blocks that end before
+  ``r_t`` (wholly before the raw span). No block is partly read raw, so a selecting design never
+  spends a top-k pick on a block whose tokens it already holds; nothing is reached both ways and
+  nothing is missed (every ``j < r_t`` lies in a block ending before the segment start ``r_t``);
 * ``block_scope="all"`` (DeepSeek-V4 CSA/HCA): every visible block with a real token is used, so
   the raw window and the compressed entries overlap (up to ``W`` tokens both ways);
 * ``route`` uses the same candidates but attends only the raw tokens of its top-k blocks (plus
@@ -118,16 +124,29 @@ def last_query_blocks(
     raw_start = min(t - window + 1, latest_end + 1)
     ends = np.arange(n_blocks(seq_len, d)) * d + offset - 1
     first = np.maximum(ends - block_len + 1, 0)
+    if block_scope == "before_window":
+        raw_start = min(_segment_start(t - window + 1, d, offset), latest_end + 1)
     used = (ends >= 0) & (ends <= latest_end)
     if block_scope == "outside_window":
         used &= first < raw_start
+    elif block_scope == "before_window":
+        used &= ends < raw_start
     forced = used & (ends == t)  # only under inclusive visibility can a block end at t
     return int(used.sum()), int(used.sum() - forced.sum())
 
 
-def raw_band_width(seq_len: int, stride: int, window: int) -> int:
-    """``Wr``: the longest raw span ``t - r_t + 1`` a query can have, capped at the sequence."""
-    return max(1, min(max(window, stride), seq_len))
+def _segment_start(pos, d: int, offset):
+    """First position of the segment holding ``pos`` (a block boundary): ``pos - phase``."""
+    return pos - phase_of(pos, d, offset)
+
+
+def raw_band_width(
+    seq_len: int, stride: int, window: int, block_scope: str = "outside_window"
+) -> int:
+    """``Wr``: the longest raw span ``t - r_t + 1`` a query can have, capped at the sequence
+    (``before_window`` starts the span at a block boundary: up to ``d - 1`` more tokens)."""
+    longest = window + stride - 1 if block_scope == "before_window" else window
+    return max(1, min(max(longest, stride), seq_len))
 
 
 def _band_positions(seq_len: int, band: int, device: torch.device) -> Int[Tensor, "pos w"]:
@@ -180,9 +199,9 @@ def build_geometry(
     slot_pos, slot_valid, last = _block_slots(o, seq_len, stride, block_len, key_valid)
     # First real token of a block (a block of only padding gets seq_len: never used).
     first = torch.where(slot_valid, slot_pos, torch.full_like(slot_pos, seq_len)).amin(-1)
-    raw_start = _raw_start(o, seq_len, stride, window, visibility)
+    raw_start = _raw_start(o, seq_len, stride, window, visibility, block_scope)
     block_used = _block_used(last, first, slot_valid.any(-1), raw_start, visibility, block_scope)
-    band = raw_band_width(seq_len, stride, window)
+    band = raw_band_width(seq_len, stride, window, block_scope)
     return Geometry(
         stride=stride,
         block_len=block_len,
@@ -227,14 +246,23 @@ def _block_slots(
 
 
 def _raw_start(
-    o: Int[Tensor, "batch kv_head 1"], seq_len: int, d: int, window: int, visibility: str
+    o: Int[Tensor, "batch kv_head 1"],
+    seq_len: int,
+    d: int,
+    window: int,
+    visibility: str,
+    block_scope: str = "outside_window",
 ) -> Int[Tensor, "batch kv_head pos"]:
-    """``r_t = min(t - W + 1, e_t + 1)``: where each query's raw span starts."""
+    """``r_t = min(t - W + 1, e_t + 1)`` (``before_window``: ``t - W + 1`` moved back to its
+    segment's start): where each query's raw span starts."""
     t = torch.arange(seq_len, device=o.device)
     # last token of the latest visible block: block ends e satisfy (e + 1 - o) mod d == 0
     newest = t if visibility == "inclusive" else t - 1
     latest_end = newest - torch.remainder(newest + 1 - o, d)  # [batch, kv_head, pos]
-    return torch.minimum(t - window + 1, latest_end + 1)
+    window_start = t - window + 1
+    if block_scope == "before_window":
+        window_start = _segment_start(window_start, d, o)
+    return torch.minimum(window_start, latest_end + 1)
 
 
 def _block_used(
@@ -253,6 +281,8 @@ def _block_used(
     block_used = complete & has_token[:, :, None, :]
     if block_scope == "outside_window":
         block_used = block_used & (first[:, :, None, :] < raw_start[..., None])
+    elif block_scope == "before_window":
+        block_used = block_used & (last_q < raw_start[..., None])
     return block_used
 
 

@@ -21,6 +21,7 @@ audit's tables, ``summary.md`` and ``audit.html``.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import time
 from dataclasses import dataclass
@@ -32,13 +33,15 @@ import pandas as pd
 from phasemech.core.config import CompressionConfig
 from phasemech.core.validation import is_int
 from phasemech.data.retrieval import TASK_KINDS, RetrievalTask
+from phasemech.experiments.audit_fixes import apply_variant, check_variants, kv_budget, random_shift
 from phasemech.experiments.jobs import Job, job_device, report_progress
 from phasemech.model.decode import REGIMES
 
 #: position encodings a compressed layer can host (keys carry their positions)
 HOSTS = ("standard", "shortformer", "rotary")
-#: grid offsets an audit takes: phases are reported on the aligned reference grid
-AUDIT_OFFSETS = ("aligned", "per_layer", "per_head")
+#: grid offsets an audit takes: phases are reported on the aligned reference grid (``random``:
+#: one shift per prompt, :func:`~phasemech.experiments.audit_fixes.random_shift`)
+AUDIT_OFFSETS = ("aligned", "per_layer", "per_head", "per_layer_head", "random")
 #: designs an audit applies post hoc (no trained parameters)
 AUDIT_DESIGNS = ("mean", "route", "evict", "quest", "kpool")
 
@@ -50,7 +53,9 @@ class AuditConfig:
     ``block_len``, ``obs_window`` for ``evict``). ``contexts``: prompt lengths in tokens.
     ``contents``: contents per context, each at every phase (``contents x stride`` prompts).
     ``attention_groups``: the first contents (consecutive contents cycle through the depths)
-    whose prompts, at every phase, also give per-head attention onto the needle."""
+    whose prompts, at every phase, also give per-head attention onto the needle.
+    ``variants``: ``aligned`` (the grid above) and the fixes to compare with it, each applied to
+    every design that can take it (:mod:`phasemech.experiments.audit_fixes`)."""
 
     designs: tuple[str, ...] = ("route",)
     model: str = "smollm2-135m"
@@ -71,6 +76,7 @@ class AuditConfig:
     attention_groups: int = 5
     n_boot: int = 1000
     n_perm: int = 1000
+    variants: tuple[str, ...] = ("aligned",)
 
     def __post_init__(self) -> None:
         bad = [d for d in self.designs if d not in AUDIT_DESIGNS]
@@ -86,9 +92,9 @@ class AuditConfig:
         if self.offsets not in AUDIT_OFFSETS:
             raise ValueError(
                 f"AuditConfig: offsets={self.offsets!r} is invalid: allowed {AUDIT_OFFSETS} "
-                "(phases are reported on the aligned grid, which these share; random offsets "
-                "per sequence are not audited yet)"
+                "(phases are reported on the aligned grid, which these share)"
             )
+        check_variants(self.variants)
         for name in ("contents", "attention_groups"):
             v = getattr(self, name)
             if not is_int(v) or v < 1:
@@ -99,9 +105,36 @@ class AuditConfig:
             )
         for design in self.designs:  # every compression is checked before any work
             self.compression(design)
+        unused = [v for v in self.variants if not any(self._takes(d, v) for d in self.designs)]
+        if unused:
+            raise ValueError(
+                f"AuditConfig: variants {unused} apply to none of designs {list(self.designs)}: "
+                f"{'; '.join(self.skipped())}"
+            )
         self.retrieval_task(self.contexts[0])
 
-    def compression(self, design: str) -> CompressionConfig:
+    def compression(self, design: str, variant: str = "aligned") -> CompressionConfig:
+        """The design's compression under ``variant`` (a ``ValueError`` if it cannot take it)."""
+        return apply_variant(self._compression(design), variant)
+
+    def _takes(self, design: str, variant: str) -> bool:
+        try:
+            self.compression(design, variant)
+        except ValueError:
+            return False
+        return True
+
+    def skipped(self) -> list[str]:
+        """``design/variant: why`` for each pair the design cannot take."""
+        out = []
+        for design, variant in itertools.product(self.designs, self.variants):
+            try:
+                self.compression(design, variant)
+            except ValueError as err:
+                out.append(f"{design}/{variant}: {str(err).splitlines()[0]}")
+        return out
+
+    def _compression(self, design: str) -> CompressionConfig:
         selecting = design != "mean"
         return CompressionConfig(
             design,
@@ -119,15 +152,30 @@ class AuditConfig:
         return RetrievalTask(**kw, distractors=self.distractors)
 
     def settings(self) -> list[tuple[str, CompressionConfig | None]]:
-        """``(name, compression)``: the null first, then each design."""
+        """``(name, compression)``: the null first, then each design under each variant it
+        can take (the aligned baseline first)."""
         return [("null", None)] + [
-            (self.setting_name(d), self.compression(d)) for d in self.designs
+            (self.setting_name(d, v), self.compression(d, v))
+            for d, v in itertools.product(self.designs, self.variants)
+            if self._takes(d, v)
         ]
 
-    def setting_name(self, design: str) -> str:
-        c = self.compression(design)
+    def setting_name(self, design: str, variant: str = "aligned") -> str:
+        c = self.compression(design, variant)
         k = f"_k{c.top_k}" if c.top_k is not None else ""
-        return f"{design}_d{c.stride}_w{c.window}{k}"
+        suffix = "" if variant == "aligned" else f"_{variant}"
+        return f"{design}_d{c.stride}_w{c.window}{k}{suffix}"
+
+    def setting_meta(self) -> dict[str, dict[str, Any]]:
+        """Per setting name: its design, variant and KV budget per context."""
+        out = {"null": dict(design="null", variant="aligned",
+                            budget={c: kv_budget(None, c) for c in self.contexts})}  # fmt: skip
+        for d, v in itertools.product(self.designs, self.variants):
+            if self._takes(d, v):
+                comp = self.compression(d, v)
+                budget = {c: kv_budget(comp, c) for c in self.contexts}
+                out[self.setting_name(d, v)] = dict(design=d, variant=v, budget=budget)
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -210,7 +258,8 @@ class AuditJob(Job):
         t0 = time.perf_counter()
         for i in range(self.start, self.stop):
             attend = int(batch.frame.group_id.iloc[i]) < a.attention_groups
-            r, h = score_prompt(base, models, batch, i, a.regime, attend)
+            shift = random_shift(a.seed, self.context, int(batch.frame.prompt_id.iloc[i]), a.stride)
+            r, h = score_prompt(base, models, batch, i, a.regime, attend, shift)
             rows += [dict(x, context=self.context) for x in r]
             heads += [dict(x, context=self.context) for x in h]
             report_progress(i + 1 - self.start, self.stop - self.start)

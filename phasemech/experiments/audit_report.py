@@ -2,6 +2,10 @@
 
 Axes: ``context``, ``setting`` (``null`` first), ``phase``, ``depth``, ``layer``, ``head``.
 
+With fix variants (``AuditConfig.variants``) also ``fixes`` (context, design, fix: accuracy and
+gap against the aligned baseline, budgets, verdict; :mod:`phasemech.experiments.audit_fixes`),
+``drawn_grid`` and ``frontier_T<context>.html``/``.png``.
+
 Tables (parquet, one row per): ``targets`` (context, setting, prompt: correct, first_correct,
 logprob, phase, depth, ...), ``per_phase`` (context, setting, phase: accuracy with cluster-
 bootstrap CIs), ``depth_phase`` (context, setting, depth, phase), ``head_phase`` (context,
@@ -22,6 +26,7 @@ import numpy as np
 import pandas as pd
 
 from phasemech.core.io import atomic_write, json_safe, write_json_atomic, write_text_atomic
+from phasemech.experiments.audit_fixes import drawn_grid_accuracy, fix_table, fixes_markdown
 from phasemech.measure.pretrained import Setting, report
 
 
@@ -42,10 +47,16 @@ def average_claim(row: pd.Series, null: pd.Series) -> str:
 def tables(a, targets: pd.DataFrame, heads: pd.DataFrame) -> dict[str, pd.DataFrame]:
     """Every table of the report, per context."""
     summaries, phases, depths, head_rows = [], [], [], []
+    meta = a.setting_meta()
     for context, t in targets.groupby("context", sort=True):
         summary, per_phase = report(t, _settings(a), a.stride, a.n_boot, a.n_perm, a.seed)
         null = summary.iloc[0]
         summary["average_claim"] = [average_claim(r, null) for _, r in summary.iterrows()]
+        for key in ("design", "variant"):
+            summary[key] = [meta[n][key] for n in summary["setting"]]
+        summary["budget"] = [meta[n]["budget"][context] for n in summary["setting"]]
+        seconds = t.groupby("setting")["seconds"].median()
+        summary["seconds"] = [float(seconds[n]) for n in summary["setting"]]
         summaries.append(summary.assign(context=context))
         phases.append(per_phase.assign(context=context))
         d = t.groupby(["setting", "depth", "phase"], sort=False)["correct"]
@@ -53,13 +64,17 @@ def tables(a, targets: pd.DataFrame, heads: pd.DataFrame) -> dict[str, pd.DataFr
     if len(heads):
         keys = ["context", "setting", "layer", "head", "phase"]
         head_rows.append(heads.groupby(keys, sort=False)["mass"].mean().reset_index())
-    return {
+    out = {
         "targets": targets,
         "summary": pd.concat(summaries, ignore_index=True),
         "per_phase": pd.concat(phases, ignore_index=True),
         "depth_phase": pd.concat(depths, ignore_index=True),
         "head_phase": pd.concat(head_rows, ignore_index=True) if head_rows else heads,
     }
+    if len(a.variants) > 1:
+        out["fixes"] = fix_table(a, targets, meta)
+        out["drawn_grid"] = drawn_grid_accuracy(a, targets, meta)
+    return out
 
 
 def _f(x, spec: str = ".3f") -> str:
@@ -112,6 +127,23 @@ def _page_summary(a, summary: pd.DataFrame, context: int) -> dict[str, Any]:
     )  # fmt: skip
 
 
+def _write_frontiers(a, summary: pd.DataFrame, out: Path) -> None:
+    """``frontier_T<context>.html`` (and ``.png`` where kaleido can draw): budget vs accuracy
+    vs gap of every design and variant."""
+    from phasemech.viz.audit_fixes import frontier_figure
+
+    for context, rows in summary.groupby("context"):
+        title = f"Fixes frontier: {a.model}, {a.regime} regime, T = {context}"
+        fig = frontier_figure(rows, title)
+        html = out / f"frontier_T{context}.html"
+        atomic_write(html, lambda tmp, fig=fig: fig.write_html(tmp, include_plotlyjs=True))
+        try:
+            png = out / f"frontier_T{context}.png"
+            atomic_write(png, lambda tmp, fig=fig: fig.write_image(tmp, format="png", scale=2))
+        except Exception as err:  # noqa: BLE001 - no browser for kaleido: the HTML still stands
+            print(f"frontier PNG not drawn ({type(err).__name__}: {err}); see {html.name}")
+
+
 def write_report(
     a, targets: pd.DataFrame, heads: pd.DataFrame, out: Path, wall_s: float, worker_s: float
 ) -> dict[str, Any]:
@@ -122,7 +154,11 @@ def write_report(
     t = tables(a, targets, heads)
     for name, df in t.items():
         atomic_write(out / f"{name}.parquet", lambda tmp, df=df: df.to_parquet(tmp))
-    write_text_atomic(out / "summary.md", summary_markdown(a, t["summary"], wall_s, worker_s))
+    md = summary_markdown(a, t["summary"], wall_s, worker_s)
+    if "fixes" in t:
+        md += "\n" + fixes_markdown(t["fixes"], t["drawn_grid"], a.skipped())
+        _write_frontiers(a, t["summary"], out)
+    write_text_atomic(out / "summary.md", md)
     for i, context in enumerate(sorted(targets.context.unique())):
         sel = {k: t[k][t[k].context == context].drop(columns="context")
                for k in ("per_phase", "depth_phase", "head_phase")}  # fmt: skip
@@ -133,7 +169,9 @@ def write_report(
                              sel["head_phase"], page)  # fmt: skip
     payload = json_safe(
         dict(config=a.to_dict(), wall_s=wall_s, worker_s=worker_s,
-             prompts=int(len(targets)), rows=t["summary"].to_dict(orient="records"))
+             prompts=int(len(targets)), rows=t["summary"].to_dict(orient="records"),
+             fixes=t["fixes"].to_dict(orient="records") if "fixes" in t else [],
+             skipped=a.skipped())
     )  # fmt: skip
     write_json_atomic(out / "summary.json", payload)
     return payload

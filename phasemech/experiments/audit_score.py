@@ -15,6 +15,8 @@ designs and ``mean``) on compressed ones.
 
 from __future__ import annotations
 
+import contextlib
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -50,12 +52,28 @@ def _verdict(
     return bool(hit.all()), bool(hit[0]), float(lp)
 
 
+def _grid(model, shift: int) -> tuple[Any, int]:
+    """The grid context of a model with ``random`` offsets (this prompt's draw) and its shift."""
+    comp = getattr(model.cfg, "compression", None)
+    if comp is not None and comp.enabled and comp.offsets == "random":
+        return model.shift_grid(shift), shift % comp.stride
+    return contextlib.nullcontext(), 0
+
+
 @torch.inference_mode()
 def score_prompt(
-    base, models: Sequence[tuple[str, Any]], batch, i: int, regime: str, attend: bool
+    base,
+    models: Sequence[tuple[str, Any]],
+    batch,
+    i: int,
+    regime: str,
+    attend: bool,
+    shift: int = 0,
 ) -> tuple[list[dict], list[dict]]:
     """One prompt of ``batch`` under every ``(setting, model)``: a row per setting and, with
-    ``attend``, a row per (setting, layer, head) of answer-onto-needle attention."""
+    ``attend``, a row per (setting, layer, head) of answer-onto-needle attention. A model with
+    ``random`` offsets runs on its grid shifted by ``shift`` (``grid_shift`` in its row).
+    ``seconds``: the setting's own forward; ``prefill_s``: the decode regime's shared prefill."""
     info = batch.frame.iloc[i]
     dev = base.cfg.device
     n_ans = batch.answer.shape[1]
@@ -64,17 +82,20 @@ def score_prompt(
     tokens = batch.tokens[i : i + 1, :width].to(dev)
     answer = batch.answer[i].to(dev)
     offset = int(info["question_start"]) if regime == "decode" else 0
-    cache = None
+    cache, t0 = None, time.perf_counter()
     if regime == "decode":
         keep = max(needed_queries(m) for _, m in models)
         cache = prefill(base, tokens[:, :offset], keep_queries=keep)
+    prefill_s = time.perf_counter() - t0
     meta = {c: info[c] for c in ("prompt_id", "group_id", "depth", "needle_pos", "phase")}
     meta = {k: v.item() if hasattr(v, "item") else v for k, v in meta.items()}
     rows, heads = [], []
     for name, model in models:
         store: dict[int, Tensor] = {}
         hooks = _attention_hooks(model, start - 1 - offset, needle, store) if attend else []
-        with model.hooks(fwd_hooks=hooks):
+        grid, grid_shift = _grid(model, shift)
+        t0 = time.perf_counter()
+        with model.hooks(fwd_hooks=hooks), grid:
             if cache is None:
                 resid = model(tokens, stop_at_layer=model.cfg.n_layers)
             else:
@@ -83,7 +104,8 @@ def score_prompt(
         correct, first, lp = _verdict(model, picked, answer)
         rows.append(
             dict(meta, setting=name, correct=correct, first_correct=first, logprob=lp,
-                 answer_start=start, length=width + 1)
+                 answer_start=start, length=width + 1, grid_shift=grid_shift,
+                 seconds=time.perf_counter() - t0, prefill_s=prefill_s, attention=attend)
         )  # fmt: skip
         for layer, mass in sorted(store.items()):
             heads += [

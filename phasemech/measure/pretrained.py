@@ -45,6 +45,12 @@ class Setting:
             return "uncompressed (null)"
         layers = list(c.layers) if c.layers is not None else "all"
         extra = f", top_k {c.top_k}" if c.top_k is not None else ""
+        if c.block_len != c.stride:
+            extra += f", l={c.block_len}"
+        if c.offsets != "aligned":
+            extra += f", offsets {c.offsets}"
+        if c.block_scope != "outside_window":
+            extra += f", blocks {c.block_scope}"
         if layers != "all" and len(layers) > 3:
             layers = f"{layers[0]}-{layers[-1]}"
         return f"{c.design}, d={c.stride}, W={c.window}{extra}, layers {layers}"

@@ -1,0 +1,226 @@
+"""The open fixes on a real model: grid variants of an audited design, each against the
+design's aligned baseline on the same paired prompts.
+
+Axes: ``context``, ``design``, ``variant`` (``aligned``: the baseline; every other one is a
+fix), ``phase`` (on the audit's reference grid: ``needle_pos mod stride``, the phase a user of
+the deployed design sees), ``group`` (a content: one cluster of the bootstrap).
+
+A variant changes only where the compression grid falls or how much a query reads, never a
+weight (post hoc designs have none), so every fix costs no training:
+
+- offsets: ``per_head`` (KV head ``g`` of ``G`` on ``(g*d)//G``), ``per_layer`` (compressed
+  layer ``r`` of ``n`` on ``(r*d)//n``), ``per_layer_head`` (both, summed mod ``d``) and
+  ``random`` (one grid shift per prompt, drawn from the audit's seed and the prompt: the same
+  draw for every design);
+- ``overlap``: blocks of ``2d`` tokens every ``d`` (DeepSeek-V4's CSA: rate 4, windows of 8);
+- ``before_window``: the candidate set: the raw span starts at a block boundary and only blocks
+  wholly before it are ranked, so no top-k pick goes to a block the window already partly holds
+  (:mod:`phasemech.core.grid`);
+- budget: ``half_stride`` (``d/2`` with ``2k``: the same tokens read per query) and
+  ``topk_x2`` / ``topk_x4`` / ``topk_x8`` (more blocks kept: the budget axis of the frontier).
+
+A variant a design cannot take (``kpool`` refuses overlapping pools; ``mean`` keeps no top-k)
+is skipped and listed. :func:`fix_table` compares each fix with its baseline by
+:func:`~phasemech.measure.stats.compare_gaps` (paired cluster bootstrap over contents) and
+states the KV budget (most tokens or entries one query reads at the context's end) and the
+cost per forward. The goal (as for the from-scratch fixes): the debiased gap cut by >= 70% with
+the cut's CI above 0, mean accuracy not lower by more than 1 point (CI), at a budget no larger.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from phasemech.core.config import CompressionConfig
+from phasemech.core.grid import last_query_blocks, raw_band_width
+from phasemech.experiments.fixes import GOAL_REDUCTION, NONINFERIORITY
+
+
+@dataclass(frozen=True)
+class Variant:
+    """How a fix changes the audit's grid: ``stride`` and ``top_k`` as multipliers,
+    ``block_len`` as a multiple of the (new) stride, ``offsets``/``block_scope`` replaced."""
+
+    about: str
+    offsets: str | None = None
+    block_scope: str | None = None
+    block_len: int | None = None
+    stride: float = 1
+    top_k: float = 1
+
+
+VARIANTS = {
+    "aligned": Variant("the baseline: every layer and KV head on offset 0"),
+    "per_head": Variant("offsets staggered per KV head", offsets="per_head"),
+    "per_layer": Variant("offsets staggered per layer", offsets="per_layer"),
+    "per_layer_head": Variant("offsets staggered per layer and KV head", "per_layer_head"),
+    "random": Variant("a random grid offset per prompt", offsets="random"),
+    "overlap": Variant("overlapping blocks of 2d every d", block_len=2),
+    "before_window": Variant(
+        "raw span from a block boundary; rank only blocks wholly before it",
+        block_scope="before_window",
+    ),
+    "half_stride": Variant("d/2 with 2x top-k (equal budget)", stride=0.5, top_k=2),
+    "topk_x2": Variant("2x top-k", top_k=2),
+    "topk_x4": Variant("4x top-k", top_k=4),
+    "topk_x8": Variant("8x top-k", top_k=8),
+}
+#: the fixes :func:`fix_table` compares with the baseline
+FIXES = tuple(v for v in VARIANTS if v != "aligned")
+
+
+def check_variants(variants: tuple[str, ...]) -> None:
+    bad = [v for v in variants if v not in VARIANTS]
+    if not variants or bad or len(set(variants)) != len(variants) or variants[0] != "aligned":
+        raise ValueError(
+            f"AuditConfig: variants={variants!r} is invalid: 'aligned' (the baseline) first, "
+            f"then any of {FIXES}, each once"
+        )
+
+
+def apply_variant(comp: CompressionConfig, name: str) -> CompressionConfig:
+    """``comp`` under variant ``name``; a ``ValueError`` if the design cannot take it."""
+    v = VARIANTS[name]
+    if v == VARIANTS["aligned"]:
+        return comp
+    if v.top_k != 1 and comp.top_k is None:
+        raise ValueError(f"{comp.design} keeps no top-k")
+    stride = v.stride * comp.stride
+    if stride != int(stride) or stride < 1:
+        raise ValueError(f"stride {comp.stride} x {v.stride} is not a whole stride")
+    changes: dict = dict(stride=int(stride))
+    if v.top_k != 1:
+        changes["top_k"] = int(comp.top_k * v.top_k)
+    if v.block_len is not None:
+        changes["block_len"] = v.block_len * int(stride)
+    elif comp.block_len == comp.stride:
+        changes["block_len"] = None  # no overlap stays no overlap at the new stride
+    if v.offsets is not None:
+        changes["offsets"] = v.offsets
+    if v.block_scope is not None:
+        changes["block_scope"] = v.block_scope
+    return dataclasses.replace(comp, **changes)  # re-validated: a refusal raises here
+
+
+def kv_budget(comp: CompressionConfig | None, context: int) -> int:
+    """Most tokens (or compressed entries) one query reads at the end of a ``context``-token
+    prompt: ``top_k`` blocks of ``block_len`` plus the raw band for the selecting designs, the
+    used blocks plus the raw band for ``mean``; the null reads every token."""
+    if comp is None:
+        return context
+    band = raw_band_width(context, comp.stride, comp.window, comp.block_scope)
+    if comp.top_k is not None:
+        return comp.top_k * comp.block_len + band
+    used, _ = last_query_blocks(
+        context, comp.stride, comp.block_len, comp.window, comp.visibility, 0, comp.block_scope
+    )
+    return used + band
+
+
+def random_shift(seed: int, context: int, prompt_id: int, stride: int) -> int:
+    """The grid shift of prompt ``prompt_id`` under ``random`` offsets: drawn from the audit's
+    seed, never from the needle's phase, and the same for every design (paired)."""
+    return int(np.random.default_rng([seed, context, prompt_id]).integers(stride))
+
+
+# ----------------------------------------------------------------------------- the comparison
+def _verdict(c: dict, equal_budget: bool) -> str:
+    if not np.isfinite(c["gap_baseline"]) or c["gap_baseline"] <= 0:
+        return "no baseline gap to cut"
+    cut = c["reduction"] >= GOAL_REDUCTION and c["reduction_lo"] > 0
+    kept = c["accuracy_diff_lo"] > -NONINFERIORITY
+    if cut and kept and equal_budget:
+        return "meets the goal"
+    if cut and kept:
+        return "meets it at a larger budget"
+    return "cuts the gap, costs accuracy" if cut else "does not cut the gap enough"
+
+
+def fix_table(a, targets: pd.DataFrame, meta: dict[str, dict]) -> pd.DataFrame:
+    """One row per (context, design, fix): accuracy and debiased gap of baseline and fix with
+    paired cluster-bootstrap CIs, the gap reduction, budgets, seconds per forward, verdict."""
+    from phasemech.measure.stats import compare_gaps
+
+    rows = []
+    df = targets.assign(phase=targets["needle_pos"] % a.stride, seq_id=targets["group_id"])
+    for context, t in df.groupby("context", sort=True):
+        by_setting = dict(tuple(t.groupby("setting", sort=False)))
+        for name, m in meta.items():
+            if m["variant"] == "aligned" or name not in by_setting:
+                continue
+            base_name = a.setting_name(m["design"], "aligned")
+            base, fix = by_setting[base_name], by_setting[name]
+            c = compare_gaps(base, fix, a.stride, n_boot=a.n_boot, seed=a.seed)
+            b0, b1 = meta[base_name]["budget"][context], m["budget"][context]
+            floor = max(base["correct"].mean(), fix["correct"].mean()) == 0
+            rows.append(
+                dict(context=context, design=m["design"], fix=m["variant"], setting=name,
+                     about=VARIANTS[m["variant"]].about, **c, budget_baseline=b0, budget=b1,
+                     seconds_baseline=float(base["seconds"].median()),
+                     seconds=float(fix["seconds"].median()),
+                     verdict="0 on every phase: no evidence" if floor else _verdict(c, b1 <= b0))
+            )  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def drawn_grid_accuracy(a, targets: pd.DataFrame, meta: dict[str, dict]) -> pd.DataFrame:
+    """``random`` settings by the phase on the grid each prompt was DRAWN with (``needle_pos -
+    shift``): a random offset hides the weak phase from the reference grid, not from a prompt."""
+    names = [n for n, m in meta.items() if m["variant"] == "random"]
+    t = targets[targets["setting"].isin(names)]
+    if t.empty:
+        return pd.DataFrame(columns=["context", "setting", "drawn_phase", "accuracy", "n"])
+    t = t.assign(drawn_phase=(t["needle_pos"] - t["grid_shift"]) % a.stride)
+    g = t.groupby(["context", "setting", "drawn_phase"])["correct"]
+    return g.agg(accuracy="mean", n="size").reset_index()
+
+
+def fixes_markdown(table: pd.DataFrame, drawn: pd.DataFrame, skipped: list[str]) -> str:
+    """``fixes.md``: the fixes table, the drawn-grid view of ``random``, what was skipped."""
+    lines = [
+        f"## Fixes against each design's aligned baseline (goal: debiased gap cut by >= "
+        f"{GOAL_REDUCTION:.0%} with its CI above 0, mean accuracy not lower by more than "
+        f"{NONINFERIORITY:.0%} (95% CI), budget no larger)",
+        "",
+        "| T | design | fix | budget (base) | acc base -> fix | acc change [95% CI] "
+        "| gap base -> fix | gap cut [95% CI] | s per forward (base) | verdict |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in table.itertuples():
+        lines.append(
+            f"| {r.context} | {r.design} | {r.fix}: {r.about} | {r.budget} ({r.budget_baseline}) "
+            f"| {r.accuracy_baseline:.3f} -> {r.accuracy_other:.3f} | {r.accuracy_diff:+.3f} "
+            f"[{r.accuracy_diff_lo:+.3f}, {r.accuracy_diff_hi:+.3f}] | {r.gap_baseline:.3f} -> "
+            f"{r.gap_other:.3f} | {_pct(r.reduction)} [{_pct(r.reduction_lo)}, "
+            f"{_pct(r.reduction_hi)}] | {r.seconds:.2f} ({r.seconds_baseline:.2f}) | {r.verdict} |"
+        )
+    if len(drawn):
+        lines += ["", "`random` by the phase on each prompt's drawn grid (`needle_pos - shift`):"]
+        for (context, setting), g in drawn.groupby(["context", "setting"]):
+            acc = " / ".join(f"{x:.2f}" for x in g.sort_values("drawn_phase")["accuracy"])
+            lines.append(f"- T = {context}, {setting}: {acc}")
+    if skipped:
+        lines += ["", "Skipped (the design cannot take the variant): " + "; ".join(skipped)]
+    return "\n".join(lines) + "\n"
+
+
+def _pct(x: float) -> str:
+    return "n/a" if x is None or not np.isfinite(x) else f"{100 * x:.0f}%"
+
+
+__all__ = [
+    "FIXES",
+    "VARIANTS",
+    "Variant",
+    "apply_variant",
+    "check_variants",
+    "drawn_grid_accuracy",
+    "fix_table",
+    "fixes_markdown",
+    "kv_budget",
+    "random_shift",
+]

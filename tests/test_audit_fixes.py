@@ -1,0 +1,178 @@
+"""The audit's fix variants: what each variant does to a design's grid, its KV budget, the
+random offset's per-prompt draw (== an explicit offset, exactly), the paired comparison with
+the aligned baseline and the frontier figure."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from phasemech.core.config import CompressionConfig
+from phasemech.experiments.audit import AuditConfig
+from phasemech.experiments.audit_fixes import (
+    FIXES,
+    apply_variant,
+    drawn_grid_accuracy,
+    fix_table,
+    fixes_markdown,
+    kv_budget,
+    random_shift,
+)
+from phasemech.viz.audit_fixes import frontier_figure
+
+ROUTE = CompressionConfig("route", stride=4, window=16, top_k=2)
+
+
+def test_variants_change_only_the_grid():
+    assert apply_variant(ROUTE, "aligned") == ROUTE
+    assert apply_variant(ROUTE, "per_head").offsets == "per_head"
+    over = apply_variant(ROUTE, "overlap")
+    assert (over.stride, over.block_len, over.top_k) == (4, 8, 2)
+    half = apply_variant(ROUTE, "half_stride")
+    assert (half.stride, half.block_len, half.top_k) == (2, 2, 4)  # no overlap at d/2
+    assert apply_variant(ROUTE, "topk_x4").top_k == 8
+    assert apply_variant(ROUTE, "before_window").block_scope == "before_window"
+    with pytest.raises(ValueError, match="keeps no top-k"):
+        apply_variant(CompressionConfig("mean", stride=4, window=16), "topk_x2")
+    with pytest.raises(ValueError, match="block_len=8 is invalid"):
+        apply_variant(CompressionConfig("kpool", stride=4, window=16, top_k=1), "overlap")
+
+
+def test_budget_is_tokens_read_per_query():
+    assert kv_budget(ROUTE, 1024) == 2 * 4 + 16
+    assert kv_budget(apply_variant(ROUTE, "half_stride"), 1024) == 4 * 2 + 16  # equal budget
+    assert kv_budget(apply_variant(ROUTE, "before_window"), 1024) == 2 * 4 + 16 + 3
+    assert kv_budget(None, 1024) == 1024
+    # mean: every block the last query uses, plus its raw band
+    assert kv_budget(CompressionConfig("mean", stride=4, window=16), 64) == 12 + 16
+
+
+def test_audit_variants_settings_and_bad_input():
+    a = AuditConfig(designs=("route", "kpool", "mean"), contexts=(256,),
+                    variants=("aligned", "overlap", "topk_x2"))  # fmt: skip
+    names = [n for n, _ in a.settings()]
+    assert names == ["null", "route_d4_w16_k8", "route_d4_w16_k8_overlap",
+                     "route_d4_w16_k16_topk_x2", "kpool_d4_w16_k8", "kpool_d4_w16_k16_topk_x2",
+                     "mean_d4_w16", "mean_d4_w16_overlap"]  # fmt: skip
+    assert any(s.startswith("kpool/overlap:") for s in a.skipped())
+    meta = a.setting_meta()
+    assert meta["route_d4_w16_k8_overlap"]["budget"] == {256: 8 * 8 + 16}
+    for bad, match in [
+        (("per_head",), "'aligned' \\(the baseline\\) first"),
+        (("aligned", "shuffle"), "variants=\\('aligned', 'shuffle'\\) is invalid"),
+        (("aligned", "per_head", "per_head"), "each once"),
+    ]:
+        with pytest.raises(ValueError, match=match) as err:
+            AuditConfig(variants=bad)
+        assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="apply to none of designs \\['mean'\\]"):
+        AuditConfig(designs=("mean",), variants=("aligned", "topk_x2"))
+
+
+def test_random_shift_is_seeded_and_uniform():
+    draws = [random_shift(0, 1024, i, 4) for i in range(400)]
+    assert draws == [random_shift(0, 1024, i, 4) for i in range(400)]
+    assert np.bincount(draws, minlength=4).min() > 70  # every offset drawn, about evenly
+    assert draws != [random_shift(1, 1024, i, 4) for i in range(400)]
+
+
+@pytest.mark.parametrize("regime", ["trained", "decode"])
+def test_random_offsets_score_as_the_drawn_explicit_offset(smollm, regime):
+    """A setting with ``random`` offsets, given shift s, scores exactly as offsets = s."""
+    from phasemech.data.retrieval import RetrievalTask, build_retrieval_prompts
+    from phasemech.experiments.audit_score import score_prompt
+    from phasemech.model.transformer import PhaseTransformer
+
+    batch = build_retrieval_prompts(smollm.tokenizer, RetrievalTask(context=128), 1, seed=0)
+    layers = tuple(range(2, 30))
+    comp = CompressionConfig("route", stride=4, window=8, top_k=1, layers=layers)
+
+    def model(offsets):
+        c = apply_variant(comp, "random") if offsets == "random" else comp
+        c = c if offsets == "random" else CompressionConfig(**{**c.to_dict(), "offsets": offsets})
+        return PhaseTransformer.from_hooked(smollm, c).eval()
+
+    rnd = model("random")
+    for shift in (1, 3):
+        models = [("random", rnd), ("explicit", model(shift)), ("aligned", model(0))]
+        rows, _ = score_prompt(smollm, models, batch, 1, regime, False, shift)
+        assert rows[0]["grid_shift"] == shift and rows[1]["grid_shift"] == 0
+        assert rows[0]["logprob"] == pytest.approx(rows[1]["logprob"], abs=1e-4)
+        assert rows[0]["logprob"] != pytest.approx(rows[2]["logprob"], abs=1e-4)
+        assert all(r["seconds"] > 0 for r in rows)
+
+
+def _targets(acc_base: list[float], acc_fix: list[float], contents: int = 60) -> pd.DataFrame:
+    """Synthetic paired targets: each content at every phase, correct with the given rates."""
+    rng = np.random.default_rng(0)
+    rows = []
+    for setting, accs in (("route_d4_w16_k8", acc_base), ("route_d4_w16_k8_per_head", acc_fix)):
+        for g in range(contents):
+            for p, acc in enumerate(accs):
+                rows.append(dict(context=256, setting=setting, group_id=g, needle_pos=100 + p,
+                                 correct=bool(rng.random() < acc), seconds=0.1,
+                                 grid_shift=0))  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def test_fix_table_pairs_each_fix_with_its_baseline():
+    a = AuditConfig(designs=("route",), contexts=(256,), variants=("aligned", "per_head"),
+                    n_boot=200)  # fmt: skip
+    meta = a.setting_meta()
+    cut = fix_table(a, _targets([1.0, 0.2, 1.0, 1.0], [0.8, 0.8, 0.8, 0.8]), meta)
+    r = cut.iloc[0]
+    assert (r.design, r.fix, r.budget, r.budget_baseline) == ("route", "per_head", 48, 48)
+    assert r.gap_baseline > 0.6 and r.reduction > 0.7 and r.reduction_lo > 0
+    assert r.accuracy_diff_hi < 0  # the flat fix costs accuracy: not the goal
+    assert r.verdict == "cuts the gap, costs accuracy"
+    same = fix_table(a, _targets([1.0, 0.2, 1.0, 1.0], [1.0, 0.2, 1.0, 1.0]), meta).iloc[0]
+    assert same.verdict == "does not cut the gap enough" and abs(same.accuracy_diff) < 0.1
+    floor = fix_table(a, _targets([0, 0, 0, 0], [0, 0, 0, 0]), meta).iloc[0]
+    assert floor.verdict == "0 on every phase: no evidence"
+    md = fixes_markdown(cut, drawn_grid_accuracy(a, _targets([1] * 4, [1] * 4), meta), ["x/y: z"])
+    assert "| 256 | route | per_head:" in md and "Skipped" in md
+
+
+def test_drawn_grid_phase_undoes_the_shift():
+    a = AuditConfig(designs=("route",), contexts=(256,), variants=("aligned", "random"))
+    t = pd.DataFrame(dict(context=256, setting="route_d4_w16_k8_random", group_id=0,
+                          needle_pos=[8, 9, 10, 11], grid_shift=[1, 1, 2, 3],
+                          correct=[True, False, False, True]))  # fmt: skip
+    d = drawn_grid_accuracy(a, t, a.setting_meta())
+    assert d.set_index("drawn_phase")["accuracy"].to_dict() == {3: 1.0, 0: 0.0}
+
+
+def test_frontier_figure():
+    rows = [dict(design=d, variant=v, budget=b, accuracy=acc, debiased_gap=g,
+                 gap_lo=g - 0.1, gap_hi=g + 0.1)
+            for d in ("route", "quest")
+            for v, b, acc, g in (("aligned", 20, 0.2, 0.3), ("topk_x2", 24, 0.4, 0.2),
+                                 ("per_head", 20, 0.3, 0.05))]  # fmt: skip
+    fig = frontier_figure(pd.DataFrame(rows + [dict(rows[0], design="null")]), "t")
+    names = {t.name for t in fig.data if t.name}
+    assert names == {f"{d} / {v}" for d in ("route", "quest")
+                     for v in ("aligned", "topk_x2", "per_head")}  # fmt: skip
+    assert fig.layout.xaxis2.type == "log"
+    with pytest.raises(ValueError, match="lacks columns \\['budget'\\]"):
+        frontier_figure(pd.DataFrame(rows).drop(columns="budget"))
+
+
+def test_cli_fix_option():
+    import inspect
+
+    from phasemech.cli import audit as cli_audit
+
+    assert cli_audit._variants("all") == ("aligned", *FIXES)
+    assert cli_audit._variants("per_head, random") == ("aligned", "per_head", "random")
+    assert cli_audit._variants(None) == ("aligned",)
+    assert all(f in inspect.getsource(cli_audit.audit) for f in FIXES)  # the help names each
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    from phasemech.model.pretrained import load_pretrained
+
+    torch.manual_seed(0)
+    return load_pretrained("smollm2-135m", n_ctx=256)
