@@ -49,9 +49,11 @@ def audit(
     ] = "aligned",
     fix: Annotated[
         str | None,
-        typer.Option(help="fixes to compare with the aligned grid (comma-list, or 'all'): "
-                     "per_head, per_layer, per_layer_head, random, overlap, before_window, "
-                     "half_stride, topk_x2, topk_x4, topk_x8"),
+        typer.Option(
+            help="fixes to compare with the aligned grid (comma-list, or 'all'): "
+            "per_head, per_layer, per_layer_head, random, overlap, before_window, "
+            "half_stride, topk_x2, topk_x4, topk_x8"
+        ),
     ] = None,  # fmt: skip
     block_len: Annotated[int | None, typer.Option(help="block length (default: stride)")] = None,
     obs_window: Annotated[int | None, typer.Option(help="evict's observation queries")] = None,

@@ -38,28 +38,35 @@ def frontier_figure(summary: pd.DataFrame, title: str | None = None) -> go.Figur
         color = OTHER_COLORS[i % len(OTHER_COLORS)]
         path = g[g["variant"].isin(BUDGET_PATH)].sort_values("budget")
         for row, y in ((1, "accuracy"), (2, "debiased_gap")):
-            fig.add_trace(go.Scatter(
-                x=path["budget"], y=path[y], mode="lines", line=dict(color=color, width=1),
-                legendgroup=design, showlegend=False, hoverinfo="skip"), row=row, col=1)  # fmt: skip
+            line = go.Scatter(x=path["budget"], y=path[y], mode="lines", hoverinfo="skip",
+                              line=dict(color=color, width=1), showlegend=False)  # fmt: skip
+            fig.add_trace(line.update(legendgroup=design), row=row, col=1)
         for _, r in g.iterrows():
-            sym = _SYMBOLS[variants.index(r["variant"]) % len(_SYMBOLS)]
-            hover = f"{design} / {r['variant']}<br>budget {r['budget']}"
-            marker = dict(color=color, symbol=sym, size=8, line=dict(width=0.5, color="black"))
-            err = dict(type="data", symmetric=False, array=[r["gap_hi"] - r["debiased_gap"]],
-                       arrayminus=[r["debiased_gap"] - r["gap_lo"]], thickness=1, width=2)  # fmt: skip
-            name = f"{design} / {r['variant']}"
-            fig.add_trace(go.Scatter(x=[r["budget"]], y=[r["accuracy"]], mode="markers",
-                                     marker=marker, name=name, legendgroup=design,
-                                     hovertext=hover, hoverinfo="text+y"), row=1, col=1)  # fmt: skip
-            fig.add_trace(go.Scatter(x=[r["budget"]], y=[r["debiased_gap"]], mode="markers",
-                                     marker=marker, error_y=err, name=name, legendgroup=design,
-                                     showlegend=False, hovertext=hover, hoverinfo="text+y"),
-                          row=2, col=1)  # fmt: skip
+            symbol = _SYMBOLS[variants.index(r["variant"]) % len(_SYMBOLS)]
+            for row, trace in enumerate(_points(r, color, symbol), start=1):
+                fig.add_trace(trace, row=row, col=1)
     fig.update_xaxes(type="log", title_text="KV budget (tokens read per query)", row=2, col=1)
     fig.update_yaxes(title_text="mean accuracy", range=[-0.02, 1.02], row=1, col=1)
     fig.update_yaxes(title_text="debiased gap", row=2, col=1)
     fig.add_hline(y=0, line=dict(color="#999999", width=1, dash="dot"), row=2, col=1)
     return apply_template(fig, width=760, height=620, title=title)
+
+
+def _points(r: pd.Series, color: str, symbol: str) -> tuple[go.Scatter, go.Scatter]:
+    """One setting's accuracy marker (top) and gap marker with its CI (bottom)."""
+    name = f"{r['design']} / {r['variant']}"
+    common = dict(
+        x=[r["budget"]], mode="markers", name=name, legendgroup=r["design"],
+        hovertext=f"{name}<br>budget {r['budget']}", hoverinfo="text+y",
+        marker=dict(color=color, symbol=symbol, size=8, line=dict(width=0.5, color="black")),
+    )  # fmt: skip
+    gap, lo, hi = r["debiased_gap"], r["gap_lo"], r["gap_hi"]
+    err = dict(type="data", symmetric=False, array=[hi - gap], arrayminus=[gap - lo],
+               thickness=1, width=2)  # fmt: skip
+    return (
+        go.Scatter(y=[r["accuracy"]], **common),
+        go.Scatter(y=[gap], error_y=err, showlegend=False, **common),
+    )
 
 
 __all__ = ["BUDGET_PATH", "frontier_figure"]
