@@ -63,6 +63,9 @@ def audit(
     task: Annotated[str, typer.Option(help="passkey, multikey or kv")] = "passkey",
     distractors: Annotated[int | None, typer.Option(help="multikey/kv: other codes")] = None,
     contents: Annotated[int, typer.Option(min=1, help="contents per context (x stride)")] = 50,
+    attention_groups: Annotated[
+        int, typer.Option(min=1, help="contents whose prompts also read per-head attention")
+    ] = 5,
     seed: int = 0,
     address: Annotated[str | None, typer.Option(help="join this Ray cluster")] = None,
     num_cpus: Annotated[int | None, typer.Option(min=1, help="embedded Ray's CPUs")] = None,
@@ -82,6 +85,7 @@ def audit(
             regime=regime, contexts=_ints(context, "--context"),
             depths=tuple(float(x) for x in depths.split(",")), task=task,
             distractors=distractors, contents=contents, seed=seed, variants=_variants(fix),
+            attention_groups=attention_groups,
         )  # fmt: skip
         summary = run_audit(cfg, out, address=address, num_cpus=num_cpus, device=device)
     except (ValueError, ConnectionError, FileNotFoundError, RuntimeError) as err:
