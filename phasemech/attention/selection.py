@@ -66,6 +66,18 @@ def top_k_latest(
     return val, top
 
 
+def _band_rows(
+    x: Float[Tensor, "batch pos kv_head d"], rows: Int[Tensor, "batch row"], band: int
+) -> Float[Tensor, "batch kv_head row w d"]:
+    """``x`` at each row's raw band (key ``t - band + 1 + w``; clamped at 0, masked by the
+    caller), once per KV head: whole ``[kv_head, d]`` rows of a flat table."""
+    b, seq, g, dd = x.shape
+    pos = band_positions(rows, band, 1)[:, 0].clamp(0, seq - 1)  # [batch, row, w]
+    flat = pos + torch.arange(b, device=pos.device)[:, None, None] * seq
+    out = x.reshape(b * seq, g * dd).index_select(0, flat.flatten())
+    return out.reshape(*pos.shape, g, dd).permute(0, 3, 1, 2, 4)
+
+
 class SelectingAttention(CompressedAttentionMixin):
     """Top-k block selection over raw tokens; a design implements ``block_scores`` (and, when
     it scores from per-block statistics, ``block_summary``)."""
@@ -130,34 +142,76 @@ class SelectingAttention(CompressedAttentionMixin):
     # ------------------------------------------------------------------ the engine
     def _chunk(self, summary, q, k, v, geo, rows, hooked: bool):
         gate = self.block_scores(summary, q, rows, k, geo).detach()  # [batch, head, row, block]
-        candidate = self._repeat_kv(at_rows(geo.block_used, rows), 1)
-        own = geo.block_last[:, :, None, :] == rows[:, None, :, None]  # [batch, kv_head, row, blk]
-        forced = candidate & self._repeat_kv(own, 1)
-        gate = self.hook_route_scores(gate.masked_fill(~(candidate & ~forced), float("-inf")))
-        idx, ok = self._select(gate, forced)  # [batch, head, row, sel]
+        fidx, fok = self._forced(geo, rows)  # [batch, head, row, 1]
+        gate = self.hook_route_scores(self._ranked(gate, geo, rows, fidx, fok))
+        idx, ok = self._select(gate, fidx, fok)  # [batch, head, row, sel]
         pos, keep = self._kept_tokens(idx, ok, geo, rows, k.shape[1])  # [b, h, row, m]
-        band_pos = band_positions(rows, geo.band, self.cfg.n_heads)  # [batch, head, row, w]
-        band_ok = self._repeat_kv(at_rows(geo.band_valid, rows), 1)
-        all_pos, visible = torch.cat([pos, band_pos], -1), torch.cat([keep, band_ok], -1)
+        band_ok = self._repeat_kv(at_rows(geo.band_valid, rows), 1)  # [batch, head, row, w]
+        visible = torch.cat([keep, band_ok], -1)
         q_rows = query_rows(q, rows)  # [batch, head, row, d]
-        scores = torch.einsum("bhrd,bhrmd->bhrm", q_rows, gather_heads(k, all_pos))
+        # kept tokens differ per query head; the band is a KV head's: read it once per group
+        kb, vb = _band_rows(k, rows, geo.band), _band_rows(v, rows, geo.band)  # [b, g, r, w, d]
+        g = kb.shape[1]
+        qg = q_rows.unflatten(1, (g, -1))  # [batch, kv_head, rep, row, d]
+        scores = torch.cat([
+            torch.einsum("bhrd,bhrmd->bhrm", q_rows, gather_heads(k, pos)),
+            torch.einsum("bgtrd,bgrwd->bgtrw", qg, kb).flatten(1, 2),
+        ], -1)  # fmt: skip
         pattern = self._pattern(scores, visible) if hooked else self._row_pattern(scores, visible)
-        z = torch.einsum("bhrm,bhrmd->bhrd", pattern, gather_heads(v, all_pos))
+        m = pos.shape[-1]
+        z = torch.einsum("bhrm,bhrmd->bhrd", pattern[..., :m], gather_heads(v, pos))
+        band_p = pattern[..., m:].unflatten(1, (g, -1))
+        z = z + torch.einsum("bgtrw,bgrwd->bgtrd", band_p, vb).flatten(1, 2)
         token_pattern = None
         if self._token_pattern_wanted():
+            all_pos = torch.cat([pos, band_positions(rows, geo.band, self.cfg.n_heads)], -1)
             token_pattern = pattern.new_zeros(*pattern.shape[:3], k.shape[1])
             token_pattern.scatter_add_(-1, all_pos.clamp(0, k.shape[1] - 1), pattern * visible)
         return z, token_pattern
 
+    def _forced(
+        self, geo: Geometry, rows: Int[Tensor, "batch row"]
+    ) -> tuple[Int[Tensor, "batch head row 1"], Bool[Tensor, "batch head row 1"]]:
+        """The block each query closes (forced, as MoBA keeps the current block) and whether
+        it is a candidate. Block ``i`` ends at ``i*d + o - 1``, so the query's own block is
+        ``(t + 1 - o) / d`` when that divides: found in ``O(rows)``, not by a scan of blocks."""
+        origin = geo.block_last[:, :, :1] + 1  # [batch, kv_head, 1]: o
+        end = rows[:, None, :] + 1 - origin  # [batch, kv_head, row]
+        idx = torch.div(end, geo.stride, rounding_mode="floor").clamp(
+            0, geo.block_used.shape[-1] - 1
+        )
+        used = at_rows(geo.block_used, rows).gather(-1, idx[..., None])[..., 0]
+        ok = (torch.remainder(end, geo.stride) == 0) & used
+        return self._repeat_kv(idx, 1)[..., None], self._repeat_kv(ok, 1)[..., None]
+
+    def _ranked(
+        self,
+        gate: Float[Tensor, "batch head row block"],
+        geo: Geometry,
+        rows: Int[Tensor, "batch row"],
+        fidx: Int[Tensor, "batch head row 1"],
+        fok: Bool[Tensor, "batch head row 1"],
+    ) -> Float[Tensor, "batch head row block"]:
+        """The gate with ``-inf`` off the ranked candidates (used blocks, less the forced one);
+        the candidate mask is broadcast over a KV head's query heads, never repeated."""
+        b, h, r, nb = gate.shape
+        cand = at_rows(geo.block_used, rows)  # [batch, kv_head, row, block]
+        g = cand.shape[1]
+        gate = gate.reshape(b, g, h // g, r, nb).masked_fill(~cand[:, :, None], float("-inf"))
+        gate = gate.reshape(b, h, r, nb)
+        own = gate.gather(-1, fidx)
+        return gate.scatter(-1, fidx, own.masked_fill(fok, float("-inf")))
+
     def _select(
         self,
         gate: Float[Tensor, "batch head row block"],
-        forced: Bool[Tensor, "batch head row block"],
+        fidx: Int[Tensor, "batch head row 1"],
+        fok: Bool[Tensor, "batch head row 1"],
     ) -> tuple[Int[Tensor, "batch head row sel"], Bool[Tensor, "batch head row sel"]]:
         """Kept block indices (top-k of the gate, then the forced block) and which are real."""
         val, top = top_k_latest(gate, min(self.top_k, gate.shape[-1]))
-        idx = torch.cat([top, forced.float().argmax(-1, keepdim=True)], -1)
-        ok = torch.cat([val > float("-inf"), forced.any(-1, keepdim=True)], -1)
+        idx = torch.cat([top, fidx], -1)
+        ok = torch.cat([val > float("-inf"), fok], -1)
         if not self.hook_route_selected.has_hooks():
             return idx, ok
         # the selection as a mask, through the hook (an ablation may change it), and back
