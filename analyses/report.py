@@ -25,6 +25,7 @@ from typing import Annotated
 import numpy as np
 import pandas as pd
 import typer
+from report_fixes_real import claim_real_fixes  # analyses/: the script folder
 
 from phasemech.experiments.converged_claims import (
     D_MODEL,
@@ -768,6 +769,7 @@ def build_report(src: Sources) -> str:
         claim_theory(src),
         claim_evaluation(src),
         claim_fixes(src),
+        claim_real_fixes(src.results),
     ]
     return "\n".join(head) + "\n\n".join(parts) + "\n"
 

@@ -4,6 +4,8 @@ the aligned baseline and the frontier figure."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -178,3 +180,42 @@ def smollm():
 
     torch.manual_seed(0)
     return load_pretrained("smollm2-135m", n_ctx=256)
+
+
+def test_claims_section_reads_recorded_fix_audits(tmp_path):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "analyses"))
+    from report_fixes_real import audit_command, claim_real_fixes
+
+    assert "*Not measured yet*" in claim_real_fixes(tmp_path)
+    a = AuditConfig(designs=("route",), contexts=(256,), top_k=1, layers=(2, 3, 4),
+                    variants=("aligned", "per_head", "random"), n_boot=100)  # fmt: skip
+    t = pd.concat(
+        [
+            _targets([1.0, 0.2, 1.0, 1.0], [0.8, 0.8, 0.8, 0.8]),
+            _targets([1.0, 0.2, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0])
+            .query("setting != 'route_d4_w16_k8'")
+            .replace({"route_d4_w16_k8_per_head": "route_d4_w16_k8_random"}),
+        ]
+    ).replace(
+        {
+            "route_d4_w16_k8": "route_d4_w16_k1",
+            "route_d4_w16_k8_per_head": "route_d4_w16_k1_per_head",
+            "route_d4_w16_k8_random": "route_d4_w16_k1_random",
+        }
+    )
+    fixes = fix_table(a, t, a.setting_meta())
+    run = dict(config=a.to_dict(), wall_s=10.0, worker_s=20.0,
+               fixes=fixes.to_dict(orient="records"))  # fmt: skip
+    (tmp_path / "audit_fixes_decode_T256.json").write_text(json.dumps(run, default=float))
+    text = claim_real_fixes(tmp_path)
+    assert "| 256 | route | per_head |" in text and "| 256 | route | random |" in text
+    assert "**Goal met** by route/random (decode, T = 256)" in text
+    cmd = audit_command(a.to_dict(), "route", "random")
+    assert cmd == (
+        "phasemech audit --design route --regime decode --stride 4 --window 16 "
+        "--top-k 1 --context 256 --contents 50 --layers 2-4 --fix random -o DIR"
+    )
+    assert f"`{cmd}`" in text

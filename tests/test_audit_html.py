@@ -3,19 +3,16 @@ real browser (Playwright driving /usr/bin/chromium; skipped where either is miss
 
 from __future__ import annotations
 
-import contextlib
-import json
 import re
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 import pytest
+from browser import browser, cell_xy, page_data
 
 from phasemech.viz.audit import audit_figures, render_audit, write_audit_html
 
-CHROMIUM = Path("/usr/bin/chromium")
 D, LAYERS, HEADS, DEPTHS = 4, 3, 2, (0.0, 0.5, 1.0)
 SETTINGS = ("mean d=4", "gated d=4")
 
@@ -57,10 +54,6 @@ def _summary(settings=SETTINGS) -> dict:
     ]
     return dict(title="audit <test>", model="tiny", task="kv", regime="decode", context=512,
                 stride=D, contents=8, settings=entries)  # fmt: skip
-
-
-def _data(page: str) -> dict:
-    return json.loads(re.search(r'id="phasemech-data">(.*?)</script>', page, re.S).group(1))
 
 
 # --------------------------------------------------------------------------- figures
@@ -126,7 +119,7 @@ def test_bad_setting_and_summary():
 # --------------------------------------------------------------------------- the page
 
 
-def test_page_is_self_contained_and_carries_its_data(tmp_path):
+def test_page_is_self_contained_and_carries_itspage_data(tmp_path):
     from plotly.offline import get_plotlyjs
 
     frames = _frames()
@@ -136,7 +129,7 @@ def test_page_is_self_contained_and_carries_its_data(tmp_path):
     js = get_plotlyjs()
     assert js[1000:3000] in page and js[-2000:] in page
     assert "<title>audit &lt;test&gt;</title>" in page
-    data = _data(page)
+    data = page_data(page)
     assert data["stride"] == D and data["initial"] == 1 and data["meta"]["context"] == 512
     assert [s["name"] for s in data["settings"]] == list(SETTINGS)
     s = data["settings"][1]
@@ -154,43 +147,11 @@ def test_a_setting_name_cannot_break_the_page():
     page = render_audit(pp, dp, hp, _summary((evil,)))
     block = page.split('id="phasemech-data">')[1].split("</script>")[0]
     assert "<" not in block
-    assert _data(f'id="phasemech-data">{block}</script>')["settings"][0]["name"] == evil
+    assert page_data(f'id="phasemech-data">{block}</script>')["settings"][0]["name"] == evil
     assert page.count("</script>") == 3  # plotly.js, data, page script
 
 
 # --------------------------------------------------------------------------- the browser
-
-
-@contextlib.contextmanager
-def _browser(page_path: Path):
-    """``(page, errors)``: ``page_path`` opened in headless Chromium, plotted; ``errors``
-    collects uncaught page errors."""
-    playwright = pytest.importorskip("playwright.sync_api", reason="playwright not installed")
-    if not CHROMIUM.exists():
-        pytest.skip("no /usr/bin/chromium (make test installs it with apt-get where root)")
-    errors: list[str] = []
-    with playwright.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox"])
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        page.on("pageerror", lambda e: errors.append(str(e)))
-        page.goto(page_path.as_uri())
-        page.wait_for_selector("#heads-plot .main-svg")
-        yield page, errors
-        browser.close()
-
-
-def _cell_xy(page, plot: str, row: int, col: int) -> tuple[float, float]:
-    """Viewport coordinates of heatmap cell (row, col) of ``plot``, from plotly's axes."""
-    return page.evaluate(
-        """([plot, row, col]) => {
-            const gd = document.getElementById(plot);
-            gd.scrollIntoView();
-            const L = gd._fullLayout, r = gd.getBoundingClientRect();
-            return [r.left + L.xaxis._offset + L.xaxis.l2p(col),
-                    r.top + L.yaxis._offset + L.yaxis.l2p(row)];
-        }""",
-        [plot, row, col],
-    )
 
 
 def _js_fixed3(v: float | None) -> str:
@@ -204,8 +165,8 @@ def _js_fixed3(v: float | None) -> str:
 
 def test_audit_page_in_a_real_browser(tmp_path):
     page_path = write_audit_html(tmp_path / "audit.html", *_frames(), _summary())
-    data = _data(page_path.read_text())
-    with _browser(page_path) as (page, errors):
+    data = page_data(page_path.read_text())
+    with browser(page_path, "#heads-plot .main-svg", 1400) as (page, errors):
         for plot in ("accuracy-plot", "depth-plot", "heads-plot", "head-plot"):
             assert page.locator(f"#{plot} .main-svg").count() > 0
         assert page.locator("#heads-plot .hm").count() == 1  # the heatmap itself is drawn
@@ -217,7 +178,7 @@ def test_audit_page_in_a_real_browser(tmp_path):
         assert before == s["heads"]["initial"]
         target = next(i for i, lab in enumerate(s["heads"]["labels"]) if lab != before)
         label = s["heads"]["labels"][target]
-        x, y = _cell_xy(page, "heads-plot", target, 2)
+        x, y = cell_xy(page, "heads-plot", target, 2)
         page.mouse.move(x, y)
         page.mouse.click(x, y)
         page.wait_for_function(
@@ -251,7 +212,7 @@ def test_audit_page_in_a_real_browser(tmp_path):
 def test_one_setting_hides_the_picker(tmp_path):
     pp, dp, hp = _frames(SETTINGS[:1])
     page_path = write_audit_html(tmp_path / "audit.html", pp, dp, hp, _summary(SETTINGS[:1]))
-    with _browser(page_path) as (page, errors):
+    with browser(page_path, "#heads-plot .main-svg", 1400) as (page, errors):
         assert not page.is_visible("#setting")
         assert page.text_content("#head-title").startswith("L")
         assert "φ2 –" in page.text_content("#summary")  # a NaN phase accuracy shown as "–"

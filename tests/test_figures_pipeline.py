@@ -6,7 +6,6 @@ trained runs and cached panels.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
 import shutil
@@ -15,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from browser import CHROMIUM, browser, cell_xy, page_data
 from typer.testing import CliRunner
 
 from phasemech.cli import app
@@ -28,7 +28,6 @@ from phasemech.experiments.panels import (
 from phasemech.viz.dashboard import example_target, render_dashboard
 
 ROOT = Path(__file__).resolve().parents[1]
-CHROMIUM = Path("/usr/bin/chromium")
 FIGURES = (
     "accuracy_by_phase_d4",
     "accuracy_by_phase_polar_d4",
@@ -239,53 +238,18 @@ def test_dashboard_file_is_self_contained(tiny_figures, tmp_path):
     js = get_plotlyjs()
     assert js[1000:3000] in page and js[-2000:] in page
     assert not re.search(r"<script[^>]+src=", page) and "<link" not in page
-    data = _data(page)
+    data = page_data(page)
     assert [m["name"] for m in data["models"]] == [r.name for r in find_runs(sweep)]
     # the CLI's settings differ from the pipeline's: their own cache folder, none overwritten
     runs = find_runs(sweep)
     assert all((panel_dir(r, TINY_PANEL) / "panel.json").is_file() for r in runs)
     assert all((r / "dashboard" / "n32_data777_boot20_perm20_seed0").is_dir() for r in runs)
-    pipeline = _data((tiny_figures[1] / "dashboard.html").read_text())
+    pipeline = page_data((tiny_figures[1] / "dashboard.html").read_text())
     assert data["models"][0]["summary"]["n"] < pipeline["models"][0]["summary"]["n"]
     # a name holding "</script>" or "<!--" cannot end or confuse the data block
     evil = dict(data["models"][0], name="</script><!--<script>x")
     block = render_dashboard([evil]).split('id="phasemech-data">')[1].split("</script>")[0]
-    assert _data(f'id="phasemech-data">{block}</script>')["models"][0]["name"] == evil["name"]
-
-
-def _data(page: str) -> dict:
-    return json.loads(re.search(r'id="phasemech-data">(.*?)</script>', page, re.S).group(1))
-
-
-@contextlib.contextmanager
-def _browser(page_path: Path):
-    """``(page, errors)``: ``page_path`` opened in headless Chromium (Playwright driving the
-    system browser, no download), plotted; ``errors`` collects uncaught page errors."""
-    playwright = pytest.importorskip("playwright.sync_api", reason="playwright not installed")
-    if not CHROMIUM.exists():
-        pytest.skip("no /usr/bin/chromium (make test installs it with apt-get where root)")
-    errors: list[str] = []
-    with playwright.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox"])
-        page = browser.new_page(viewport={"width": 1300, "height": 1000})
-        page.on("pageerror", lambda e: errors.append(str(e)))
-        page.goto(page_path.as_uri())
-        page.wait_for_selector("#heatmap .main-svg")
-        yield page, errors
-        browser.close()
-
-
-def _cell_xy(page, row: int, col: int) -> tuple[float, float]:
-    """Page coordinates of heatmap cell (row, col), from plotly's own axis mapping."""
-    return page.evaluate(
-        """([row, col]) => {
-            const gd = document.getElementById('heatmap');
-            const L = gd._fullLayout, r = gd.getBoundingClientRect();
-            return [r.left + L.xaxis._offset + L.xaxis.l2p(col),
-                    r.top + L.yaxis._offset + L.yaxis.l2p(row)];
-        }""",
-        [row, col],
-    )
+    assert page_data(f'id="phasemech-data">{block}</script>')["models"][0]["name"] == evil["name"]
 
 
 def test_dashboard_in_a_real_browser(tiny_figures, tmp_path):
@@ -293,15 +257,15 @@ def test_dashboard_in_a_real_browser(tiny_figures, tmp_path):
     page_path = out / "dashboard.html"
     captions = json.loads((out / "captions.json").read_text())["figures"]
     showcase = captions[-1]["caption"].split("Opens on ")[1].split(":")[0]
-    data = _data(page_path.read_text())
-    with _browser(page_path) as (page, errors):
+    data = page_data(page_path.read_text())
+    with browser(page_path, "#heatmap .main-svg", 1300) as (page, errors):
         model = data["models"][int(page.input_value("#model"))]
         assert model["name"] == showcase  # opens on the pipeline's showcase model
         before = page.text_content("#head-title")
         start = page.evaluate("window.phasemechDashboard.state.h")
         target = (start + 1) % len(model["heads"])  # a head other than the one shown
         head = model["heads"][target]
-        x, y = _cell_xy(page, target, 2)
+        x, y = cell_xy(page, "heatmap", target, 2)
         page.mouse.move(x, y)
         page.mouse.click(x, y)
         page.wait_for_function(
@@ -398,7 +362,7 @@ def test_dashboard_switches_strides_and_shows_missing_numbers(tmp_path):
     page_path = tmp_path / "fake.html"
     panels = [_fake_panel("a<b>_d4", "mean", 4), _fake_panel("c_d8", "route", 8)]
     page_path.write_text(render_dashboard(panels, "fake <title>", initial="c_d8"))
-    with _browser(page_path) as (page, errors):
+    with browser(page_path, "#heatmap .main-svg", 1300) as (page, errors):
         assert page.input_value("#design") == "route" and page.get_attribute("#phase", "max") == "7"
         page.fill("#phase", "6")
         page.dispatch_event("#phase", "input")
@@ -407,7 +371,7 @@ def test_dashboard_switches_strides_and_shows_missing_numbers(tmp_path):
         page.wait_for_function("document.getElementById('phase').max === '3'")
         assert page.input_value("#phase") == "-1" and page.text_content("#phase-label") == "all"
         assert "a<b>_d4" in page.text_content("#summary")  # shown as text, not markup
-        x, y = _cell_xy(page, 3, 1)
+        x, y = cell_xy(page, "heatmap", 3, 1)
         page.mouse.move(x, y)
         page.mouse.click(x, y)
         page.wait_for_function("document.getElementById('head-title').textContent.endsWith('L1H1')")

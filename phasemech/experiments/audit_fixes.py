@@ -201,7 +201,8 @@ def fixes_markdown(table: pd.DataFrame, drawn: pd.DataFrame, skipped: list[str])
     if len(drawn):
         lines += ["", "`random` by the phase on each prompt's drawn grid (`needle_pos - shift`):"]
         for (context, setting), g in drawn.groupby(["context", "setting"]):
-            acc = " / ".join(f"{x:.2f}" for x in g.sort_values("drawn_phase")["accuracy"])
+            acc = ", ".join(f"phase {r.drawn_phase}: {r.accuracy:.2f} (n = {r.n})"
+                            for r in g.sort_values("drawn_phase").itertuples())  # fmt: skip
             lines.append(f"- T = {context}, {setting}: {acc}")
     if skipped:
         lines += ["", "Skipped (the design cannot take the variant): " + "; ".join(skipped)]

@@ -61,22 +61,10 @@ class FastAttention(Attention):
     hooks are free."""
 
     def _fast_ok(self, kw: dict) -> bool:
-        c = self.cfg
         return (
             self.training
             and all(kw.get(k) is None for k in kw)
-            and not self.hook_attn_scores.has_hooks()
-            and not self.hook_pattern.has_hooks()
-            and not self.hook_result.has_hooks()
-            and not c.use_attn_result
-            and c.positional_embedding_type in ("standard", "shortformer")
-            and (self._attention_dir_override or c.attention_dir) == "causal"
-            and c.attn_scores_soft_cap <= 0
-            and not c.use_attention_sinks
-            and not c.use_qk_norm
-            and c.clip_qkv is None
-            and not c.load_in_4bit
-            and c.original_architecture not in _QK_NORM_ARCHS
+            and _plain_attention(self, ("standard", "shortformer"))
         )
 
     def forward(
@@ -105,9 +93,7 @@ class FastAttention(Attention):
             is_causal=True,
             scale=1.0 / self.attn_scale,
         )
-        z = self.hook_z(z.transpose(1, 2))  # [batch, pos, head, d_head]
-        w = self.W_O.reshape(-1, self.W_O.shape[-1]).T  # [d_model, head * d_head]
-        return F.linear(z.reshape(z.shape[0], z.shape[1], -1), w, self.b_O)
+        return _project_out(self, z.transpose(1, 2))
 
 
 _QK_NORM_ARCHS = ("OlmoeForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM")
@@ -168,18 +154,16 @@ def use_fast_modules(model: nn.Module) -> int:
     return n
 
 
-def _sdpa_ok(self, kw: dict) -> bool:
-    c, mask = self.cfg, kw["attention_mask"]
+def _plain_attention(self, positional: tuple[str, ...]) -> bool:
+    """Nothing reads the scores, pattern or per-head result, and no attention feature that
+    SDPA's plain causal softmax would miss (soft-cap, sinks, QK-norm, log-n scaling, ...)."""
+    c = self.cfg
     return (
-        not self.training
-        and kw["additive_attention_mask"] is None
-        and kw["position_bias"] is None
-        and (mask is None or bool(mask.bool().all()))
-        and not self.hook_attn_scores.has_hooks()
+        not self.hook_attn_scores.has_hooks()
         and not self.hook_pattern.has_hooks()
         and not self.hook_result.has_hooks()
         and not c.use_attn_result
-        and c.positional_embedding_type in ("standard", "shortformer", "rotary")
+        and c.positional_embedding_type in positional
         and (self._attention_dir_override or c.attention_dir) == "causal"
         and c.attn_scores_soft_cap <= 0
         and not c.use_attention_sinks
@@ -188,6 +172,26 @@ def _sdpa_ok(self, kw: dict) -> bool:
         and c.clip_qkv is None
         and not c.load_in_4bit
         and c.original_architecture not in _QK_NORM_ARCHS
+    )
+
+
+def _project_out(
+    self, z: Float[Tensor, "batch pos head d_head"]
+) -> Float[Tensor, "batch pos d_model"]:
+    """``hook_z`` then the output projection, as one matmul over heads."""
+    z = self.hook_z(z)
+    w = self.W_O.reshape(-1, self.W_O.shape[-1]).T  # [d_model, head * d_head]
+    return F.linear(z.reshape(z.shape[0], z.shape[1], -1), w, self.b_O)
+
+
+def _sdpa_ok(self, kw: dict) -> bool:
+    mask = kw["attention_mask"]
+    return (
+        not self.training
+        and kw["additive_attention_mask"] is None
+        and kw["position_bias"] is None
+        and (mask is None or bool(mask.bool().all()))
+        and _plain_attention(self, ("standard", "shortformer", "rotary"))
     )
 
 
@@ -228,9 +232,7 @@ def _sdpa_forward(
     z = F.scaled_dot_product_attention(
         qh, kh, vh, attn_mask=mask, is_causal=not past, scale=1.0 / self.attn_scale
     )
-    z = self.hook_z(z.transpose(1, 2))  # [batch, pos, head, d_head]
-    w = self.W_O.reshape(-1, self.W_O.shape[-1]).T  # [d_model, head * d_head]
-    return F.linear(z.reshape(z.shape[0], z.shape[1], -1), w, self.b_O)
+    return _project_out(self, z.transpose(1, 2))
 
 
 class EvalSDPAAttention(Attention):
