@@ -219,3 +219,19 @@ def test_claims_section_reads_recorded_fix_audits(tmp_path):
         "--top-k 1 --context 256 --contents 50 --layers 2-4 --fix random -o DIR"
     )
     assert f"`{cmd}`" in text
+
+
+def test_retrieval_mass_follows_the_null_heads():
+    from phasemech.experiments.audit_fixes import retrieval_mass
+
+    rows = []
+    for setting, strong in (("null", 0.9), ("fix", 0.3)):
+        for layer, head, base in ((0, 0, 0.01), (5, 2, strong), (5, 3, 0.02)):
+            for phase in range(4):
+                mass = base * (0.5 if (setting == "fix" and phase == 1) else 1)
+                rows.append(dict(context=256, setting=setting, layer=layer, head=head,
+                                 phase=phase, mass=mass))  # fmt: skip
+    m = retrieval_mass(pd.DataFrame(rows), top=1)  # the null's top head: layer 5, head 2
+    fix = m[m.setting == "fix"].sort_values("phase")["mass"].round(3).tolist()
+    assert fix == [0.3, 0.15, 0.3, 0.3]
+    assert retrieval_mass(None).empty

@@ -140,10 +140,40 @@ def _verdict(c: dict, equal_budget: bool) -> str:
     return "cuts the gap, costs accuracy" if cut else "does not cut the gap enough"
 
 
-def fix_table(a, targets: pd.DataFrame, meta: dict[str, dict]) -> pd.DataFrame:
+def retrieval_mass(head_phase: pd.DataFrame, top: int = 5) -> pd.DataFrame:
+    """Per (context, setting, phase): the mean answer-onto-needle attention of the null's
+    ``top`` retrieval heads (the heads that attend the needle most in the uncompressed model):
+    what a fix changes at the heads that do the retrieving."""
+    cols = ["context", "setting", "phase", "mass"]
+    if head_phase is None or head_phase.empty:
+        return pd.DataFrame(columns=cols)
+    out = []
+    for context, h in head_phase.groupby("context"):
+        null = h[h["setting"] == "null"].groupby(["layer", "head"])["mass"].mean()
+        heads = null.nlargest(top).index
+        keyed = h.set_index(["layer", "head"])
+        at = keyed[keyed.index.isin(heads)].reset_index()
+        m = at.groupby(["setting", "phase"])["mass"].mean().reset_index()
+        out.append(m.assign(context=context))
+    return pd.concat(out, ignore_index=True)[cols]
+
+
+def fix_table(
+    a, targets: pd.DataFrame, meta: dict[str, dict], head_phase: pd.DataFrame | None = None
+) -> pd.DataFrame:
     """One row per (context, design, fix): accuracy and debiased gap of baseline and fix with
-    paired cluster-bootstrap CIs, the gap reduction, budgets, seconds per forward, verdict."""
+    paired cluster-bootstrap CIs, the gap reduction, budgets, seconds per forward, verdict, and
+    the retrieval heads' needle attention by phase (:func:`retrieval_mass`) for both."""
     from phasemech.measure.stats import compare_gaps
+
+    mass = retrieval_mass(head_phase).set_index(["context", "setting"])
+
+    def by_phase(context, name) -> list[float]:
+        if (context, name) not in mass.index:
+            return []
+        return [
+            round(float(x), 4) for x in mass.loc[[(context, name)]].sort_values("phase")["mass"]
+        ]
 
     rows = []
     df = targets.assign(phase=targets["needle_pos"] % a.stride, seq_id=targets["group_id"])
@@ -162,7 +192,9 @@ def fix_table(a, targets: pd.DataFrame, meta: dict[str, dict]) -> pd.DataFrame:
                      about=VARIANTS[m["variant"]].about, **c, budget_baseline=b0, budget=b1,
                      seconds_baseline=float(base["seconds"].median()),
                      seconds=float(fix["seconds"].median()),
-                     verdict="0 on every phase: no evidence" if floor else _verdict(c, b1 <= b0))
+                     verdict="0 on every phase: no evidence" if floor else _verdict(c, b1 <= b0),
+                     needle_mass_baseline=by_phase(context, base_name),
+                     needle_mass=by_phase(context, name))
             )  # fmt: skip
     return pd.DataFrame(rows)
 
@@ -187,8 +219,9 @@ def fixes_markdown(table: pd.DataFrame, drawn: pd.DataFrame, skipped: list[str])
         f"{NONINFERIORITY:.0%} (95% CI), budget no larger)",
         "",
         "| T | design | fix | budget (base) | acc base -> fix | acc change [95% CI] "
-        "| gap base -> fix | gap cut [95% CI] | s per forward (base) | verdict |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| gap base -> fix | gap cut [95% CI] | s per forward (base) | retrieval heads' needle "
+        "attention by phase, base -> fix | verdict |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in table.itertuples():
         lines.append(
@@ -196,7 +229,8 @@ def fixes_markdown(table: pd.DataFrame, drawn: pd.DataFrame, skipped: list[str])
             f"| {r.accuracy_baseline:.3f} -> {r.accuracy_other:.3f} | {r.accuracy_diff:+.3f} "
             f"[{r.accuracy_diff_lo:+.3f}, {r.accuracy_diff_hi:+.3f}] | {r.gap_baseline:.3f} -> "
             f"{r.gap_other:.3f} | {_pct(r.reduction)} [{_pct(r.reduction_lo)}, "
-            f"{_pct(r.reduction_hi)}] | {r.seconds:.2f} ({r.seconds_baseline:.2f}) | {r.verdict} |"
+            f"{_pct(r.reduction_hi)}] | {r.seconds:.2f} ({r.seconds_baseline:.2f}) | "
+            f"{_masses(r.needle_mass_baseline)} -> {_masses(r.needle_mass)} | {r.verdict} |"
         )
     if len(drawn):
         lines += ["", "`random` by the phase on each prompt's drawn grid (`needle_pos - shift`):"]
@@ -207,6 +241,10 @@ def fixes_markdown(table: pd.DataFrame, drawn: pd.DataFrame, skipped: list[str])
     if skipped:
         lines += ["", "Skipped (the design cannot take the variant): " + "; ".join(skipped)]
     return "\n".join(lines) + "\n"
+
+
+def _masses(xs: list[float]) -> str:
+    return "/".join(f"{x:.2f}" for x in xs) if len(xs) else "n/a"
 
 
 def _pct(x: float) -> str:
@@ -224,4 +262,5 @@ __all__ = [
     "fixes_markdown",
     "kv_budget",
     "random_shift",
+    "retrieval_mass",
 ]

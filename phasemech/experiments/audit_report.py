@@ -72,7 +72,7 @@ def tables(a, targets: pd.DataFrame, heads: pd.DataFrame) -> dict[str, pd.DataFr
         "head_phase": pd.concat(head_rows, ignore_index=True) if head_rows else heads,
     }
     if len(a.variants) > 1:
-        out["fixes"] = fix_table(a, targets, meta)
+        out["fixes"] = fix_table(a, targets, meta, out["head_phase"] if len(heads) else None)
         out["drawn_grid"] = drawn_grid_accuracy(a, targets, meta)
     return out
 
