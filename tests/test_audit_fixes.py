@@ -235,3 +235,17 @@ def test_retrieval_mass_follows_the_null_heads():
     fix = m[m.setting == "fix"].sort_values("phase")["mass"].round(3).tolist()
     assert fix == [0.3, 0.15, 0.3, 0.3]
     assert retrieval_mass(None).empty
+
+
+def test_rules_are_compared_with_route_at_the_same_grid():
+    from phasemech.experiments.audit_fixes import fix_pairs
+
+    a = AuditConfig(designs=("mean", "quest", "route", "kpool"), contexts=(256,),
+                    variants=("aligned", "per_head"))  # fmt: skip
+    pairs = fix_pairs(a, a.setting_meta())
+    rules = [p for p in pairs if p[1].startswith("rule_")]
+    assert rules == [("route", "rule_quest", "route_d4_w16_k8", "quest_d4_w16_k8"),
+                     ("route", "rule_kpool", "route_d4_w16_k8", "kpool_d4_w16_k8")]  # fmt: skip
+    assert ("mean", "per_head", "mean_d4_w16", "mean_d4_w16_per_head") in pairs
+    single = AuditConfig(designs=("route",), variants=("aligned", "per_head"))
+    assert not [p for p in fix_pairs(single, single.setting_meta()) if p[1].startswith("rule_")]

@@ -158,45 +158,64 @@ def retrieval_mass(head_phase: pd.DataFrame, top: int = 5) -> pd.DataFrame:
     return pd.concat(out, ignore_index=True)[cols]
 
 
+def fix_pairs(a, meta: dict[str, dict]) -> list[tuple[str, str, str, str]]:
+    """``(design, fix, baseline setting, fix setting)``: each design's variants against its
+    aligned grid, then each other selection rule against the first one audited (``route`` when
+    there), both aligned: the rule as a fix (``rule_quest``: Quest's bounds in place of the
+    mean key), at the same grid and budget."""
+    fixes = {n: m for n, m in meta.items() if m["variant"] != "aligned"}
+    pairs = [(m["design"], m["variant"], a.setting_name(m["design"], "aligned"), name)
+             for name, m in fixes.items()]  # fmt: skip
+    rules = [d for d in a.designs if d != "mean"]
+    if len(rules) > 1:
+        first = "route" if "route" in rules else rules[0]
+        base = a.setting_name(first, "aligned")
+        pairs += [(first, f"rule_{d}", base, a.setting_name(d, "aligned"))
+                  for d in rules if d != first]  # fmt: skip
+    return pairs
+
+
 def fix_table(
     a, targets: pd.DataFrame, meta: dict[str, dict], head_phase: pd.DataFrame | None = None
 ) -> pd.DataFrame:
-    """One row per (context, design, fix): accuracy and debiased gap of baseline and fix with
-    paired cluster-bootstrap CIs, the gap reduction, budgets, seconds per forward, verdict, and
-    the retrieval heads' needle attention by phase (:func:`retrieval_mass`) for both."""
-    from phasemech.measure.stats import compare_gaps
-
+    """One row per (context, design, fix) of :func:`fix_pairs`: accuracy and debiased gap of
+    baseline and fix with paired cluster-bootstrap CIs, the gap reduction, budgets, seconds per
+    forward, verdict, and the retrieval heads' needle attention by phase
+    (:func:`retrieval_mass`) for both."""
     mass = retrieval_mass(head_phase).set_index(["context", "setting"])
-
-    def by_phase(context, name) -> list[float]:
-        if (context, name) not in mass.index:
-            return []
-        return [
-            round(float(x), 4) for x in mass.loc[[(context, name)]].sort_values("phase")["mass"]
-        ]
-
     rows = []
     df = targets.assign(phase=targets["needle_pos"] % a.stride, seq_id=targets["group_id"])
     for context, t in df.groupby("context", sort=True):
         by_setting = dict(tuple(t.groupby("setting", sort=False)))
-        for name, m in meta.items():
-            if m["variant"] == "aligned" or name not in by_setting:
-                continue
-            base_name = a.setting_name(m["design"], "aligned")
-            base, fix = by_setting[base_name], by_setting[name]
-            c = compare_gaps(base, fix, a.stride, n_boot=a.n_boot, seed=a.seed)
-            b0, b1 = meta[base_name]["budget"][context], m["budget"][context]
-            floor = max(base["correct"].mean(), fix["correct"].mean()) == 0
-            rows.append(
-                dict(context=context, design=m["design"], fix=m["variant"], setting=name,
-                     about=VARIANTS[m["variant"]].about, **c, budget_baseline=b0, budget=b1,
-                     seconds_baseline=float(base["seconds"].median()),
-                     seconds=float(fix["seconds"].median()),
-                     verdict="0 on every phase: no evidence" if floor else _verdict(c, b1 <= b0),
-                     needle_mass_baseline=by_phase(context, base_name),
-                     needle_mass=by_phase(context, name))
-            )  # fmt: skip
+        for design, fix, base_name, name in fix_pairs(a, meta):
+            if base_name in by_setting and name in by_setting:
+                pair = (by_setting[base_name], by_setting[name])
+                budgets = (meta[base_name]["budget"][context], meta[name]["budget"][context])
+                masses = [_phase_mass(mass, context, n) for n in (base_name, name)]
+                row = _compare(a, *pair, budgets, masses)
+                about = VARIANTS[fix].about if fix in VARIANTS else f"{fix[5:]}'s selection rule"
+                rows.append(dict(context=context, design=design, fix=fix, setting=name,
+                                 about=about, **row))  # fmt: skip
     return pd.DataFrame(rows)
+
+
+def _compare(a, base, fix, budgets, masses) -> dict:
+    from phasemech.measure.stats import compare_gaps
+
+    c = compare_gaps(base, fix, a.stride, n_boot=a.n_boot, seed=a.seed)
+    floor = max(base["correct"].mean(), fix["correct"].mean()) == 0
+    return dict(
+        c, budget_baseline=budgets[0], budget=budgets[1],
+        seconds_baseline=float(base["seconds"].median()), seconds=float(fix["seconds"].median()),
+        verdict="0 on every phase: no evidence" if floor else _verdict(c, budgets[1] <= budgets[0]),
+        needle_mass_baseline=masses[0], needle_mass=masses[1],
+    )  # fmt: skip
+
+
+def _phase_mass(mass: pd.DataFrame, context, name: str) -> list[float]:
+    if (context, name) not in mass.index:
+        return []
+    return [round(float(x), 4) for x in mass.loc[[(context, name)]].sort_values("phase")["mass"]]
 
 
 def drawn_grid_accuracy(a, targets: pd.DataFrame, meta: dict[str, dict]) -> pd.DataFrame:
@@ -258,6 +277,7 @@ __all__ = [
     "apply_variant",
     "check_variants",
     "drawn_grid_accuracy",
+    "fix_pairs",
     "fix_table",
     "fixes_markdown",
     "kv_budget",
