@@ -25,8 +25,8 @@ from typing import Annotated
 import numpy as np
 import pandas as pd
 import typer
-from report_fixes_real import claim_real_fixes  # analyses/: the script folder
 
+from phasemech.experiments.audit_fixes_claims import claim_real_fixes
 from phasemech.experiments.converged_claims import (
     D_MODEL,
     converged_claim_lines,

@@ -183,42 +183,73 @@ def smollm():
 
 
 def test_claims_section_reads_recorded_fix_audits(tmp_path):
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "analyses"))
-    from report_fixes_real import audit_command, claim_real_fixes
+    from phasemech.experiments.audit_fixes_claims import audit_command, claim_real_fixes
 
     assert "*Not measured yet*" in claim_real_fixes(tmp_path)
-    a = AuditConfig(designs=("route",), contexts=(256,), top_k=1, layers=(2, 3, 4),
+    a = AuditConfig(designs=("route",), contexts=(256,), top_k=1, layers=(2, 3, 4, 7),
                     variants=("aligned", "per_head", "random"), n_boot=100)  # fmt: skip
-    t = pd.concat(
-        [
-            _targets([1.0, 0.2, 1.0, 1.0], [0.8, 0.8, 0.8, 0.8]),
-            _targets([1.0, 0.2, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0])
-            .query("setting != 'route_d4_w16_k8'")
-            .replace({"route_d4_w16_k8_per_head": "route_d4_w16_k8_random"}),
-        ]
-    ).replace(
-        {
-            "route_d4_w16_k8": "route_d4_w16_k1",
-            "route_d4_w16_k8_per_head": "route_d4_w16_k1_per_head",
-            "route_d4_w16_k8_random": "route_d4_w16_k1_random",
-        }
-    )
+    names = {"route_d4_w16_k8": "route_d4_w16_k1", "route_d4_w16_k8_per_head":
+             "route_d4_w16_k1_per_head"}  # fmt: skip
+    flat = _targets([1.0, 0.2, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0])
+    t = pd.concat([
+        _targets([1.0, 0.2, 1.0, 1.0], [0.6, 0.6, 0.6, 0.6]).replace(names),
+        flat[flat.setting != "route_d4_w16_k8"].replace(
+            {"route_d4_w16_k8_per_head": "route_d4_w16_k1_random"}),
+    ])  # fmt: skip
     fixes = fix_table(a, t, a.setting_meta())
+    assert set(fixes.phase_grid) == {"reference", "drawn"}
     run = dict(config=a.to_dict(), wall_s=10.0, worker_s=20.0,
                fixes=fixes.to_dict(orient="records"))  # fmt: skip
     (tmp_path / "audit_fixes_decode_T256.json").write_text(json.dumps(run, default=float))
     text = claim_real_fixes(tmp_path)
     assert "| 256 | route | per_head |" in text and "| 256 | route | random |" in text
     assert "**Goal met** by route/random (decode, T = 256)" in text
+    assert "Frontier: (not recorded)" in text
     cmd = audit_command(a.to_dict(), "route", "random")
-    assert cmd == (
-        "phasemech audit --design route --regime decode --stride 4 --window 16 "
-        "--top-k 1 --context 256 --contents 50 --layers 2-4 --fix random -o DIR"
-    )
+    assert cmd == ("phasemech audit --design route --top-k 1 --context 256 --layers 2-4,7 "
+                   "--fix random -o DIR")  # fmt: skip
     assert f"`{cmd}`" in text
+    rule = audit_command(dict(a.to_dict(), task="kv", window=8), "route", "rule_quest")
+    assert rule == ("phasemech audit --design route,quest --window 8 --task kv --top-k 1 "
+                    "--context 256 --layers 2-4,7 -o DIR")  # fmt: skip
+
+
+def test_random_fix_gap_is_on_the_drawn_grid():
+    """A model weak at drawn phase 1: on the reference grid a random offset hides it (flat),
+    on the drawn grid it is still there, so the fix does not pass by construction."""
+    a = AuditConfig(designs=("route",), contexts=(256,), variants=("aligned", "random"),
+                    n_boot=200)  # fmt: skip
+    rng = np.random.default_rng(1)
+    rows = []
+    for g in range(80):
+        for p in range(4):
+            shift = int(rng.integers(4))
+            for setting, phase, sh in (
+                ("route_d4_w16_k8", p, 0),
+                ("route_d4_w16_k8_random", (p - shift) % 4, shift),
+            ):
+                rows.append(dict(context=256, setting=setting, group_id=g, needle_pos=100 + p,
+                                 grid_shift=sh, correct=phase != 1, seconds=0.1))  # fmt: skip
+    r = fix_table(a, pd.DataFrame(rows), a.setting_meta()).iloc[0]
+    assert r.phase_grid == "drawn" and r.gap_other > 0.9 and r.gap_reference < 0.2
+    assert r.verdict == "does not cut the gap enough"
+
+
+def test_same_grid_variants_are_refused_and_budgets_capped():
+    with pytest.raises(ValueError, match="with W = 0 before_window reads exactly") as err:
+        AuditConfig(designs=("route",), window=0, variants=("aligned", "before_window"))
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="offsets='per_head' is invalid with fixes"):
+        AuditConfig(offsets="per_head", variants=("aligned", "per_layer"))
+    big = CompressionConfig("route", stride=4, window=16, top_k=1000)
+    assert kv_budget(big, 256) == 256  # never more than the context
+    import typer
+
+    from phasemech.cli import audit as cli_audit
+
+    for bad in ("", "aligned", " , "):
+        with pytest.raises(typer.BadParameter, match="names no fix"):
+            cli_audit._variants(bad)
 
 
 def test_retrieval_mass_follows_the_null_heads():

@@ -119,7 +119,7 @@ def test_bad_setting_and_summary():
 # --------------------------------------------------------------------------- the page
 
 
-def test_page_is_self_contained_and_carries_itspage_data(tmp_path):
+def test_page_is_self_contained_and_carries_its_data(tmp_path):
     from plotly.offline import get_plotlyjs
 
     frames = _frames()

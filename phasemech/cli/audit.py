@@ -30,7 +30,11 @@ def _variants(fix: str | None) -> tuple[str, ...]:
     if fix is None:
         return ("aligned",)
     names = [f.strip() for f in fix.split(",") if f.strip()]
-    return ("aligned", *(FIXES if names == ["all"] else [n for n in names if n != "aligned"]))
+    names = list(FIXES) if names == ["all"] else [n for n in names if n != "aligned"]
+    if not names:
+        msg = f"{fix!r} names no fix: allowed 'all' or any of {', '.join(FIXES)}"
+        raise typer.BadParameter(msg, param_hint="--fix")
+    return ("aligned", *names)
 
 
 @app.command()

@@ -266,12 +266,13 @@ class CompressionConfig:
         d = self.stride
         out = np.zeros((n_layers, n_kv_heads), dtype=np.int64)
         spec = self.offsets
-        if spec in ("per_layer", "per_layer_head"):
-            layers = self.compressed_layers(n_layers)
-            for rank, layer in enumerate(layers):
-                out[layer, :] = (rank * d) // len(layers)
-        if spec in ("per_head", "per_layer_head"):
-            out[:, :] = (out + (np.arange(n_kv_heads) * d) // n_kv_heads) % d
+        if spec in ("per_layer", "per_head", "per_layer_head"):
+            if spec != "per_head":  # compressed layer r of n: (r*d)//n
+                layers = self.compressed_layers(n_layers)
+                for rank, layer in enumerate(layers):
+                    out[layer, :] = (rank * d) // len(layers)
+            if spec != "per_layer":  # KV head g of G: (g*d)//G, added mod d
+                out[:, :] = (out + (np.arange(n_kv_heads) * d) // n_kv_heads) % d
         elif isinstance(spec, int):
             out[:, :] = spec
         elif isinstance(spec, tuple):

@@ -121,11 +121,12 @@ def last_query_blocks(
     d, t = stride, seq_len - 1
     newest = t if visibility == "inclusive" else t - 1
     latest_end = newest - (newest + 1 - offset) % d
-    raw_start = min(t - window + 1, latest_end + 1)
+    window_start = t - window + 1
+    if block_scope == "before_window":
+        window_start = _segment_start(window_start, d, offset)
+    raw_start = min(window_start, latest_end + 1)
     ends = np.arange(n_blocks(seq_len, d)) * d + offset - 1
     first = np.maximum(ends - block_len + 1, 0)
-    if block_scope == "before_window":
-        raw_start = min(_segment_start(t - window + 1, d, offset), latest_end + 1)
     used = (ends >= 0) & (ends <= latest_end)
     if block_scope == "outside_window":
         used &= first < raw_start

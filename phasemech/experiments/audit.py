@@ -21,6 +21,7 @@ audit's tables, ``summary.md`` and ``audit.html``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import json
 import time
@@ -103,6 +104,12 @@ class AuditConfig:
             raise ValueError(
                 f"AuditConfig: contexts={self.contexts!r} is invalid: expected ints >= 64"
             )
+        if len(self.variants) > 1 and self.offsets != "aligned":
+            raise ValueError(
+                f"AuditConfig: offsets={self.offsets!r} is invalid with fixes: a fix is compared "
+                "with the aligned grid; allowed offsets='aligned' (the offset fixes are --fix "
+                "per_head, per_layer, per_layer_head, random)"
+            )
         for design in self.designs:  # every compression is checked before any work
             self.compression(design)
         unused = [v for v in self.variants if not any(self._takes(d, v) for d in self.designs)]
@@ -113,26 +120,32 @@ class AuditConfig:
             )
         self.retrieval_task(self.contexts[0])
 
+    @functools.cached_property
+    def _grids(self) -> dict[tuple[str, str], CompressionConfig | str]:
+        """Each (design, variant): its compression, or why the design cannot take it."""
+        out: dict[tuple[str, str], CompressionConfig | str] = {}
+        for design, variant in itertools.product(self.designs, self.variants):
+            try:
+                out[design, variant] = apply_variant(self._compression(design), variant)
+            except ValueError as err:
+                out[design, variant] = str(err).splitlines()[0]
+        return out
+
     def compression(self, design: str, variant: str = "aligned") -> CompressionConfig:
         """The design's compression under ``variant`` (a ``ValueError`` if it cannot take it)."""
-        return apply_variant(self._compression(design), variant)
+        grid = self._grids.get((design, variant))
+        if grid is None:  # not one of this audit's pairs: build it (and raise) here
+            return apply_variant(self._compression(design), variant)
+        if isinstance(grid, str):
+            raise ValueError(grid)
+        return grid
 
     def _takes(self, design: str, variant: str) -> bool:
-        try:
-            self.compression(design, variant)
-        except ValueError:
-            return False
-        return True
+        return not isinstance(self._grids[design, variant], str)
 
     def skipped(self) -> list[str]:
         """``design/variant: why`` for each pair the design cannot take."""
-        out = []
-        for design, variant in itertools.product(self.designs, self.variants):
-            try:
-                self.compression(design, variant)
-            except ValueError as err:
-                out.append(f"{design}/{variant}: {str(err).splitlines()[0]}")
-        return out
+        return [f"{d}/{v}: {why}" for (d, v), why in self._grids.items() if isinstance(why, str)]
 
     def _compression(self, design: str) -> CompressionConfig:
         selecting = design != "mean"

@@ -60,6 +60,13 @@ def _grid(model, shift: int) -> tuple[Any, int]:
     return contextlib.nullcontext(), 0
 
 
+def _clock(device) -> float:
+    """Wall time, after the device's queued work (a GPU runs asynchronously)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 @torch.inference_mode()
 def score_prompt(
     base,
@@ -82,11 +89,11 @@ def score_prompt(
     tokens = batch.tokens[i : i + 1, :width].to(dev)
     answer = batch.answer[i].to(dev)
     offset = int(info["question_start"]) if regime == "decode" else 0
-    cache, t0 = None, time.perf_counter()
+    cache, t0 = None, _clock(dev)
     if regime == "decode":
         keep = max(needed_queries(m) for _, m in models)
         cache = prefill(base, tokens[:, :offset], keep_queries=keep)
-    prefill_s = time.perf_counter() - t0
+    prefill_s = _clock(dev) - t0
     meta = {c: info[c] for c in ("prompt_id", "group_id", "depth", "needle_pos", "phase")}
     meta = {k: v.item() if hasattr(v, "item") else v for k, v in meta.items()}
     rows, heads = [], []
@@ -94,7 +101,7 @@ def score_prompt(
         store: dict[int, Tensor] = {}
         hooks = _attention_hooks(model, start - 1 - offset, needle, store) if attend else []
         grid, grid_shift = _grid(model, shift)
-        t0 = time.perf_counter()
+        t0 = _clock(dev)
         with model.hooks(fwd_hooks=hooks), grid:
             if cache is None:
                 resid = model(tokens, stop_at_layer=model.cfg.n_layers)
@@ -105,7 +112,7 @@ def score_prompt(
         rows.append(
             dict(meta, setting=name, correct=correct, first_correct=first, logprob=lp,
                  answer_start=start, length=width + 1, grid_shift=grid_shift,
-                 seconds=time.perf_counter() - t0, prefill_s=prefill_s, attention=attend)
+                 seconds=_clock(dev) - t0, prefill_s=prefill_s, attention=attend)
         )  # fmt: skip
         for layer, mass in sorted(store.items()):
             heads += [

@@ -1,0 +1,149 @@
+"""The claims report's section 7: the open fixes tested on a real model, post hoc, at zero
+training cost (``phasemech audit --fix``).
+
+Axes: ``run`` (one recorded fixes audit: a regime and its contexts), ``design``, ``fix``.
+
+Reads every ``RESULTS/audit_fixes_*.json`` (an audit folder's ``summary.json``, copied there
+once the run is done, with its frontier as ``RESULTS/<same stem>_frontier.png``; its ``fixes``
+records are :func:`phasemech.experiments.audit_fixes.fix_table` rows). Numbers come from those
+files only; the verdict is the rule written next to it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pandas as pd
+
+from phasemech.experiments.audit import AuditConfig
+from phasemech.experiments.audit_fixes import GOAL_REDUCTION, NONINFERIORITY, pct
+
+TITLE = "## 7. The fixes on a real model, post hoc, at no training cost"
+#: ``AuditConfig`` fields and the ``phasemech audit`` flags that set them
+_FLAGS = {"model": "--model", "regime": "--regime", "stride": "--stride", "window": "--window",
+          "block_len": "--block-len", "obs_window": "--obs-window", "offsets": "--offsets",
+          "task": "--task", "distractors": "--distractors", "contents": "--contents",
+          "attention_groups": "--attention-groups", "seed": "--seed"}  # fmt: skip
+
+
+def fix_audits(results: Path) -> list[tuple[str, dict]]:
+    """The recorded fixes audits, ``(file stem, summary)``, decode regime first."""
+    runs = [(p.stem, json.loads(p.read_text())) for p in sorted(results.glob("audit_fixes_*.json"))]
+    return sorted(runs, key=lambda r: (r[1]["config"]["regime"] != "decode", r[0]))
+
+
+def audit_command(cfg: dict, design: str, fix: str) -> str:
+    """The ``phasemech audit`` command that reproduces one row: its design(s), fix and every
+    field of the audit that is not at its default (``rule_X``: ``--design route,X``)."""
+    default = {f.name: f.default for f in dataclasses.fields(AuditConfig)}
+    designs = f"{design},{fix[5:]}" if fix.startswith("rule_") else design
+    parts = ["phasemech audit", f"--design {designs}"]
+    parts += [f"{flag} {cfg[k]}" for k, flag in _FLAGS.items() if cfg.get(k) != default[k]]
+    if design != "mean" and fix[5:] != "mean":
+        parts.append(f"--top-k {cfg['top_k']}")
+    parts.append(f"--context {','.join(map(str, cfg['contexts']))}")
+    if list(cfg["depths"]) != list(default["depths"]):
+        parts.append(f"--depths {','.join(map(str, cfg['depths']))}")
+    if cfg["layers"] is not None:
+        parts.append(f"--layers {','.join(map(str, _ranges(cfg['layers'])))}")
+    if not fix.startswith("rule_"):
+        parts.append(f"--fix {fix}")
+    return " ".join([*parts, "-o DIR"])
+
+
+def _ranges(layers: list[int]) -> list[str]:
+    """``[2, 3, 4, 7]`` -> ``["2-4", "7"]``."""
+    out, start = [], None
+    for i, x in enumerate(layers):
+        start = x if start is None else start
+        if i + 1 == len(layers) or layers[i + 1] != x + 1:
+            out.append(f"{start}-{x}" if x > start else f"{x}")
+            start = None
+    return out
+
+
+def _run_lines(stem: str, run: dict) -> tuple[list[str], pd.DataFrame]:
+    cfg, fixes = run["config"], pd.DataFrame(run["fixes"])
+    out = [
+        f"**{cfg['model']}, {cfg['regime']} regime**, `analyses/results/{stem}.json` "
+        f"({cfg['contents']} contents x {cfg['stride']} phases per setting, top-k "
+        f"{cfg['top_k']}, W = {cfg['window']}; {run['wall_s']:.0f} s wall, "
+        f"{run['worker_s']:.0f} worker-s):",
+        "",
+        "| T | design | fix | budget (base) | accuracy base -> fix [change CI] "
+        "| debiased gap base -> fix | gap cut [95% CI] | verdict | command |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in fixes.itertuples():
+        out.append(
+            f"| {r.context} | {r.design} | {r.fix} | {r.budget} ({r.budget_baseline}) | "
+            f"{r.accuracy_baseline:.3f} -> {r.accuracy_other:.3f} [{r.accuracy_diff_lo:+.3f}, "
+            f"{r.accuracy_diff_hi:+.3f}] | {r.gap_baseline:.3f} -> {r.gap_other:.3f} | "
+            f"{pct(r.reduction)} [{pct(r.reduction_lo)}, {pct(r.reduction_hi)}] | {r.verdict} "
+            f"| `{audit_command(cfg, r.design, r.fix)}` |"
+        )
+    return out + [""], fixes
+
+
+def closest(fixes: pd.DataFrame) -> pd.Series | None:
+    """Among fixes whose baseline gap is established and whose accuracy holds (CI above the
+    margin), the largest gap cut; else the largest cut at any accuracy."""
+    live = fixes[~fixes["verdict"].isin(["no baseline gap to cut", "baseline gap not established",
+                                         "0 on every phase: no evidence"])]  # fmt: skip
+    if live.empty:
+        return None
+    held = live[live["accuracy_diff_lo"] > -NONINFERIORITY]
+    pool = held if len(held) else live
+    return pool.loc[pool["reduction"].idxmax()]
+
+
+def claim_real_fixes(results: Path) -> str:
+    """Section 7 of the claims report, from the recorded fixes audits in ``results``."""
+    out = [
+        TITLE,
+        "",
+        "*Question*: can an inference engineer keep a design and remove its weak phase by moving "
+        "the grid (staggered or random offsets), overlapping blocks, changing the candidate set "
+        "or the rule, or buying budget? Goal: the debiased gap cut by "
+        f">= {GOAL_REDUCTION:.0%} with its CI above 0, mean accuracy not lower by more than "
+        f"{NONINFERIORITY:.0%} (CI), at a budget no larger than the baseline's; the verdict uses "
+        "intervals Bonferroni-corrected over a run's rows.",
+        "",
+    ]
+    runs = fix_audits(results)
+    if not runs:
+        cmd = "phasemech audit --design route,quest --top-k 1 --fix all -o DIR"
+        missing = f"*Not measured yet*: no `analyses/results/audit_fixes_*.json`; run `{cmd}`."
+        return "\n".join([*out, missing, "", "Verdict: **Open**."])
+    met, tables = [], []
+    for stem, run in runs:
+        lines, fixes = _run_lines(stem, run)
+        out += lines
+        tables.append(fixes.assign(regime=run["config"]["regime"]))
+        met += [f"{r.design}/{r.fix} ({r.regime}, T = {r.context})"
+                for r in tables[-1].itertuples() if r.verdict == "meets the goal"]  # fmt: skip
+    out += [f"Verdict (the rule above, per row): {_verdict(met, tables)}.", ""]
+    figs = [f"`analyses/results/{s}_frontier.png`" for s, _ in runs
+            if (results / f"{s}_frontier.png").is_file()]  # fmt: skip
+    out.append("Frontier: " + (", ".join(figs) if figs else "(not recorded)"))
+    return "\n".join(out)
+
+
+def _verdict(met: list[str], tables: list[pd.DataFrame]) -> str:
+    if met:
+        return f"**Goal met** by {', '.join(met)}"
+    best = closest(pd.concat(tables, ignore_index=True))
+    if best is None:
+        return "**Not testable**: no baseline had an established gap to cut"
+    return (
+        f"**Goal not met** by any fix; closest: {best.design}/{best.fix} ({best.regime}, "
+        f"T = {best.context}): gap cut {pct(best.reduction)} [{pct(best.reduction_lo)}, "
+        f"{pct(best.reduction_hi)}], accuracy change {best.accuracy_diff:+.3f} "
+        f"[{best.accuracy_diff_lo:+.3f}, {best.accuracy_diff_hi:+.3f}], budget {best.budget} "
+        f"vs {best.budget_baseline}"
+    )
+
+
+__all__ = ["TITLE", "audit_command", "claim_real_fixes", "closest", "fix_audits"]
