@@ -69,8 +69,8 @@ def _run_lines(stem: str, run: dict) -> tuple[list[str], pd.DataFrame]:
     out = [
         f"**{cfg['model']}, {cfg['regime']} regime**, `analyses/results/{stem}.json` "
         f"({cfg['contents']} contents x {cfg['stride']} phases per setting, top-k "
-        f"{cfg['top_k']}, W = {cfg['window']}; {run['wall_s']:.0f} s wall, "
-        f"{run['worker_s']:.0f} worker-s):",
+        f"{cfg['top_k']}, W = {cfg['window']}; {run['worker_s']:.0f} worker-s, summed over "
+        "its jobs):",
         "",
         "| T | design | fix | budget (base) | accuracy base -> fix [change CI] "
         "| debiased gap base -> fix | gap cut [95% CI] | verdict | command |",
@@ -108,8 +108,8 @@ def claim_real_fixes(results: Path) -> str:
         "the grid (staggered or random offsets), overlapping blocks, changing the candidate set "
         "or the rule, or buying budget? Goal: the debiased gap cut by "
         f">= {GOAL_REDUCTION:.0%} with its CI above 0, mean accuracy not lower by more than "
-        f"{NONINFERIORITY:.0%} (CI), at a budget no larger than the baseline's; the verdict uses "
-        "intervals Bonferroni-corrected over a run's rows.",
+        f"{NONINFERIORITY:.0%} (CI), at a budget no larger than the baseline's. Each row's 95% "
+        "intervals are its own, not corrected for the number of rows a run tests.",
         "",
     ]
     runs = fix_audits(results)
