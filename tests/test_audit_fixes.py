@@ -280,3 +280,20 @@ def test_rules_are_compared_with_route_at_the_same_grid():
     assert ("mean", "per_head", "mean_d4_w16", "mean_d4_w16_per_head") in pairs
     single = AuditConfig(designs=("route",), variants=("aligned", "per_head"))
     assert not [p for p in fix_pairs(single, single.setting_meta()) if p[1].startswith("rule_")]
+
+
+def test_sink_probe_script(tmp_path):
+    """``analyses/sink_probe.py``: at offset 1 every probed head ranks the block holding only
+    token 0 first (the documented reason offsets hurt ``route`` at top-1); at offset 0 none."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "probe.json"
+    cmd = [sys.executable, str(root / "analyses/sink_probe.py"), "--offsets", "0", "1",
+           "--layers", "15", "--context", "256", "--out", str(out)]  # fmt: skip
+    subprocess.run(cmd, check=True, capture_output=True, cwd=root, timeout=600)
+    rows = pd.DataFrame(json.loads(out.read_text())["rows"])
+    by = rows.groupby("offset")["sink_alone"].sum()
+    assert by[1] == 9 and by[0] == 0

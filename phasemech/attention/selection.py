@@ -142,8 +142,9 @@ class SelectingAttention(CompressedAttentionMixin):
     # ------------------------------------------------------------------ the engine
     def _chunk(self, summary, q, k, v, geo, rows, hooked: bool):
         gate = self.block_scores(summary, q, rows, k, geo).detach()  # [batch, head, row, block]
-        fidx, fok = self._forced(geo, rows)  # [batch, head, row, 1]
-        gate = self.hook_route_scores(self._ranked(gate, geo, rows, fidx, fok))
+        cand = at_rows(geo.block_used, rows)  # [batch, kv_head, row, block]
+        fidx, fok = self._forced(geo, rows, cand)  # [batch, head, row, 1]
+        gate = self.hook_route_scores(self._ranked(gate, cand, fidx, fok))
         idx, ok = self._select(gate, fidx, fok)  # [batch, head, row, sel]
         pos, keep = self._kept_tokens(idx, ok, geo, rows, k.shape[1])  # [b, h, row, m]
         band_ok = self._repeat_kv(at_rows(geo.band_valid, rows), 1)  # [batch, head, row, w]
@@ -170,7 +171,10 @@ class SelectingAttention(CompressedAttentionMixin):
         return z, token_pattern
 
     def _forced(
-        self, geo: Geometry, rows: Int[Tensor, "batch row"]
+        self,
+        geo: Geometry,
+        rows: Int[Tensor, "batch row"],
+        cand: Bool[Tensor, "batch kv_head row block"],
     ) -> tuple[Int[Tensor, "batch head row 1"], Bool[Tensor, "batch head row 1"]]:
         """The block each query closes (forced, as MoBA keeps the current block) and whether
         it is a candidate. Block ``i`` ends at ``i*d + o - 1``, so the query's own block is
@@ -180,22 +184,20 @@ class SelectingAttention(CompressedAttentionMixin):
         idx = torch.div(end, geo.stride, rounding_mode="floor").clamp(
             0, geo.block_used.shape[-1] - 1
         )
-        used = at_rows(geo.block_used, rows).gather(-1, idx[..., None])[..., 0]
+        used = cand.gather(-1, idx[..., None])[..., 0]
         ok = (torch.remainder(end, geo.stride) == 0) & used
         return self._repeat_kv(idx, 1)[..., None], self._repeat_kv(ok, 1)[..., None]
 
     def _ranked(
         self,
         gate: Float[Tensor, "batch head row block"],
-        geo: Geometry,
-        rows: Int[Tensor, "batch row"],
+        cand: Bool[Tensor, "batch kv_head row block"],
         fidx: Int[Tensor, "batch head row 1"],
         fok: Bool[Tensor, "batch head row 1"],
     ) -> Float[Tensor, "batch head row block"]:
         """The gate with ``-inf`` off the ranked candidates (used blocks, less the forced one);
         the candidate mask is broadcast over a KV head's query heads, never repeated."""
         b, h, r, nb = gate.shape
-        cand = at_rows(geo.block_used, rows)  # [batch, kv_head, row, block]
         g = cand.shape[1]
         gate = gate.reshape(b, g, h // g, r, nb).masked_fill(~cand[:, :, None], float("-inf"))
         gate = gate.reshape(b, h, r, nb)

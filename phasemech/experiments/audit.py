@@ -133,9 +133,7 @@ class AuditConfig:
 
     def compression(self, design: str, variant: str = "aligned") -> CompressionConfig:
         """The design's compression under ``variant`` (a ``ValueError`` if it cannot take it)."""
-        grid = self._grids.get((design, variant))
-        if grid is None:  # not one of this audit's pairs: build it (and raise) here
-            return apply_variant(self._compression(design), variant)
+        grid = self._grids[design, variant]
         if isinstance(grid, str):
             raise ValueError(grid)
         return grid
@@ -183,9 +181,8 @@ class AuditConfig:
         """Per setting name: its design, variant and KV budget per context."""
         out = {"null": dict(design="null", variant="aligned",
                             budget={c: kv_budget(None, c) for c in self.contexts})}  # fmt: skip
-        for d, v in itertools.product(self.designs, self.variants):
-            if self._takes(d, v):
-                comp = self.compression(d, v)
+        for (d, v), comp in self._grids.items():
+            if not isinstance(comp, str):
                 budget = {c: kv_budget(comp, c) for c in self.contexts}
                 out[self.setting_name(d, v)] = dict(design=d, variant=v, budget=budget)
         return out

@@ -197,10 +197,10 @@ def fix_table(
     grid a random offset flattens the gap by construction (``gap_reference`` keeps that view)."""
     mass = retrieval_mass(head_phase).set_index(["context", "setting"])
     df = targets.assign(phase=targets["needle_pos"] % a.stride, seq_id=targets["group_id"])
-    todo = []
+    pairs, todo = fix_pairs(a, meta), []
     for context, t in df.groupby("context", sort=True):
         by_setting = dict(tuple(t.groupby("setting", sort=False)))
-        todo += [(context, by_setting, p) for p in fix_pairs(a, meta)
+        todo += [(context, by_setting, p) for p in pairs
                  if p[2] in by_setting and p[3] in by_setting]  # fmt: skip
     rows = []
     for context, by_setting, (design, fix, base_name, name) in todo:
@@ -217,14 +217,15 @@ def fix_table(
 def _compare(a, base, fix, *, drawn: bool, budgets: tuple[int, int]) -> dict:
     from phasemech.measure.stats import compare_gaps
 
-    ref = compare_gaps(base, fix, a.stride, n_boot=0)["gap_other"]
+    ref = compare_gaps(base, fix, a.stride, n_boot=0)["gap_other"] if drawn else None
     if drawn:
-        fix = fix.assign(phase=(fix["needle_pos"] - fix["grid_shift"]) % a.stride)
+        fix = fix.assign(phase=drawn_phase(fix, a.stride))
     c = compare_gaps(base, fix, a.stride, n_boot=a.n_boot, seed=a.seed)
     floor = max(base["correct"].mean(), fix["correct"].mean()) == 0
     verdict = _verdict(c, budgets[1] <= budgets[0])
     return dict(
-        c, phase_grid="drawn" if drawn else "reference", gap_reference=ref,
+        c, phase_grid="drawn" if drawn else "reference",
+        gap_reference=c["gap_other"] if ref is None else ref,
         budget_baseline=budgets[0], budget=budgets[1],
         seconds_baseline=_seconds(base), seconds=_seconds(fix),
         verdict="0 on every phase: no evidence" if floor else verdict,
@@ -236,6 +237,11 @@ def _seconds(t: pd.DataFrame) -> float:
     the slow score path)."""
     plain = t[~t["attention"].astype(bool)] if "attention" in t else t
     return float((plain if len(plain) else t)["seconds"].median())
+
+
+def drawn_phase(t: pd.DataFrame, stride: int) -> pd.Series:
+    """The needle's phase on the grid each prompt was drawn with (``random``'s shift undone)."""
+    return (t["needle_pos"] - t["grid_shift"]) % stride
 
 
 def _phase_mass(mass: pd.DataFrame, context, name: str) -> list[float]:
@@ -251,7 +257,7 @@ def drawn_grid_accuracy(a, targets: pd.DataFrame, meta: dict[str, dict]) -> pd.D
     t = targets[targets["setting"].isin(names)]
     if t.empty:
         return pd.DataFrame(columns=["context", "setting", "drawn_phase", "accuracy", "n"])
-    t = t.assign(drawn_phase=(t["needle_pos"] - t["grid_shift"]) % a.stride)
+    t = t.assign(drawn_phase=drawn_phase(t, a.stride))
     g = t.groupby(["context", "setting", "drawn_phase"])["correct"]
     return g.agg(accuracy="mean", n="size").reset_index()
 
@@ -305,6 +311,7 @@ __all__ = [
     "apply_variant",
     "check_variants",
     "drawn_grid_accuracy",
+    "drawn_phase",
     "fix_pairs",
     "fix_table",
     "fixes_markdown",

@@ -56,6 +56,29 @@ class FastLayerNorm(LayerNorm):
         return F.layer_norm(x, (x.shape[-1],), self.w, self.b, self.eps)
 
 
+def _routed_forward(
+    self,
+    query_input: Tensor,
+    key_input: Tensor,
+    value_input: Tensor,
+    past_kv_cache_entry=None,
+    additive_attention_mask=None,
+    attention_mask=None,
+    position_bias=None,
+) -> Float[Tensor, "batch pos d_model"]:
+    """TransformerLens' attention signature: the class's ``_fast`` path where ``_fast_ok``
+    allows it, else TransformerLens' own forward (``_tl_forward``)."""
+    kw = dict(
+        past_kv_cache_entry=past_kv_cache_entry,
+        additive_attention_mask=additive_attention_mask,
+        attention_mask=attention_mask,
+        position_bias=position_bias,
+    )
+    if not self._fast_ok(kw):
+        return self._tl_forward(query_input, key_input, value_input, **kw)
+    return self._fast(query_input, key_input, value_input, past_kv_cache_entry)
+
+
 class FastAttention(Attention):
     """Dense causal ``Attention`` through SDPA in training while its score, pattern and result
     hooks are free."""
@@ -67,24 +90,7 @@ class FastAttention(Attention):
             and _plain_attention(self, ("standard", "shortformer"))
         )
 
-    def forward(
-        self,
-        query_input: Tensor,
-        key_input: Tensor,
-        value_input: Tensor,
-        past_kv_cache_entry=None,
-        additive_attention_mask=None,
-        attention_mask=None,
-        position_bias=None,
-    ) -> Float[Tensor, "batch pos d_model"]:
-        kw = dict(
-            past_kv_cache_entry=past_kv_cache_entry,
-            additive_attention_mask=additive_attention_mask,
-            attention_mask=attention_mask,
-            position_bias=position_bias,
-        )
-        if not self._fast_ok(kw):
-            return super().forward(query_input, key_input, value_input, **kw)
+    def _fast(self, query_input, key_input, value_input, past_kv_cache_entry):
         q, k, v = fused_qkv(self, query_input, key_input, value_input)
         z = F.scaled_dot_product_attention(
             q.transpose(1, 2),
@@ -94,6 +100,9 @@ class FastAttention(Attention):
             scale=1.0 / self.attn_scale,
         )
         return _project_out(self, z.transpose(1, 2))
+
+    forward = _routed_forward
+    _tl_forward = Attention.forward
 
 
 _QK_NORM_ARCHS = ("OlmoeForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM")
@@ -195,24 +204,8 @@ def _sdpa_ok(self, kw: dict) -> bool:
     )
 
 
-def _sdpa_forward(
-    self,
-    query_input: Tensor,
-    key_input: Tensor,
-    value_input: Tensor,
-    past_kv_cache_entry=None,
-    additive_attention_mask=None,
-    attention_mask=None,
-    position_bias=None,
-) -> Float[Tensor, "batch pos d_model"]:
-    kw = dict(
-        past_kv_cache_entry=past_kv_cache_entry,
-        additive_attention_mask=additive_attention_mask,
-        attention_mask=attention_mask,
-        position_bias=position_bias,
-    )
-    if not self._sdpa_ok(kw):
-        return self._tl_forward(query_input, key_input, value_input, **kw)
+def _sdpa_fast(self, query_input, key_input, value_input, past_kv_cache_entry):
+    """Eval-mode SDPA, a KV cache's past included (rotary at the right positions, GQA)."""
     q, k, v = self.calculate_qkv_matrices(query_input, key_input, value_input)
     past = 0 if past_kv_cache_entry is None else past_kv_cache_entry.past_keys.shape[1]
     if past_kv_cache_entry is not None:
@@ -241,16 +234,18 @@ class EvalSDPAAttention(Attention):
     score/pattern/result hook, a padding mask or an unusual attention feature falls back to
     TransformerLens' own forward."""
 
-    _sdpa_ok = _sdpa_ok
-    forward = _sdpa_forward
+    _fast_ok = _sdpa_ok
+    _fast = _sdpa_fast
+    forward = _routed_forward
     _tl_forward = Attention.forward
 
 
 class EvalSDPAGroupedQueryAttention(GroupedQueryAttention):
     """``EvalSDPAAttention`` for grouped-query attention (head ``i`` reads KV head ``i // rep``)."""
 
-    _sdpa_ok = _sdpa_ok
-    forward = _sdpa_forward
+    _fast_ok = _sdpa_ok
+    _fast = _sdpa_fast
+    forward = _routed_forward
     _tl_forward = GroupedQueryAttention.forward
 
 
