@@ -13,7 +13,7 @@ from phasemech.model.transformer import quiet_tl_deprecation
 torch.set_num_threads(1)
 warnings.filterwarnings("ignore", message="HookedTransformer is deprecated")
 
-DESIGNS = ("mean", "gated", "mlp", "route", "quest", "kpool")
+DESIGNS = ("mean", "gated", "mlp", "route", "quest", "kpool", "nsa")
 EXACT_DESIGNS = ("mean", "gated", "route", "quest", "kpool")
 D_VOCAB = 37
 N_CTX = 48
@@ -77,6 +77,7 @@ def make_model(
         "gate",
         "eval_offset",
         "block_scope",
+        "select_len",
     }
     comp_kw = {k: kw.pop(k) for k in list(kw) if k in comp_keys}
     if design == "kpool":  # kpool's pools are disjoint: a shared grid's overlap does not apply
@@ -106,10 +107,21 @@ def randomize_compressors(model: PhaseTransformer, seed: int = 0, scale: float =
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "phase_bias" in name or "W_gate" in name:
+            if any(s in name for s in ("phase_bias", "W_gate", "W_branch", "b_branch")):
                 p.copy_(torch.randn(p.shape, generator=gen) * scale)
             elif ".compress_" in name and ".2." in name:  # mlp starts as the block mean
                 p.copy_(torch.randn(p.shape, generator=gen) * scale / p.shape[-1] ** 0.5)
+
+
+def one_branch(model: PhaseTransformer, branch: int) -> None:
+    """``nsa``: gates of ~1 on ``branch`` (0 cmp, 1 slc, 2 win) and ~0 on the others, at every
+    compressed layer and head (sigmoid(100) is 1 in float32)."""
+    with torch.no_grad():
+        for block in model.blocks:
+            if hasattr(block.attn, "b_branch"):
+                block.attn.W_branch.zero_()
+                block.attn.b_branch.fill_(-100.0)
+                block.attn.b_branch[:, branch] = 100.0
 
 
 def tokens(batch: int = 2, seq: int = 24, seed: int = 0, d_vocab: int = D_VOCAB) -> torch.Tensor:

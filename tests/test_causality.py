@@ -9,14 +9,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from phasemech import CompressionConfig
-from phasemech.core.config import SELECTING_DESIGNS
+from phasemech.core.config import SELECTING_DESIGNS, TOP_K_DESIGNS
 
 N_LAYERS = 2
 
 
 @st.composite
 def configs(draw):
-    design = draw(st.sampled_from(["mean", "gated", "mlp", "route", "evict", "quest", "kpool"]))
+    design = draw(
+        st.sampled_from(["mean", "gated", "mlp", "route", "evict", "quest", "kpool", "nsa"])
+    )
     d = draw(st.integers(1, 6))
     gqa = draw(st.booleans())
     n_kv = 2 if gqa else 4
@@ -37,7 +39,7 @@ def configs(draw):
         window=draw(st.integers(0, 12)),
         visibility=draw(st.sampled_from(["inclusive", "strict"])),
         offsets=offsets,
-        top_k=draw(st.integers(1, 3)) if design in SELECTING_DESIGNS else None,
+        top_k=draw(st.integers(1, 3)) if design in TOP_K_DESIGNS else None,
         obs_window=draw(st.integers(1, 10)) if design == "evict" else None,
         gate=draw(st.sampled_from(["scalar", "channel"])) if design == "gated" else "scalar",
         eval_offset=draw(st.integers(0, d - 1)) if mode == "random" else 0,
@@ -45,6 +47,7 @@ def configs(draw):
         block_scope="outside_window"
         if design in SELECTING_DESIGNS
         else draw(st.sampled_from(["outside_window", "all"])),
+        select_len=d * draw(st.integers(1, 3)) if design == "nsa" else None,
     )
     rotary = draw(st.booleans())
     return comp, gqa, rotary

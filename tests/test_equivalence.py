@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DESIGNS, N_CTX, make_hooked, make_model, tl_fields, tokens
+from conftest import DESIGNS, N_CTX, make_hooked, make_model, one_branch, tl_fields, tokens
 from transformer_lens import HookedTransformer, HookedTransformerConfig
 
 from phasemech import CompressionConfig, PhaseTransformer
@@ -52,6 +52,7 @@ def test_full_window_equals_hooked_transformer(design, variant):
     block_len = 3 if design == "kpool" else 4  # kpool's pools are disjoint
     comp = CompressionConfig(design, stride=3, block_len=block_len, window=N_CTX - 12)
     model = PhaseTransformer.from_hooked(tl_model, comp).eval()
+    one_branch(model, 2)  # nsa: its window branch alone (its other branches are its own)
     assert all(isinstance(b.attn, CompressedAttentionMixin) for b in model.blocks)
     x = tokens(2, N_CTX - 12, seed=1)
     expected = tl_model(x)

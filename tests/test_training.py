@@ -13,6 +13,7 @@ COMPRESSOR_PARAMS = {
     "route": (),
     "quest": (),
     "kpool": (),
+    "nsa": ("compress_k", "compress_v", "pos_embed_k", "pos_embed_v", "W_branch", "b_branch"),
 }
 
 

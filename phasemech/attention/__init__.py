@@ -6,6 +6,7 @@ from phasemech.attention.gated import GatedPoolAttention
 from phasemech.attention.kpool import KPoolAttention
 from phasemech.attention.mean import MeanPoolAttention
 from phasemech.attention.mlp import MLPCompressorAttention
+from phasemech.attention.nsa import NSAAttention
 from phasemech.attention.quest import QuestAttention
 from phasemech.attention.route import BlockRouteAttention
 
@@ -17,6 +18,7 @@ DESIGN_CLASSES: dict[str, type] = {
     "evict": ChunkEvictAttention,
     "quest": QuestAttention,
     "kpool": KPoolAttention,
+    "nsa": NSAAttention,
 }
 
 __all__ = [
@@ -28,6 +30,7 @@ __all__ = [
     "KPoolAttention",
     "MLPCompressorAttention",
     "MeanPoolAttention",
+    "NSAAttention",
     "QuestAttention",
     "make_attention_class",
 ]

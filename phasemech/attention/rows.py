@@ -161,7 +161,7 @@ class RowsMixin:
         if not self.serves_from_cache:
             raise NotImplementedError(
                 f"layer {self.layer_id}: design {self.design!r} cannot read a KV cache (its "
-                "pooling reads the layer input); decode-regime designs: mean, mlp, route, "
+                "gates read the layer input); decode-regime designs: mean, mlp, route, "
                 "evict, quest, kpool"
             )
         if attention_mask is not None and not bool(attention_mask.bool().all()):

@@ -24,7 +24,7 @@ from transformer_lens import HookedTransformerConfig
 from phasemech.core.grid import last_query_blocks
 from phasemech.core.validation import is_int
 
-DESIGNS = ("none", "mean", "gated", "mlp", "route", "evict", "quest", "kpool")
+DESIGNS = ("none", "mean", "gated", "mlp", "route", "evict", "quest", "kpool", "nsa")
 #: the designs the from-scratch experiments train (their profiles' default); ``quest`` and
 #: ``kpool`` are post-hoc selection rules for the audit of pretrained models
 TRAINED_DESIGNS = ("none", "mean", "gated", "mlp", "route", "evict")
@@ -33,13 +33,18 @@ OFFSET_MODES = ("aligned", "per_layer", "per_head", "per_layer_head", "random")
 GATES = ("scalar", "channel")
 BLOCK_SCOPES = ("outside_window", "before_window", "all")
 
-Design = Literal["none", "mean", "gated", "mlp", "route", "evict", "quest", "kpool"]
+Design = Literal["none", "mean", "gated", "mlp", "route", "evict", "quest", "kpool", "nsa"]
 OffsetSpec = str | int | tuple[int, ...] | tuple[tuple[int, ...], ...]
 
 DEFAULT_TOP_K = 2
 DEFAULT_OBS_WINDOW = 8
 #: designs that attend raw tokens of selected blocks (top-k over the pooled designs' candidates)
 SELECTING_DESIGNS = ("route", "evict", "quest", "kpool")
+#: designs that take ``top_k``: the selecting ones, and the systems with a selection branch
+TOP_K_DESIGNS = (*SELECTING_DESIGNS, "nsa")
+#: fields that only some designs use; ``to_dict`` leaves them out while ``None`` so that the
+#: cache keys of configs written before they existed do not change
+_OPTIONAL_FIELDS = ("select_len",)
 
 
 def _bad(field_name: str, value: Any, allowed: str) -> ValueError:
@@ -80,9 +85,10 @@ class CompressionConfig:
             ``"mlp"`` (NSA compressor MLP over the flattened block), ``"route"`` (MoBA block
             routing over raw tokens), ``"quest"`` (Quest: blocks ranked by the upper bound of
             ``q . k`` from element-wise key bounds), ``"kpool"`` (pools of ``d`` tokens ranked by
-            their best token's ``q . k``, GLM-5.3's k-pool rule) or ``"evict"`` (ChunkKV chunk
-            eviction: raw tokens of the
-            chunks that recent queries attended most).
+            their best token's ``q . k``, GLM-5.3's k-pool rule), ``"evict"`` (ChunkKV chunk
+            eviction: raw tokens of the chunks that recent queries attended most) or ``"nsa"``
+            (NSA's three branches: compressed, selected blocks, sliding window, mixed by
+            sigmoid gates; :mod:`phasemech.attention.nsa`).
         stride: ``d``, the distance between consecutive block starts.
         block_len: ``l >= d``; ``None`` means ``l = d`` (no overlap).
         window: ``W``, the raw sliding window in tokens (query included); ``None`` means ``2d``.
@@ -99,13 +105,15 @@ class CompressionConfig:
             ``[kv_head]``, or one per layer and KV head ``[layer, kv_head]`` (a tensor works).
         layers: indices of compressed layers; ``None`` means all layers.
         top_k: blocks selected per query by ``route``, ``quest`` and ``kpool`` / kept per query
-            and KV head by ``evict``; ``None`` means 2 for them. Only these selecting designs
-            accept it.
+            and KV head by ``evict`` / ranked selection blocks per KV head by ``nsa`` (beside its
+            forced initial and local blocks); ``None`` means 2. Only these designs accept it.
         gate: ``gated`` only: ``"scalar"`` (one gate per KV head and token: pooling weights are
             an exact convex mass, so token attribution is exact) or ``"channel"`` (DeepSeek-V4
             style, one gate per channel).
         eval_offset: the offset that ``offsets="random"`` uses in eval mode.
-        block_scope: ``"outside_window"`` (default: blocks wholly inside the raw window are not
+        block_scope: ``None`` means ``"all"`` for ``nsa`` (its compressed branch reads every
+            complete block; the window is a separate branch) and ``"outside_window"`` for the
+            rest. ``"outside_window"``: blocks wholly inside the raw window are not
             used, so at most ``l - 1`` tokens are reached both raw and compressed),
             ``"before_window"`` (the raw span starts at a block boundary, ``W`` to ``W + d - 1``
             tokens, and only blocks wholly before it are used: no block is partly raw) or
@@ -113,6 +121,9 @@ class CompressionConfig:
             The selecting designs (``route``, ``evict``, ``quest``, ``kpool``) refuse ``"all"``.
         obs_window: ``evict`` only: how many recent queries (the query included) score the
             chunks by the dense attention they pay to them; ``None`` means 8.
+        select_len: ``nsa`` only: ``l'``, the length of a selection block, a multiple of
+            ``stride``; ``None`` means ``stride``. Selection blocks lie on the compression grid's
+            offset: block ``j`` covers ``[j*l' + o - l', j*l' + o - 1]``.
 
     The exact coverage rule (which past token is reached raw, which through a block) is in
     ``phasemech.core.grid``.
@@ -128,8 +139,9 @@ class CompressionConfig:
     top_k: int | None = None
     gate: Literal["scalar", "channel"] = "scalar"
     eval_offset: int = 0
-    block_scope: Literal["outside_window", "before_window", "all"] = "outside_window"
+    block_scope: Literal["outside_window", "before_window", "all"] | None = None
     obs_window: int | None = None
+    select_len: int | None = None
 
     def __post_init__(self) -> None:
         # Frozen dataclass: normalise with object.__setattr__ (``_set``), validate before any
@@ -141,6 +153,7 @@ class CompressionConfig:
         self._check_layers()
         self._check_top_k()
         self._check_obs_window()
+        self._check_select_len()
         self._check_rest()
 
     def _set(self, name: str, value: Any) -> None:
@@ -192,12 +205,12 @@ class CompressionConfig:
         self._set("layers", tuple(sorted(int(i) for i in layers)))
 
     def _check_top_k(self) -> None:
-        if self.design not in SELECTING_DESIGNS:
+        if self.design not in TOP_K_DESIGNS:
             if self.top_k is not None:
                 raise _bad(
                     "top_k",
                     self.top_k,
-                    f"only designs {SELECTING_DESIGNS} select blocks, not {self.design!r}",
+                    f"only designs {TOP_K_DESIGNS} select blocks, not {self.design!r}",
                 )
             return
         if self.top_k is None:
@@ -222,6 +235,23 @@ class CompressionConfig:
             raise _bad("obs_window", self.obs_window, "must be an int >= 1 (observation queries)")
         self._set("obs_window", int(self.obs_window))
 
+    def _check_select_len(self) -> None:
+        if self.design != "nsa":
+            if self.select_len is not None:
+                raise _bad(
+                    "select_len",
+                    self.select_len,
+                    f"only design='nsa' has selection blocks, not {self.design!r}",
+                )
+            return
+        if self.select_len is None:
+            self._set("select_len", self.stride)
+        if not is_int(self.select_len) or self.select_len < 1 or self.select_len % self.stride:
+            raise _bad(
+                "select_len", self.select_len, f"must be a multiple of stride={self.stride}"
+            )
+        self._set("select_len", int(self.select_len))
+
     def _check_rest(self) -> None:
         """``gate``, ``eval_offset`` and ``block_scope``, and how they fit the design."""
         if self.gate not in GATES:
@@ -232,6 +262,8 @@ class CompressionConfig:
             raise _bad(
                 "eval_offset", self.eval_offset, f"must be an int in [0, stride={self.stride})"
             )
+        if self.block_scope is None:
+            self._set("block_scope", "all" if self.design == "nsa" else "outside_window")
         if self.block_scope not in BLOCK_SCOPES:
             raise _bad("block_scope", self.block_scope, f"allowed: {BLOCK_SCOPES}")
         if self.block_scope == "all" and self.design in SELECTING_DESIGNS:
@@ -281,7 +313,11 @@ class CompressionConfig:
         return out
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        for name in _OPTIONAL_FIELDS:
+            if out[name] is None:
+                del out[name]
+        return out
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CompressionConfig:
