@@ -9,8 +9,8 @@ from conftest import (
     make_hooked,
     make_model,
     one_branch,
-    randomize_compressors,
     raises_naming,
+    randomize_compressors,
     tokens,
 )
 
@@ -47,10 +47,10 @@ def _naive_z(attn, x, q, k, v, o_of):
     seq, h, _ = q.shape
     g = k.shape[1]
     rep, d, ls, inclusive = h // g, attn.stride, attn.select_len, attn.visibility == "inclusive"
-    entries = [_naive_entries(attn, k[:, gi], attn.pos_embed_k[gi], attn.compress_k, o_of(gi), seq)
-               for gi in range(g)]  # fmt: skip
-    values = [_naive_entries(attn, v[:, gi], attn.pos_embed_v[gi], attn.compress_v, o_of(gi), seq)[0]
-              for gi in range(g)]  # fmt: skip
+    entries = [_naive_entries(attn, k[:, i], attn.pos_embed_k[i], attn.compress_k, o_of(i), seq)
+               for i in range(g)]  # fmt: skip
+    values = [_naive_entries(attn, v[:, i], attn.pos_embed_v[i], attn.compress_v, o_of(i), seq)[0]
+              for i in range(g)]  # fmt: skip
     gates = torch.sigmoid(torch.einsum("pm,hmc->phc", x, attn.W_branch) + attn.b_branch)
     z = torch.zeros(seq, h, q.shape[-1])
     for t in range(seq):
@@ -64,7 +64,7 @@ def _naive_z(attn, x, q, k, v, o_of):
         for hi in range(h):
             gi, o = hi // rep, o_of(hi // rep)
             spans = entries[gi][1]
-            sel = lambda p: (p - o) // ls + 1  # noqa: E731
+            sel = lambda p, o=o: (p - o) // ls + 1  # noqa: E731
             n_sel = -(-seq // ls) + 1
             imp = [0.0] * n_sel
             for i, span in enumerate(spans):

@@ -4,8 +4,8 @@ Axes: ``batch, pos`` (query), ``key_pos``, ``head``, ``kv_head``, ``block`` (a c
 of the grid: stride ``d``, length ``l``), ``sel`` (a selection block of length ``l'``),
 ``branch`` (``cmp, slc, win``), ``d_head``. For query ``t`` of head ``h``::
 
-    o_t = g_cmp * Attn(q_t, K_cmp, V_cmp) + g_slc * Attn(q_t, K_slc, V_slc) + g_win * Attn(q_t, K_win, V_win)
-    g = sigmoid(x_t W_branch[h] + b_branch[h])       one gate per head and branch, from the input
+    o_t = sum_c g_c * Attn(q_t, K_c, V_c),   c in {cmp, slc, win}
+    g = sigmoid(x_t W_branch[h] + b_branch[h])     one gate per head and branch, from the input
 
 * **compressed** (``cmp``): the ``mlp`` design's compressor (an MLP over each flattened block
   of ``l`` post-RoPE keys / values every ``d`` tokens, with intra-block position embeddings),

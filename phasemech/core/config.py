@@ -247,9 +247,7 @@ class CompressionConfig:
         if self.select_len is None:
             self._set("select_len", self.stride)
         if not is_int(self.select_len) or self.select_len < 1 or self.select_len % self.stride:
-            raise _bad(
-                "select_len", self.select_len, f"must be a multiple of stride={self.stride}"
-            )
+            raise _bad("select_len", self.select_len, f"must be a multiple of stride={self.stride}")
         self._set("select_len", int(self.select_len))
 
     def _check_rest(self) -> None:
