@@ -13,8 +13,8 @@ from phasemech.model.transformer import quiet_tl_deprecation
 torch.set_num_threads(1)
 warnings.filterwarnings("ignore", message="HookedTransformer is deprecated")
 
-DESIGNS = ("mean", "gated", "mlp", "route", "quest", "kpool", "nsa")
-EXACT_DESIGNS = ("mean", "gated", "route", "quest", "kpool")
+DESIGNS = ("mean", "gated", "mlp", "route", "quest", "kpool", "nsa", "dsa")
+EXACT_DESIGNS = ("mean", "gated", "route", "quest", "kpool", "dsa")
 D_VOCAB = 37
 N_CTX = 48
 
@@ -78,9 +78,11 @@ def make_model(
         "eval_offset",
         "block_scope",
         "select_len",
+        "index_heads",
+        "indexer_train",
     }
     comp_kw = {k: kw.pop(k) for k in list(kw) if k in comp_keys}
-    if design == "kpool":  # kpool's pools are disjoint: a shared grid's overlap does not apply
+    if design in ("kpool", "dsa"):  # disjoint pools: a shared grid's overlap does not apply
         comp_kw.pop("block_len", None)
     if compression is None:
         compression = CompressionConfig(design, **comp_kw)
@@ -107,7 +109,9 @@ def randomize_compressors(model: PhaseTransformer, seed: int = 0, scale: float =
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if any(s in name for s in ("phase_bias", "W_gate", "W_branch", "b_branch")):
+            if any(
+                s in name for s in ("phase_bias", "W_gate", "W_branch", "b_branch", "pool_bias")
+            ):
                 p.copy_(torch.randn(p.shape, generator=gen) * scale)
             elif ".compress_" in name and ".2." in name:  # mlp starts as the block mean
                 p.copy_(torch.randn(p.shape, generator=gen) * scale / p.shape[-1] ** 0.5)

@@ -17,7 +17,7 @@ N_LAYERS = 2
 @st.composite
 def configs(draw):
     design = draw(
-        st.sampled_from(["mean", "gated", "mlp", "route", "evict", "quest", "kpool", "nsa"])
+        st.sampled_from(["mean", "gated", "mlp", "route", "evict", "quest", "kpool", "nsa", "dsa"])
     )
     d = draw(st.integers(1, 6))
     gqa = draw(st.booleans())
@@ -35,7 +35,7 @@ def configs(draw):
     comp = CompressionConfig(
         design,
         stride=d,
-        block_len=d + (0 if design == "kpool" else draw(st.integers(0, 3))),
+        block_len=d + (0 if design in ("kpool", "dsa") else draw(st.integers(0, 3))),
         window=draw(st.integers(0, 12)),
         visibility=draw(st.sampled_from(["inclusive", "strict"])),
         offsets=offsets,
@@ -48,6 +48,7 @@ def configs(draw):
         if design in SELECTING_DESIGNS
         else draw(st.sampled_from(["outside_window", "all"])),
         select_len=d * draw(st.integers(1, 3)) if design == "nsa" else None,
+        indexer_train=draw(st.sampled_from(["kl", "end_to_end"])) if design == "dsa" else None,
     )
     rotary = draw(st.booleans())
     return comp, gqa, rotary

@@ -49,7 +49,7 @@ def test_full_window_equals_hooked_transformer(design, variant):
     kw = VARIANTS[variant]
     tl_model = make_hooked(**kw)
     # (at n_ctx the last queries do read blocks: enough for route to rank more than top_k)
-    block_len = 3 if design == "kpool" else 4  # kpool's pools are disjoint
+    block_len = 3 if design in ("kpool", "dsa") else 4  # disjoint pools
     comp = CompressionConfig(design, stride=3, block_len=block_len, window=N_CTX - 12)
     model = PhaseTransformer.from_hooked(tl_model, comp).eval()
     one_branch(model, 2)  # nsa: its window branch alone (its other branches are its own)

@@ -34,7 +34,8 @@ def _real_slots(geo, s: int, g: int, i: int) -> list[int]:
 def naive_z(layer, q, k, v, geo, rule: str, key_valid=None):
     """``z [batch, pos, head, d]`` by the definition: candidates from the geometry (the coverage
     rule, tested on its own), top-k by the rule's score, attend the union of the kept blocks'
-    real tokens and the raw span ``[r_t, t]`` in one softmax."""
+    real tokens and the raw span ``[r_t, t]`` in one softmax. ``rule``: a design's name, or
+    ``score(sequence, kv_head, t, block)`` for a learned rule."""
     b, seq, h, _ = q.shape
     rep = h // k.shape[2]
     out = torch.zeros_like(q)
@@ -50,7 +51,12 @@ def naive_z(layer, q, k, v, geo, rule: str, key_valid=None):
                     if i in forced:
                         continue
                     slots = _real_slots(geo, s, g, i)
-                    ranked.append((_block_score(rule, q[s, t, head], k[s, slots, g]), i))
+                    score = (
+                        rule(s, g, t, i)  # a learned rule's score (dsa's indexer)
+                        if callable(rule)
+                        else _block_score(rule, q[s, t, head], k[s, slots, g])
+                    )
+                    ranked.append((score, i))
                 kept = [i for _, i in sorted(ranked, reverse=True)[: layer.top_k]] + forced
                 toks = {p for i in kept for p in _real_slots(geo, s, g, i)}
                 toks |= {j for j in range(max(int(geo.raw_start[s, g, t]), 0), t + 1) if real(j)}

@@ -52,7 +52,7 @@ def _z_from_token_pattern(cache, layer, n_heads):
 
 
 @pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("design", ["mean", "gated", "route"])
+@pytest.mark.parametrize("design", ["mean", "gated", "route", "dsa"])
 def test_token_pattern_reproduces_z(design, case):
     model = _model(design, case)
     x = tokens(2, 40, seed=5)
@@ -236,7 +236,7 @@ def _left_padded(seq=28, pads=(0, 5, 11, 27)):
 
 
 @pytest.mark.parametrize("case", PAD_CASES)
-@pytest.mark.parametrize("design", ["mean", "gated", "mlp", "route"])
+@pytest.mark.parametrize("design", ["mean", "gated", "mlp", "route", "dsa"])
 def test_left_padding_no_nan(design, case):
     model = _model_pad(design, case)
     model.train()  # gradients too
@@ -267,7 +267,7 @@ def _model_pad(design, case):
 
 
 @pytest.mark.parametrize("case", PAD_CASES)
-@pytest.mark.parametrize("design", ["mean", "gated", "mlp", "route"])
+@pytest.mark.parametrize("design", ["mean", "gated", "mlp", "route", "nsa", "dsa"])
 def test_left_padding_matches_unpadded(design, case):
     """The grid is anchored at the first real token: padding changes nothing at real tokens."""
     model = _model_pad(design, case)

@@ -14,6 +14,7 @@ COMPRESSOR_PARAMS = {
     "quest": (),
     "kpool": (),
     "nsa": ("compress_k", "compress_v", "pos_embed_k", "pos_embed_v", "W_branch", "b_branch"),
+    "dsa": ("W_iq", "W_ik", "W_iw", "W_ig", "pool_bias"),  # through the indexer's KL term
 }
 
 
@@ -21,7 +22,8 @@ def _grads(model, x):
     model.train()
     model.zero_grad()
     loss = model(x, return_type="loss")
-    loss.backward()
+    aux = model.auxiliary_loss()  # dsa: the indexer's own objective, as the trainer adds it
+    (loss if aux is None else loss + aux).backward()
     return {n: p.grad for n, p in model.named_parameters()}
 
 

@@ -1,6 +1,7 @@
 """Compressed attention designs, one per file; ``DESIGN_CLASSES`` maps names to mixins."""
 
 from phasemech.attention.base import CompressedAttentionMixin, make_attention_class
+from phasemech.attention.dsa import DSAAttention
 from phasemech.attention.evict import ChunkEvictAttention
 from phasemech.attention.gated import GatedPoolAttention
 from phasemech.attention.kpool import KPoolAttention
@@ -19,6 +20,7 @@ DESIGN_CLASSES: dict[str, type] = {
     "quest": QuestAttention,
     "kpool": KPoolAttention,
     "nsa": NSAAttention,
+    "dsa": DSAAttention,
 }
 
 __all__ = [
@@ -26,6 +28,7 @@ __all__ = [
     "BlockRouteAttention",
     "ChunkEvictAttention",
     "CompressedAttentionMixin",
+    "DSAAttention",
     "GatedPoolAttention",
     "KPoolAttention",
     "MLPCompressorAttention",

@@ -32,6 +32,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 from transformer_lens.hook_points import HookPoint
@@ -140,8 +141,18 @@ class SelectingAttention(CompressedAttentionMixin):
         return ROW_CHUNK
 
     # ------------------------------------------------------------------ the engine
+    def kept_logit_bias(
+        self,
+        raw_gate: Float[Tensor, "batch head row block"],
+        idx: Int[Tensor, "batch head row sel"],
+    ) -> Float[Tensor, "batch head row sel"] | None:
+        """A bias added to the attention logits of each kept block's tokens (default none; a
+        learned selector uses it for a straight-through gradient)."""
+        return None
+
     def _chunk(self, summary, q, k, v, geo, rows, hooked: bool):
-        gate = self.block_scores(summary, q, rows, k, geo).detach()  # [batch, head, row, block]
+        raw_gate = self.block_scores(summary, q, rows, k, geo)  # [batch, head, row, block]
+        gate = raw_gate.detach()
         cand = at_rows(geo.block_used, rows)  # [batch, kv_head, row, block]
         fidx, fok = self._forced(geo, rows, cand)  # [batch, head, row, 1]
         gate = self.hook_route_scores(self._ranked(gate, cand, fidx, fok))
@@ -158,8 +169,12 @@ class SelectingAttention(CompressedAttentionMixin):
             torch.einsum("bhrd,bhrmd->bhrm", q_rows, gather_heads(k, pos)),
             torch.einsum("bgtrd,bgrwd->bgtrw", qg, kb).flatten(1, 2),
         ], -1)  # fmt: skip
-        pattern = self._pattern(scores, visible) if hooked else self._row_pattern(scores, visible)
         m = pos.shape[-1]
+        bias = self.kept_logit_bias(raw_gate, idx)
+        if bias is not None:  # one bias per kept block, on each of its slots
+            slots = m // idx.shape[-1]
+            scores = scores + F.pad(bias.repeat_interleave(slots, -1), (0, scores.shape[-1] - m))
+        pattern = self._pattern(scores, visible) if hooked else self._row_pattern(scores, visible)
         z = torch.einsum("bhrm,bhrmd->bhrd", pattern[..., :m], gather_heads(v, pos))
         band_p = pattern[..., m:].unflatten(1, (g, -1))
         z = z + torch.einsum("bgtrw,bgrwd->bgtrd", band_p, vb).flatten(1, 2)

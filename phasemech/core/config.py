@@ -24,7 +24,7 @@ from transformer_lens import HookedTransformerConfig
 from phasemech.core.grid import last_query_blocks
 from phasemech.core.validation import is_int
 
-DESIGNS = ("none", "mean", "gated", "mlp", "route", "evict", "quest", "kpool", "nsa")
+DESIGNS = ("none", "mean", "gated", "mlp", "route", "evict", "quest", "kpool", "nsa", "dsa")
 #: the designs the from-scratch experiments train (their profiles' default); ``quest`` and
 #: ``kpool`` are post-hoc selection rules for the audit of pretrained models
 TRAINED_DESIGNS = ("none", "mean", "gated", "mlp", "route", "evict")
@@ -33,18 +33,20 @@ OFFSET_MODES = ("aligned", "per_layer", "per_head", "per_layer_head", "random")
 GATES = ("scalar", "channel")
 BLOCK_SCOPES = ("outside_window", "before_window", "all")
 
-Design = Literal["none", "mean", "gated", "mlp", "route", "evict", "quest", "kpool", "nsa"]
+Design = Literal["none", "mean", "gated", "mlp", "route", "evict", "quest", "kpool", "nsa", "dsa"]
 OffsetSpec = str | int | tuple[int, ...] | tuple[tuple[int, ...], ...]
 
 DEFAULT_TOP_K = 2
 DEFAULT_OBS_WINDOW = 8
 #: designs that attend raw tokens of selected blocks (top-k over the pooled designs' candidates)
-SELECTING_DESIGNS = ("route", "evict", "quest", "kpool")
+SELECTING_DESIGNS = ("route", "evict", "quest", "kpool", "dsa")
 #: designs that take ``top_k``: the selecting ones, and the systems with a selection branch
 TOP_K_DESIGNS = (*SELECTING_DESIGNS, "nsa")
 #: fields that only some designs use; ``to_dict`` leaves them out while ``None`` so that the
 #: cache keys of configs written before they existed do not change
-_OPTIONAL_FIELDS = ("select_len",)
+_OPTIONAL_FIELDS = ("select_len", "index_heads", "indexer_train")
+INDEXER_TRAINING = ("kl", "end_to_end")
+DEFAULT_INDEX_HEADS = 2
 
 
 def _bad(field_name: str, value: Any, allowed: str) -> ValueError:
@@ -88,7 +90,8 @@ class CompressionConfig:
             their best token's ``q . k``, GLM-5.3's k-pool rule), ``"evict"`` (ChunkKV chunk
             eviction: raw tokens of the chunks that recent queries attended most) or ``"nsa"``
             (NSA's three branches: compressed, selected blocks, sliding window, mixed by
-            sigmoid gates; :mod:`phasemech.attention.nsa`).
+            sigmoid gates; :mod:`phasemech.attention.nsa`) or ``"dsa"`` (GLM-5.3's learned k-pool
+            indexer picks the pools whose raw tokens are read; :mod:`phasemech.attention.dsa`).
         stride: ``d``, the distance between consecutive block starts.
         block_len: ``l >= d``; ``None`` means ``l = d`` (no overlap).
         window: ``W``, the raw sliding window in tokens (query included); ``None`` means ``2d``.
@@ -124,6 +127,10 @@ class CompressionConfig:
         select_len: ``nsa`` only: ``l'``, the length of a selection block, a multiple of
             ``stride``; ``None`` means ``stride``. Selection blocks lie on the compression grid's
             offset: block ``j`` covers ``[j*l' + o - l', j*l' + o - 1]``.
+        index_heads: ``dsa`` only: the indexer's heads; ``None`` means 2.
+        indexer_train: ``dsa`` only: ``"kl"`` (default; DSA's auxiliary KL toward the dense
+            attention's mass on each pool) or ``"end_to_end"`` (a straight-through gradient of
+            the main loss through the kept pools).
 
     The exact coverage rule (which past token is reached raw, which through a block) is in
     ``phasemech.core.grid``.
@@ -142,6 +149,8 @@ class CompressionConfig:
     block_scope: Literal["outside_window", "before_window", "all"] | None = None
     obs_window: int | None = None
     select_len: int | None = None
+    index_heads: int | None = None
+    indexer_train: Literal["kl", "end_to_end"] | None = None
 
     def __post_init__(self) -> None:
         # Frozen dataclass: normalise with object.__setattr__ (``_set``), validate before any
@@ -154,6 +163,7 @@ class CompressionConfig:
         self._check_top_k()
         self._check_obs_window()
         self._check_select_len()
+        self._check_indexer()
         self._check_rest()
 
     def _set(self, name: str, value: Any) -> None:
@@ -250,6 +260,26 @@ class CompressionConfig:
             raise _bad("select_len", self.select_len, f"must be a multiple of stride={self.stride}")
         self._set("select_len", int(self.select_len))
 
+    def _check_indexer(self) -> None:
+        if self.design != "dsa":
+            for name in ("index_heads", "indexer_train"):
+                if getattr(self, name) is not None:
+                    raise _bad(
+                        name,
+                        getattr(self, name),
+                        f"only design='dsa' has an indexer, not {self.design!r}",
+                    )
+            return
+        if self.index_heads is None:
+            self._set("index_heads", DEFAULT_INDEX_HEADS)
+        if not is_int(self.index_heads) or self.index_heads < 1:
+            raise _bad("index_heads", self.index_heads, "must be an int >= 1")
+        self._set("index_heads", int(self.index_heads))
+        if self.indexer_train is None:
+            self._set("indexer_train", "kl")
+        if self.indexer_train not in INDEXER_TRAINING:
+            raise _bad("indexer_train", self.indexer_train, f"allowed: {INDEXER_TRAINING}")
+
     def _check_rest(self) -> None:
         """``gate``, ``eval_offset`` and ``block_scope``, and how they fit the design."""
         if self.gate not in GATES:
@@ -271,12 +301,12 @@ class CompressionConfig:
                 f"design={self.design!r} reads blocks raw, so its candidates must lie outside "
                 "the window",
             )
-        if self.design == "kpool" and self.block_len != self.stride:
+        if self.design in ("kpool", "dsa") and self.block_len != self.stride:
             raise _bad(
                 "block_len",
                 self.block_len,
-                f"kpool's pools are disjoint runs of stride={self.stride} tokens (overlapping "
-                "pools would tie on a shared best token); allowed: block_len=None or = stride",
+                f"{self.design}'s pools are disjoint runs of stride={self.stride} tokens; "
+                "allowed: block_len=None or = stride",
             )
         if self.eval_offset != 0 and self.offsets != "random":
             raise _bad("eval_offset", self.eval_offset, "only offsets='random' uses eval_offset")

@@ -217,6 +217,14 @@ class PhaseTransformer(HookedTransformer):
     def compressed_layers(self) -> list[int]:
         return self.cfg.compression.compressed_layers(self.cfg.n_layers)
 
+    def auxiliary_loss(self) -> Tensor | None:
+        """The sum of the auxiliary losses the last training forward left on its layers (a
+        learned selector's own objective: ``dsa``'s indexer KL), or ``None``. Training adds it
+        to the task loss."""
+        terms = [getattr(b.attn, "aux_loss", None) for b in self.blocks]
+        terms = [t for t in terms if t is not None]
+        return sum(terms[1:], terms[0]) if terms else None
+
     # ------------------------------------------------------------------ forward
     def _check_tokens(self, tokens: Any) -> None:
         if not isinstance(tokens, Tensor):

@@ -1,0 +1,163 @@
+"""``dsa`` (GLM-5.3's k-pool indexer) against a naive reference: the indexer's pool scores by
+their definition, then the selecting designs' naive attention; its KL objective against a
+loop; the straight-through option."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_hooked, raises_naming, tokens
+from test_selection import _real_slots, naive_z
+
+from phasemech import CompressionConfig, PhaseTransformer
+
+RG = {"rotary": True, "gqa": True}
+
+
+def _model(**comp) -> PhaseTransformer:
+    model = PhaseTransformer.from_hooked(
+        make_hooked(**RG, n_layers=1), CompressionConfig("dsa", **comp)
+    ).eval()
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # a non-zero position bias, so slots are told apart
+        bias = model.blocks[0].attn.pool_bias
+        bias.copy_(torch.randn(bias.shape, generator=gen))
+        model.blocks[0].attn.W_ig.mul_(20.0)
+    return model
+
+
+def naive_index(attn, x, geo):
+    """``score(s, g, t, i)`` from the definition (no gradient: selection has none)."""
+
+    def score(s, g, t, i):
+        with torch.no_grad():
+            return float(_index_score(attn, x.detach(), geo, s, g, t, i))
+
+    return score
+
+
+def _inputs(model, x, attention_mask=None):
+    _, cache = model.run_with_cache(x, attention_mask=attention_mask)
+    attn = model.blocks[0].attn
+    kv = None if attention_mask is None else attention_mask.bool()
+    geo = attn._geometry(cache["blocks.0.attn.hook_grid_offset"], x.shape[1], kv)
+    parts = [cache[f"blocks.0.{n}"] for n in ("ln1.hook_normalized", "attn.hook_rot_q",
+                                               "attn.hook_rot_k", "attn.hook_v")]  # fmt: skip
+    return attn, geo, cache, parts
+
+
+@pytest.mark.parametrize(
+    "comp",
+    [dict(stride=4, window=6, top_k=2), dict(stride=3, window=0, top_k=1, offsets=(1, 2))],
+)
+def test_dsa_matches_the_naive_reference(comp):
+    model = _model(**comp)
+    x_tok = tokens(2, 30, seed=5)
+    attn, geo, cache, (x, q, k, v) = _inputs(model, x_tok)
+    want = naive_z(attn, q.double(), k.double(), v.double(), geo, naive_index(attn, x, geo))
+    torch.testing.assert_close(cache["blocks.0.attn.hook_z"].double(), want, atol=1e-5, rtol=0)
+    ranked = cache["blocks.0.attn.hook_route_scores"].isfinite().sum(-1)
+    assert (ranked > attn.top_k).any()  # selection bites
+    # one indexer score per query serves every head
+    scores = cache["blocks.0.attn.hook_route_scores"]
+    torch.testing.assert_close(scores[:, 0], scores[:, 1])
+
+
+def test_dsa_left_padding_matches_the_reference():
+    model = _model(stride=4, window=4, top_k=1)
+    x = tokens(1, 24, seed=3)
+    pad = 5
+    padded = torch.cat([torch.zeros(1, pad, dtype=torch.long), x], 1)
+    mask = torch.cat([torch.zeros(1, pad, dtype=torch.long), torch.ones_like(x)], 1)
+    torch.testing.assert_close(
+        model(padded, attention_mask=mask)[:, pad:], model(x), atol=1e-5, rtol=0
+    )
+
+
+def _naive_kl(attn, x, q, k, geo) -> torch.Tensor:
+    """The KL term by loops: dense attention's mass per candidate pool, summed over a KV
+    group's heads and renormalised, against the indexer's softmax over the candidates."""
+    b, seq, h, _ = q.shape
+    g_n = k.shape[2]
+    rep = h // g_n
+    terms = []
+    for s in range(b):
+        for g in range(g_n):
+            for t in range(seq):
+                cand = geo.block_used[s, g, t].nonzero().flatten().tolist()
+                if not cand:
+                    continue
+                mass = torch.zeros(len(cand))
+                for r in range(rep):
+                    p = torch.softmax(
+                        (k[s, : t + 1, g] @ q[s, t, g * rep + r]) / attn.attn_scale, 0
+                    )
+                    for c, i in enumerate(cand):
+                        mass[c] += p[_real_slots(geo, s, g, i)].sum()
+                target = mass / mass.sum()
+                score = torch.stack([_index_score(attn, x, geo, s, g, t, i) for i in cand])
+                logp = torch.log_softmax(score, 0)
+                terms.append((target * (target.log() - logp)).sum())
+    return torch.stack(terms).mean()
+
+
+def _index_score(attn, x, geo, s, g, t, i):
+    """One pool's score by its definition: softmax-gated pooling of the indexer keys over the
+    pool's real tokens, then ``sum_i w_i ReLU(q_i . k_pool)`` (differentiable: the KL trains
+    the indexer)."""
+    slots = _real_slots(geo, s, g, i)
+    index = [geo.slot_pos[s, g, i].tolist().index(p) for p in slots]
+    kx = attn.apply_rotary((x[s : s + 1] @ attn.W_ik)[:, :, None], 0, None)[0, :, 0]
+    qx = attn.apply_rotary(torch.einsum("bpm,imd->bpid", x[s : s + 1], attn.W_iq), 0, None)[0]
+    logits = torch.stack([x[s, p] @ attn.W_ig + attn.pool_bias[j]
+                          for p, j in zip(slots, index, strict=True)])  # fmt: skip
+    k_pool = torch.softmax(logits, 0) @ kx[slots]
+    return (x[s, t] @ attn.W_iw * (qx[t] @ k_pool).relu()).sum()
+
+
+def test_dsa_kl_equals_the_loop_and_trains_only_the_indexer():
+    model = _model(stride=4, window=4, top_k=1)
+    x_tok = tokens(1, 20, seed=1)
+    attn, geo, _, (x, q, k, _) = _inputs(model, x_tok)
+    model.train()
+    got = attn.indexer_kl(x, q, k, geo)
+    want = _naive_kl(attn, x, q, k, geo)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    params = [attn.W_iq, attn.W_ik, attn.W_iw, attn.W_ig, attn.pool_bias, attn.W_Q]
+    grads = torch.autograd.grad(got, params, allow_unused=True)
+    want_grads = torch.autograd.grad(want, params[:-1])
+    for a, b in zip(grads[:-1], want_grads, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    assert grads[-1] is None  # the target is the main attention, detached
+    # a training forward leaves it for the trainer; eval leaves nothing
+    model(x_tok)
+    assert model.auxiliary_loss() is not None
+    model.eval()
+    model(x_tok)
+    assert model.auxiliary_loss() is None
+
+
+def test_dsa_end_to_end_keeps_the_forward_and_trains_the_indexer():
+    kl, e2e = _model(stride=4, window=4, top_k=1), _model(stride=4, window=4, top_k=1,
+                                                          indexer_train="end_to_end")  # fmt: skip
+    x = tokens(2, 24, seed=4)
+    torch.testing.assert_close(kl(x), e2e(x), atol=0, rtol=0)
+    e2e.train()
+    e2e(x, return_type="loss").backward()
+    assert e2e.auxiliary_loss() is None
+    attn = e2e.blocks[0].attn
+    for p in (attn.W_iq, attn.W_ik, attn.W_iw, attn.W_ig, attn.pool_bias):
+        assert p.grad is not None and p.grad.abs().sum() > 0
+    kl.train()
+    kl(x, return_type="loss").backward()  # without its KL term the indexer gets nothing
+    assert kl.blocks[0].attn.W_iq.grad is None or kl.blocks[0].attn.W_iq.grad.abs().sum() == 0
+
+
+def test_dsa_config_errors_name_the_value():
+    raises_naming("indexer_train", "sgd", design="dsa", indexer_train="sgd")
+    raises_naming("index_heads", 0, design="dsa", index_heads=0)
+    raises_naming("index_heads", 2, design="route", index_heads=2)
+    raises_naming("block_len", 8, design="dsa", stride=4, block_len=8)
+    comp = CompressionConfig("dsa")
+    assert (comp.index_heads, comp.indexer_train) == (2, "kl")
+    assert CompressionConfig.from_dict(comp.to_dict()) == comp
