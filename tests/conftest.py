@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pytest
@@ -13,7 +14,7 @@ from phasemech.model.transformer import quiet_tl_deprecation
 torch.set_num_threads(1)
 warnings.filterwarnings("ignore", message="HookedTransformer is deprecated")
 
-DESIGNS = ("mean", "gated", "mlp", "route", "quest", "kpool", "nsa", "dsa")
+DESIGNS = ("mean", "gated", "mlp", "route", "quest", "kpool", "nsa", "dsa", "csa", "hca")
 EXACT_DESIGNS = ("mean", "gated", "route", "quest", "kpool", "dsa")
 D_VOCAB = 37
 N_CTX = 48
@@ -66,24 +67,13 @@ def make_model(
 ) -> PhaseTransformer:
     """A tiny ``PhaseTransformer`` in eval mode. ``kw``: ``tl_fields`` options, or
     ``CompressionConfig`` fields when no ``compression`` is given."""
-    comp_keys = {
-        "stride",
-        "block_len",
-        "window",
-        "visibility",
-        "offsets",
-        "layers",
-        "top_k",
-        "gate",
-        "eval_offset",
-        "block_scope",
-        "select_len",
-        "index_heads",
-        "indexer_train",
-    }
+    comp_keys = {f.name for f in dataclasses.fields(CompressionConfig)} - {"design"}
     comp_kw = {k: kw.pop(k) for k in list(kw) if k in comp_keys}
-    if design in ("kpool", "dsa"):  # disjoint pools: a shared grid's overlap does not apply
+    if design in ("kpool", "dsa", "hca"):  # disjoint pools: a shared overlap does not apply
         comp_kw.pop("block_len", None)
+    if design == "csa" and "block_len" in comp_kw:  # a whole number of projection series
+        d = comp_kw.get("stride", 4)
+        comp_kw["block_len"] = -(-comp_kw["block_len"] // d) * d
     if compression is None:
         compression = CompressionConfig(design, **comp_kw)
     elif comp_kw:
@@ -104,17 +94,27 @@ def make_hooked(**kw):
     return model
 
 
+#: parameters that start at zero or small (pooling starts as the mean): randomised in tests
+GATE_PARAMS = ("phase_bias", "W_gate", "W_branch", "b_branch", "pool_bias", "W_z_", "B_K", "B_V")
+
+
 def randomize_compressors(model: PhaseTransformer, seed: int = 0, scale: float = 0.5) -> None:
     """Give compressor parameters non-trivial values (gated and mlp start at mean pooling)."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if any(
-                s in name for s in ("phase_bias", "W_gate", "W_branch", "b_branch", "pool_bias")
-            ):
+            if any(s in name for s in GATE_PARAMS):
                 p.copy_(torch.randn(p.shape, generator=gen) * scale)
+            elif name.endswith((".P_K", ".P_V")):  # csa/hca series projections start at I
+                p.add_(torch.randn(p.shape, generator=gen) * scale / p.shape[-1] ** 0.5)
             elif ".compress_" in name and ".2." in name:  # mlp starts as the block mean
                 p.copy_(torch.randn(p.shape, generator=gen) * scale / p.shape[-1] ** 0.5)
+
+
+def full_window_scope(design: str) -> dict:
+    """``csa``/``hca`` read their blocks inside the window too by default (DeepSeek-V4): the
+    scope under which a window covering the sequence leaves the model dense."""
+    return {"block_scope": "outside_window"} if design in ("csa", "hca") else {}
 
 
 def one_branch(model: PhaseTransformer, branch: int) -> None:

@@ -17,7 +17,9 @@ N_LAYERS = 2
 @st.composite
 def configs(draw):
     design = draw(
-        st.sampled_from(["mean", "gated", "mlp", "route", "evict", "quest", "kpool", "nsa", "dsa"])
+        st.sampled_from(
+            ["mean", "gated", "mlp", "route", "evict", "quest", "kpool", "nsa", "dsa", "csa", "hca"]
+        )
     )
     d = draw(st.integers(1, 6))
     gqa = draw(st.booleans())
@@ -35,7 +37,9 @@ def configs(draw):
     comp = CompressionConfig(
         design,
         stride=d,
-        block_len=d + (0 if design in ("kpool", "dsa") else draw(st.integers(0, 3))),
+        block_len=d * draw(st.integers(1, 2))
+        if design in ("csa", "hca")
+        else d + (0 if design in ("kpool", "dsa") else draw(st.integers(0, 3))),
         window=draw(st.integers(0, 12)),
         visibility=draw(st.sampled_from(["inclusive", "strict"])),
         offsets=offsets,
@@ -49,6 +53,7 @@ def configs(draw):
         else draw(st.sampled_from(["outside_window", "all"])),
         select_len=d * draw(st.integers(1, 3)) if design == "nsa" else None,
         indexer_train=draw(st.sampled_from(["kl", "end_to_end"])) if design == "dsa" else None,
+        pool_rope=draw(st.sampled_from(["pre", "post"])) if design in ("csa", "hca") else None,
     )
     rotary = draw(st.booleans())
     return comp, gqa, rotary

@@ -35,7 +35,7 @@ def test_bad_visibility(visibility):
     _raises("visibility", visibility, design="mean", visibility=visibility)
 
 
-@pytest.mark.parametrize("design", ["Mean", "max", "", None, "nsa"])
+@pytest.mark.parametrize("design", ["Mean", "max", "", None, "moba"])
 def test_bad_design(design):
     _raises("design", design, design=design)
 

@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DESIGNS, N_CTX, make_hooked, make_model, one_branch, tl_fields, tokens
+from conftest import (
+    DESIGNS,
+    N_CTX,
+    full_window_scope,
+    make_hooked,
+    make_model,
+    one_branch,
+    tl_fields,
+    tokens,
+)
 from transformer_lens import HookedTransformer, HookedTransformerConfig
 
 from phasemech import CompressionConfig, PhaseTransformer
@@ -49,8 +58,10 @@ def test_full_window_equals_hooked_transformer(design, variant):
     kw = VARIANTS[variant]
     tl_model = make_hooked(**kw)
     # (at n_ctx the last queries do read blocks: enough for route to rank more than top_k)
-    block_len = 3 if design in ("kpool", "dsa") else 4  # disjoint pools
-    comp = CompressionConfig(design, stride=3, block_len=block_len, window=N_CTX - 12)
+    block_len = {"kpool": 3, "dsa": 3, "hca": 3, "csa": 6}.get(design, 4)  # disjoint pools, series
+    comp = CompressionConfig(
+        design, stride=3, block_len=block_len, window=N_CTX - 12, **full_window_scope(design)
+    )
     model = PhaseTransformer.from_hooked(tl_model, comp).eval()
     one_branch(model, 2)  # nsa: its window branch alone (its other branches are its own)
     assert all(isinstance(b.attn, CompressedAttentionMixin) for b in model.blocks)

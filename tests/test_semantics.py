@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DESIGNS, make_hooked, make_model, one_branch, randomize_compressors, tokens
+from conftest import (
+    DESIGNS,
+    full_window_scope,
+    make_hooked,
+    make_model,
+    one_branch,
+    randomize_compressors,
+    tokens,
+)
 
 from phasemech import CompressionConfig, PhaseTransformer, phase_attention
 from phasemech.core.grid import build_geometry
@@ -58,7 +66,8 @@ def test_block_scope_all_keeps_blocks_inside_the_window(design):
 @pytest.mark.parametrize("design", DESIGNS)
 def test_half_precision_models_run(design, dtype):
     hooked = make_hooked(dtype=dtype)
-    model = PhaseTransformer.from_hooked(hooked, CompressionConfig(design, stride=4, window=24))
+    comp = CompressionConfig(design, stride=4, window=24, **full_window_scope(design))
+    model = PhaseTransformer.from_hooked(hooked, comp)
     one_branch(model, 2)  # nsa: its window branch alone
     model.set_use_token_pattern(True)
     x = tokens(seq=24)

@@ -1,6 +1,7 @@
 """Compressed attention designs, one per file; ``DESIGN_CLASSES`` maps names to mixins."""
 
 from phasemech.attention.base import CompressedAttentionMixin, make_attention_class
+from phasemech.attention.csa import SeriesPoolAttention
 from phasemech.attention.dsa import DSAAttention
 from phasemech.attention.evict import ChunkEvictAttention
 from phasemech.attention.gated import GatedPoolAttention
@@ -21,6 +22,8 @@ DESIGN_CLASSES: dict[str, type] = {
     "kpool": KPoolAttention,
     "nsa": NSAAttention,
     "dsa": DSAAttention,
+    "csa": SeriesPoolAttention,
+    "hca": SeriesPoolAttention,
 }
 
 __all__ = [
@@ -35,5 +38,6 @@ __all__ = [
     "MeanPoolAttention",
     "NSAAttention",
     "QuestAttention",
+    "SeriesPoolAttention",
     "make_attention_class",
 ]

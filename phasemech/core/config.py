@@ -24,7 +24,9 @@ from transformer_lens import HookedTransformerConfig
 from phasemech.core.grid import last_query_blocks
 from phasemech.core.validation import is_int
 
-DESIGNS = ("none", "mean", "gated", "mlp", "route", "evict", "quest", "kpool", "nsa", "dsa")
+DESIGNS = (
+    "none", "mean", "gated", "mlp", "route", "evict", "quest", "kpool", "nsa", "dsa", "csa", "hca",
+)  # fmt: skip
 #: the designs the from-scratch experiments train (their profiles' default); ``quest`` and
 #: ``kpool`` are post-hoc selection rules for the audit of pretrained models
 TRAINED_DESIGNS = ("none", "mean", "gated", "mlp", "route", "evict")
@@ -33,7 +35,9 @@ OFFSET_MODES = ("aligned", "per_layer", "per_head", "per_layer_head", "random")
 GATES = ("scalar", "channel")
 BLOCK_SCOPES = ("outside_window", "before_window", "all")
 
-Design = Literal["none", "mean", "gated", "mlp", "route", "evict", "quest", "kpool", "nsa", "dsa"]
+Design = Literal[
+    "none", "mean", "gated", "mlp", "route", "evict", "quest", "kpool", "nsa", "dsa", "csa", "hca"
+]
 OffsetSpec = str | int | tuple[int, ...] | tuple[tuple[int, ...], ...]
 
 DEFAULT_TOP_K = 2
@@ -44,7 +48,12 @@ SELECTING_DESIGNS = ("route", "evict", "quest", "kpool", "dsa")
 TOP_K_DESIGNS = (*SELECTING_DESIGNS, "nsa")
 #: fields that only some designs use; ``to_dict`` leaves them out while ``None`` so that the
 #: cache keys of configs written before they existed do not change
-_OPTIONAL_FIELDS = ("select_len", "index_heads", "indexer_train")
+_OPTIONAL_FIELDS = ("select_len", "index_heads", "indexer_train", "pool_rope")
+#: DeepSeek-V4's compressors: entries and the raw window in one softmax by default
+SERIES_DESIGNS = ("csa", "hca")
+#: designs whose compressed entries and raw window overlap by default (``block_scope="all"``)
+ALL_SCOPE_DESIGNS = ("nsa", *SERIES_DESIGNS)
+POOL_ROPE = ("pre", "post")
 INDEXER_TRAINING = ("kl", "end_to_end")
 DEFAULT_INDEX_HEADS = 2
 
@@ -91,9 +100,12 @@ class CompressionConfig:
             eviction: raw tokens of the chunks that recent queries attended most) or ``"nsa"``
             (NSA's three branches: compressed, selected blocks, sliding window, mixed by
             sigmoid gates; :mod:`phasemech.attention.nsa`) or ``"dsa"`` (GLM-5.3's learned k-pool
-            indexer picks the pools whose raw tokens are read; :mod:`phasemech.attention.dsa`).
+            indexer picks the pools whose raw tokens are read; :mod:`phasemech.attention.dsa`),
+            ``"csa"`` / ``"hca"`` (DeepSeek-V4's compressors: per-channel gates over projection
+            series, a learned slot bias, RMSNorm; :mod:`phasemech.attention.csa`).
         stride: ``d``, the distance between consecutive block starts.
-        block_len: ``l >= d``; ``None`` means ``l = d`` (no overlap).
+        block_len: ``l >= d``; ``None`` means ``l = d`` (no overlap), ``2d`` for ``csa``.
+            ``csa`` / ``hca`` need a multiple of ``d`` (one projection series per ``d`` slots).
         window: ``W``, the raw sliding window in tokens (query included); ``None`` means ``2d``.
             ``0`` leaves only the query's own incomplete block raw (MoBA/Quest "current block",
             GLM-5.3 tail); under ``inclusive`` a query in the last slot of its block then has
@@ -115,13 +127,15 @@ class CompressionConfig:
             style, one gate per channel).
         eval_offset: the offset that ``offsets="random"`` uses in eval mode.
         block_scope: ``None`` means ``"all"`` for ``nsa`` (its compressed branch reads every
-            complete block; the window is a separate branch) and ``"outside_window"`` for the
-            rest. ``"outside_window"``: blocks wholly inside the raw window are not
-            used, so at most ``l - 1`` tokens are reached both raw and compressed),
-            ``"before_window"`` (the raw span starts at a block boundary, ``W`` to ``W + d - 1``
-            tokens, and only blocks wholly before it are used: no block is partly raw) or
+            complete block; the window is a separate branch), ``csa`` and ``hca`` (as
+            DeepSeek-V4) and ``"outside_window"`` for the rest. ``"outside_window"``: blocks
+            wholly inside the raw window are not used, so at most ``l - 1`` tokens are reached
+            both raw and compressed; ``"before_window"`` (the raw span starts at a block
+            boundary, ``W`` to ``W + d - 1`` tokens, and only blocks wholly before it are used:
+            no block is partly raw) or
             ``"all"`` (DeepSeek-V4: every complete block plus the raw window, in one softmax).
-            The selecting designs (``route``, ``evict``, ``quest``, ``kpool``) refuse ``"all"``.
+            The selecting designs (``route``, ``evict``, ``quest``, ``kpool``, ``dsa``) refuse
+            ``"all"``.
         obs_window: ``evict`` only: how many recent queries (the query included) score the
             chunks by the dense attention they pay to them; ``None`` means 8.
         select_len: ``nsa`` only: ``l'``, the length of a selection block, a multiple of
@@ -131,6 +145,8 @@ class CompressionConfig:
         indexer_train: ``dsa`` only: ``"kl"`` (default; DSA's auxiliary KL toward the dense
             attention's mass on each pool) or ``"end_to_end"`` (a straight-through gradient of
             the main loss through the kept pools).
+        pool_rope: ``csa`` / ``hca`` only: ``"pre"`` (default, as DeepSeek-V4: pool pre-RoPE
+            keys, rotate the entry at its block's stride start) or ``"post"`` (pool rotated keys).
 
     The exact coverage rule (which past token is reached raw, which through a block) is in
     ``phasemech.core.grid``.
@@ -151,6 +167,7 @@ class CompressionConfig:
     select_len: int | None = None
     index_heads: int | None = None
     indexer_train: Literal["kl", "end_to_end"] | None = None
+    pool_rope: Literal["pre", "post"] | None = None
 
     def __post_init__(self) -> None:
         # Frozen dataclass: normalise with object.__setattr__ (``_set``), validate before any
@@ -164,6 +181,7 @@ class CompressionConfig:
         self._check_obs_window()
         self._check_select_len()
         self._check_indexer()
+        self._check_series()
         self._check_rest()
 
     def _set(self, name: str, value: Any) -> None:
@@ -175,7 +193,7 @@ class CompressionConfig:
             raise _bad("stride", self.stride, "must be an int >= 1")
         self._set("stride", int(self.stride))
         if self.block_len is None:
-            self._set("block_len", self.stride)
+            self._set("block_len", 2 * self.stride if self.design == "csa" else self.stride)
         if not is_int(self.block_len) or self.block_len < self.stride:
             raise _bad("block_len", self.block_len, f"must be an int >= stride ({self.stride})")
         self._set("block_len", int(self.block_len))
@@ -280,6 +298,27 @@ class CompressionConfig:
         if self.indexer_train not in INDEXER_TRAINING:
             raise _bad("indexer_train", self.indexer_train, f"allowed: {INDEXER_TRAINING}")
 
+    def _check_series(self) -> None:
+        if self.design not in SERIES_DESIGNS:
+            if self.pool_rope is not None:
+                raise _bad(
+                    "pool_rope",
+                    self.pool_rope,
+                    f"only designs {SERIES_DESIGNS} take it, not {self.design!r}",
+                )
+            return
+        if self.pool_rope is None:
+            self._set("pool_rope", "pre")
+        if self.pool_rope not in POOL_ROPE:
+            raise _bad("pool_rope", self.pool_rope, f"allowed: {POOL_ROPE}")
+        if self.block_len % self.stride:
+            raise _bad(
+                "block_len",
+                self.block_len,
+                f"{self.design} needs a multiple of stride={self.stride} (one projection series "
+                "per stride)",
+            )
+
     def _check_rest(self) -> None:
         """``gate``, ``eval_offset`` and ``block_scope``, and how they fit the design."""
         if self.gate not in GATES:
@@ -291,7 +330,8 @@ class CompressionConfig:
                 "eval_offset", self.eval_offset, f"must be an int in [0, stride={self.stride})"
             )
         if self.block_scope is None:
-            self._set("block_scope", "all" if self.design == "nsa" else "outside_window")
+            scope = "all" if self.design in ALL_SCOPE_DESIGNS else "outside_window"
+            self._set("block_scope", scope)
         if self.block_scope not in BLOCK_SCOPES:
             raise _bad("block_scope", self.block_scope, f"allowed: {BLOCK_SCOPES}")
         if self.block_scope == "all" and self.design in SELECTING_DESIGNS:
