@@ -14,8 +14,20 @@ from phasemech.model.transformer import quiet_tl_deprecation
 torch.set_num_threads(1)
 warnings.filterwarnings("ignore", message="HookedTransformer is deprecated")
 
-DESIGNS = ("mean", "gated", "mlp", "route", "quest", "kpool", "nsa", "dsa", "csa", "hca")
-EXACT_DESIGNS = ("mean", "gated", "route", "quest", "kpool", "dsa")
+DESIGNS = (
+    "mean",
+    "gated",
+    "mlp",
+    "route",
+    "quest",
+    "kpool",
+    "nsa",
+    "dsa",
+    "csa",
+    "hca",
+    "partition",
+)
+EXACT_DESIGNS = ("mean", "gated", "route", "quest", "kpool", "dsa", "partition")
 D_VOCAB = 37
 N_CTX = 48
 

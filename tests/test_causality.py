@@ -18,7 +18,20 @@ N_LAYERS = 2
 def configs(draw):
     design = draw(
         st.sampled_from(
-            ["mean", "gated", "mlp", "route", "evict", "quest", "kpool", "nsa", "dsa", "csa", "hca"]
+            [
+                "mean",
+                "gated",
+                "mlp",
+                "route",
+                "evict",
+                "quest",
+                "kpool",
+                "nsa",
+                "dsa",
+                "csa",
+                "hca",
+                "partition",
+            ]  # fmt: skip
         )
     )
     d = draw(st.integers(1, 6))

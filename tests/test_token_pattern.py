@@ -52,7 +52,7 @@ def _z_from_token_pattern(cache, layer, n_heads):
 
 
 @pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("design", ["mean", "gated", "route", "dsa"])
+@pytest.mark.parametrize("design", ["mean", "gated", "route", "dsa", "partition"])
 def test_token_pattern_reproduces_z(design, case):
     model = _model(design, case)
     x = tokens(2, 40, seed=5)

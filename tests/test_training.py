@@ -17,6 +17,7 @@ COMPRESSOR_PARAMS = {
     "dsa": ("W_iq", "W_ik", "W_iw", "W_ig", "pool_bias"),  # through the indexer's KL term
     "csa": ("P_K", "P_V", "W_z_K", "W_z_V", "B_K", "B_V", "w_K", "w_V"),
     "hca": ("P_K", "P_V", "W_z_K", "W_z_V", "B_K", "B_V", "w_K", "w_V"),
+    "partition": (),
 }
 
 

@@ -9,6 +9,7 @@ from phasemech.attention.kpool import KPoolAttention
 from phasemech.attention.mean import MeanPoolAttention
 from phasemech.attention.mlp import MLPCompressorAttention
 from phasemech.attention.nsa import NSAAttention
+from phasemech.attention.partition import PartitionAttention
 from phasemech.attention.quest import QuestAttention
 from phasemech.attention.route import BlockRouteAttention
 
@@ -24,6 +25,7 @@ DESIGN_CLASSES: dict[str, type] = {
     "dsa": DSAAttention,
     "csa": SeriesPoolAttention,
     "hca": SeriesPoolAttention,
+    "partition": PartitionAttention,
 }
 
 __all__ = [
@@ -37,6 +39,7 @@ __all__ = [
     "MLPCompressorAttention",
     "MeanPoolAttention",
     "NSAAttention",
+    "PartitionAttention",
     "QuestAttention",
     "SeriesPoolAttention",
     "make_attention_class",

@@ -140,6 +140,10 @@ class SelectingAttention(CompressedAttentionMixin):
         """Rows per chunk (a design whose scores touch every key uses smaller chunks)."""
         return ROW_CHUNK
 
+    def n_keep(self, n_blocks: int) -> int:
+        """Ranked blocks kept per query (``top_k``; a design with a fixed rule overrides it)."""
+        return self.top_k
+
     # ------------------------------------------------------------------ the engine
     def kept_logit_bias(
         self,
@@ -226,7 +230,7 @@ class SelectingAttention(CompressedAttentionMixin):
         fok: Bool[Tensor, "batch head row 1"],
     ) -> tuple[Int[Tensor, "batch head row sel"], Bool[Tensor, "batch head row sel"]]:
         """Kept block indices (top-k of the gate, then the forced block) and which are real."""
-        val, top = top_k_latest(gate, min(self.top_k, gate.shape[-1]))
+        val, top = top_k_latest(gate, min(self.n_keep(gate.shape[-1]), gate.shape[-1]))
         idx = torch.cat([top, fidx], -1)
         ok = torch.cat([val > float("-inf"), fok], -1)
         if not self.hook_route_selected.has_hooks():

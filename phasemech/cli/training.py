@@ -8,7 +8,13 @@ from typing import Annotated, Literal
 import typer
 
 from phasemech.cli import DeviceOpt, _device, _fail, app, console
-from phasemech.core.config import DESIGNS, OFFSET_MODES, SELECTING_DESIGNS
+from phasemech.core.config import DESIGNS, OFFSET_MODES, TOP_K_DESIGNS
+
+#: compression fields whose default depends on the design: reset when ``--design`` changes it
+DESIGN_DEFAULTED = (
+    "block_len", "block_scope", "top_k", "obs_window", "select_len", "index_heads",
+    "indexer_train", "pool_rope",
+)  # fmt: skip
 
 PosInt = Annotated[int | None, typer.Option(min=1)]
 
@@ -95,6 +101,9 @@ def _train_config(out: Path, config: Path | None, resume: bool, flags: dict):
         cfg.model, **_pick(f, heads="n_heads", d_model="d_model", n_layers="n_layers")
     )
     comp = cfg.compression.to_dict()
+    if f.get("design", comp["design"]) != comp["design"]:
+        # another design: its own defaults for the fields that depend on the design
+        comp.update(dict.fromkeys(DESIGN_DEFAULTED, None))
     comp.update(_pick(f, design="design", stride="stride", window="window", offsets="offsets"))
     if "layers" in f:
         try:
@@ -112,7 +121,7 @@ def _train_config(out: Path, config: Path | None, resume: bool, flags: dict):
             # the least positional spread (a prefix spread over a wider stride than the model's
             # keeps models on the loss plateau far longer, see docs/training.md)
             task = dataclasses.replace(task, stride=f["stride"])
-    if comp["design"] not in SELECTING_DESIGNS:
+    if comp["design"] not in TOP_K_DESIGNS:
         comp["top_k"] = None
     if comp["design"] != "evict":
         comp["obs_window"] = None

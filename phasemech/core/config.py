@@ -26,6 +26,7 @@ from phasemech.core.validation import is_int
 
 DESIGNS = (
     "none", "mean", "gated", "mlp", "route", "evict", "quest", "kpool", "nsa", "dsa", "csa", "hca",
+    "partition",
 )  # fmt: skip
 #: the designs the from-scratch experiments train (their profiles' default); ``quest`` and
 #: ``kpool`` are post-hoc selection rules for the audit of pretrained models
@@ -36,16 +37,28 @@ GATES = ("scalar", "channel")
 BLOCK_SCOPES = ("outside_window", "before_window", "all")
 
 Design = Literal[
-    "none", "mean", "gated", "mlp", "route", "evict", "quest", "kpool", "nsa", "dsa", "csa", "hca"
+    "none",
+    "mean",
+    "gated",
+    "mlp",
+    "route",
+    "evict",
+    "quest",
+    "kpool",
+    "nsa",
+    "dsa",
+    "csa",
+    "hca",
+    "partition",
 ]
 OffsetSpec = str | int | tuple[int, ...] | tuple[tuple[int, ...], ...]
 
 DEFAULT_TOP_K = 2
 DEFAULT_OBS_WINDOW = 8
 #: designs that attend raw tokens of selected blocks (top-k over the pooled designs' candidates)
-SELECTING_DESIGNS = ("route", "evict", "quest", "kpool", "dsa")
-#: designs that take ``top_k``: the selecting ones, and the systems with a selection branch
-TOP_K_DESIGNS = (*SELECTING_DESIGNS, "nsa")
+SELECTING_DESIGNS = ("route", "evict", "quest", "kpool", "dsa", "partition")
+#: designs that take ``top_k``: the selecting ones with a ranking rule, and ``nsa``'s selection
+TOP_K_DESIGNS = ("route", "evict", "quest", "kpool", "dsa", "nsa")
 #: fields that only some designs use; ``to_dict`` leaves them out while ``None`` so that the
 #: cache keys of configs written before they existed do not change
 _OPTIONAL_FIELDS = ("select_len", "index_heads", "indexer_train", "pool_rope")
@@ -102,7 +115,9 @@ class CompressionConfig:
             sigmoid gates; :mod:`phasemech.attention.nsa`) or ``"dsa"`` (GLM-5.3's learned k-pool
             indexer picks the pools whose raw tokens are read; :mod:`phasemech.attention.dsa`),
             ``"csa"`` / ``"hca"`` (DeepSeek-V4's compressors: per-channel gates over projection
-            series, a learned slot bias, RMSNorm; :mod:`phasemech.attention.csa`).
+            series, a learned slot bias, RMSNorm; :mod:`phasemech.attention.csa`) or
+            ``"partition"`` (head-partitioned history: head ``h`` of ``H`` reads the blocks
+            ``i mod H == h`` raw; :mod:`phasemech.attention.partition`).
         stride: ``d``, the distance between consecutive block starts.
         block_len: ``l >= d``; ``None`` means ``l = d`` (no overlap), ``2d`` for ``csa``.
             ``csa`` / ``hca`` need a multiple of ``d`` (one projection series per ``d`` slots).
@@ -134,8 +149,8 @@ class CompressionConfig:
             boundary, ``W`` to ``W + d - 1`` tokens, and only blocks wholly before it are used:
             no block is partly raw) or
             ``"all"`` (DeepSeek-V4: every complete block plus the raw window, in one softmax).
-            The selecting designs (``route``, ``evict``, ``quest``, ``kpool``, ``dsa``) refuse
-            ``"all"``.
+            The selecting designs (``route``, ``evict``, ``quest``, ``kpool``, ``dsa``,
+            ``partition``) refuse ``"all"``.
         obs_window: ``evict`` only: how many recent queries (the query included) score the
             chunks by the dense attention they pay to them; ``None`` means 8.
         select_len: ``nsa`` only: ``l'``, the length of a selection block, a multiple of
@@ -426,7 +441,7 @@ def _check_compression_acts(c: CompressionConfig, n_ctx: int, offsets: set[int])
             "below n_ctx"
         )
     ranked = max(r for _, r in reach)
-    if c.design in SELECTING_DESIGNS and c.top_k >= ranked:
+    if c.design in SELECTING_DESIGNS and c.top_k is not None and c.top_k >= ranked:
         fix = f"allowed top_k < {ranked}" if ranked > 1 else "use a smaller window or stride"
         raise ValueError(
             f"CompressionConfig.top_k={c.top_k} is invalid with n_ctx={n_ctx}: a query has at "
