@@ -444,3 +444,59 @@ def test_mean_needs_a_reference(ds):
     ablate(model, bare, modes=("zero",), layers=[0], n_boot=0, progress=True)  # zero needs none
     with pytest.raises(ValueError, match="metric 'loss'"):
         specialization(_synthetic(0), metric="loss")
+
+
+# ---------------------------------------------------------------------------------- systems
+
+
+def test_nsa_branch_ablation_equals_a_zero_gate_by_hand(ds):
+    model = _model("nsa")
+    randomize_compressors(model, seed=3)
+    res = ablate(model, ds, components=("branch_cmp", "branch_slc", "branch_win"), n_boot=0)
+    assert _n_hooks(model) == 0
+    assert set(res.targets.component.astype(str)) == {"branch_cmp", "branch_slc", "branch_win"}
+    for branch, name in enumerate(("branch_cmp", "branch_slc", "branch_win")):
+
+        def close(gates, hook, branch=branch):
+            gates = gates.clone()
+            gates[:, :, 2, branch] = 0.0
+            return gates
+
+        want = _logprob(model, ds, [("blocks.1.attn.hook_branch_gate", close)])
+        got = _unit(res, name, "zero", 1, 2)
+        np.testing.assert_allclose(got.logprob.to_numpy(), want, atol=1e-5, rtol=0)
+        assert np.abs(got.logprob - got.logprob_base).max() > 1e-4
+
+
+def test_csa_slot_bias_ablation_zeroes_both_biases_and_restores(ds):
+    model = _model("csa", window=4)
+    randomize_compressors(model, seed=3, scale=2.0)
+    saved = {n: p.detach().clone() for n, p in model.named_parameters()}
+    res = ablate(model, ds, components="phase_bias", modes="zero", n_boot=0)
+    for n, p in model.named_parameters():
+        assert torch.equal(p, saved[n]), n
+    attn = model.blocks[0].attn
+    with torch.no_grad():
+        attn.B_K[1], attn.B_V[1] = 0.0, 0.0
+    want = _logprob(model, ds)
+    got = _unit(res, "phase_bias", "zero", 0, 1)
+    np.testing.assert_allclose(got.logprob.to_numpy(), want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("design", "component", "match"),
+    [("nsa", "raw", "branch_cmp"), ("nsa", "blocks", "branch_cmp"), ("mean", "branch_win", "nsa"),
+     ("dsa", "phase_bias", "learned intra-block bias")],
+)  # fmt: skip
+def test_components_a_design_lacks_are_refused(ds, design, component, match):
+    with pytest.raises(ValueError, match=match):
+        ablate(_model(design), ds, components=component, n_boot=0)
+
+
+def test_default_components_per_design():
+    from phasemech.interventions.ablation_plan import components_for
+
+    assert components_for("nsa") == ("head", "branch_cmp", "branch_slc", "branch_win")
+    assert components_for("dsa") == components_for("partition") == ("head", "blocks")
+    assert components_for("csa") == ("head", "blocks", "raw", "phase_bias")
+    assert components_for("mlp") == ("head", "blocks", "raw")

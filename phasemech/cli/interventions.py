@@ -19,8 +19,8 @@ from phasemech.cli import (
     app,
     console,
 )
-from phasemech.core.config import SELECTING_DESIGNS
 from phasemech.interventions.ablation import METRICS as ABLATION_METRICS
+from phasemech.interventions.ablation_plan import components_for
 from phasemech.interventions.contrasts import CONTRASTS
 from phasemech.interventions.contrasts import METRICS as PATCH_METRICS
 from phasemech.interventions.patching import SITES
@@ -57,10 +57,7 @@ def ablate(
     try:
         model, ds, model_dir = _load_model_and_data(checkpoint, data, sequences, data_seed, dev)
         design = model.cfg.compression.design
-        default = ["head"]
-        if design != "none":
-            default += ["blocks"] + (["raw"] if design not in SELECTING_DESIGNS else [])
-            default += ["phase_bias"] if design == "gated" else []
+        default = components_for(design)
         chosen = {"modes": _split(modes)} if modes else {}
         result = run_ablation(
             model,

@@ -50,6 +50,7 @@ from phasemech.experiments.jobs import Job, TrainJob, job_device, report_progres
 from phasemech.experiments.lr_search import analysed_runs
 from phasemech.experiments.sweep import PROFILES as SWEEP_PROFILES
 from phasemech.experiments.sweep import search_jobs, seed_jobs
+from phasemech.interventions.ablation_plan import components_for
 
 OUT_DIR = "interventions"
 
@@ -102,17 +103,6 @@ def _timed(timings: dict[str, float], name: str, total: int = 4) -> Iterator[Non
     yield
     timings[name] = time.perf_counter() - t0
     report_progress(len(timings), total)
-
-
-def components_for(design: str) -> tuple[str, ...]:
-    """The ablated components of a design: heads, and the compressed layer's parts."""
-    from phasemech.core.config import SELECTING_DESIGNS
-
-    comps = ["head"]
-    if design != "none":
-        comps += ["blocks"] + (["raw"] if design not in SELECTING_DESIGNS else [])
-        comps += ["phase_bias"] if design == "gated" else []
-    return tuple(comps)
 
 
 @dataclass(frozen=True)

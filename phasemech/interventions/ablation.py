@@ -21,8 +21,11 @@ blocks     mean, resample (per kv_head) ``hook_k_block`` and ``hook_v_block`` of
                                         (pooled designs)
 raw        mask (per head)              the head's raw-band columns of ``hook_attn_scores`` are
                                         ``-inf`` (pooled designs): it reads blocks only
-phase_bias zero (per kv_head)           ``gated``'s learned intra-block bias ``phase_bias[g]``:
+phase_bias zero (per kv_head)           the learned intra-block bias of KV head ``g``: ``gated``'s
+                                        ``phase_bias[g]``, ``csa``/``hca``'s ``B_K[g], B_V[g]``:
                                         pooling by the content gate alone
+branch_*   zero (per head)              ``nsa``: the head's gate on one branch (``cmp``, ``slc`` or
+                                        ``win``) is 0 (``hook_branch_gate``)
 ========== ============================ ===========================================================
 
 ``mean`` replaces an activation by its mean over a *reference* set of sequences (per position for
@@ -60,10 +63,8 @@ from phasemech.core.device import model_device
 from phasemech.core.grid import n_blocks
 from phasemech.core.validation import check_int
 from phasemech.data.tasks import generate, targets_frame, task_of, to_tensors
-
-# the vocabulary and the result moved to their own modules; `X as X` keeps them importable here
-from phasemech.interventions.ablation_plan import COMPONENTS as COMPONENTS
 from phasemech.interventions.ablation_plan import (
+    BRANCH_COMPONENTS,
     DEFAULT_MODES,
     METRICS,
     _check_dataset,
@@ -74,6 +75,9 @@ from phasemech.interventions.ablation_plan import (
     _Run,
     unit_kind,
 )
+
+# the vocabulary and the result moved to their own modules; `X as X` keeps them importable here
+from phasemech.interventions.ablation_plan import COMPONENTS as COMPONENTS
 from phasemech.interventions.ablation_plan import MODES as MODES
 from phasemech.interventions.ablation_plan import UNIT_KEYS as UNIT_KEYS
 from phasemech.interventions.ablation_plan import UNIT_KINDS as UNIT_KINDS
@@ -106,6 +110,14 @@ def _hooks(
     if component == "head":
         value = 0.0 if mode == "zero" else replacement  # [batch or 1, pos, d_head]
         return [set_axis(2, value, "hook_z")]
+    if component in BRANCH_COMPONENTS:  # nsa: the head's gate on one branch is 0
+
+        def close(gates: Tensor, hook: Any) -> Tensor:
+            gates = gates.clone()  # [batch, pos, head, branch]
+            gates[:, :, unit, BRANCH_COMPONENTS.index(component)] = 0.0
+            return gates
+
+        return [(prefix + "hook_branch_gate", close)]
     if component == "blocks" and mode == "mask" and attn.design in SELECTING_DESIGNS:
         return [set_axis(1, False, "hook_route_selected")]
     if component in ("blocks", "raw") and mode == "mask":
@@ -178,20 +190,26 @@ def ablation(
     _check_unit(where, model, component, mode, layer, unit)
     _check_replacement(where, component, mode, replacement)
     hooks = _hooks(model, component, mode, int(layer), int(unit), replacement)
-    param, saved = None, None
-    if component == "phase_bias":
-        param = model.blocks[layer].attn.phase_bias
-        saved = param.detach()[unit].clone()
+    params = _bias_params(model.blocks[layer].attn) if component == "phase_bias" else []
+    saved = [p.detach()[unit].clone() for p in params]
     try:
-        if param is not None:
-            with torch.no_grad():
-                param[unit] = 0.0
+        with torch.no_grad():
+            for p in params:
+                p[unit] = 0.0
         with model.hooks(fwd_hooks=hooks):  # removes exactly these hooks on exit
             yield
     finally:
-        if param is not None:
-            with torch.no_grad():
-                param[unit] = saved
+        with torch.no_grad():
+            for p, value in zip(params, saved, strict=True):
+                p[unit] = value
+
+
+def _bias_params(attn: Any) -> list[Tensor]:
+    """A layer's learned intra-block biases, ``[kv_head, slot, ...]`` each: ``gated``'s
+    ``phase_bias``, ``csa``/``hca``'s key and value slot biases."""
+    if hasattr(attn, "phase_bias"):
+        return [attn.phase_bias]
+    return [attn.B_K, attn.B_V]
 
 
 def _scores(

@@ -24,7 +24,13 @@ from phasemech.core.grid import reference_grid
 from phasemech.core.validation import check_int
 from phasemech.model.transformer import PhaseTransformer
 
-COMPONENTS = ("head", "blocks", "raw", "phase_bias")
+COMPONENTS = ("head", "blocks", "raw", "phase_bias", "branch_cmp", "branch_slc", "branch_win")
+
+#: ``nsa``'s branches, in the order of its ``hook_branch_gate`` axis
+BRANCH_COMPONENTS = ("branch_cmp", "branch_slc", "branch_win")
+
+#: designs with a learned intra-block bias (``phase_bias`` ablates it per KV head)
+BIAS_DESIGNS = ("gated", "csa", "hca")
 
 
 MODES = ("zero", "mean", "resample", "mask")
@@ -36,6 +42,7 @@ VALID_MODES: dict[str, tuple[str, ...]] = {
     "blocks": ("mask", "mean", "resample"),
     "raw": ("mask",),
     "phase_bias": ("zero",),
+    **dict.fromkeys(BRANCH_COMPONENTS, ("zero",)),
 }
 
 
@@ -68,6 +75,18 @@ def _design(model: PhaseTransformer) -> str:
     return model.cfg.compression.design
 
 
+def components_for(design: str) -> tuple[str, ...]:
+    """The components an ablation study of ``design`` knocks out by default: heads, and the
+    compressed layer's parts that the design has."""
+    if design == "none":
+        return ("head",)
+    if design == "nsa":
+        return ("head", *BRANCH_COMPONENTS)
+    if design in SELECTING_DESIGNS:
+        return ("head", "blocks")
+    return ("head", "blocks", "raw") + (("phase_bias",) if design in BIAS_DESIGNS else ())
+
+
 def _modes_for(component: str, design: str) -> tuple[str, ...]:
     # route's block entries only steer its top-k choice; replacing them is not "the head's
     # compressed read" (it reads selected blocks raw), so only masking the selection is defined
@@ -89,10 +108,20 @@ def _check_design(where: str, component: str, design: str) -> None:
             f"{where}: component 'raw' is not defined for design {design!r}: it has no raw-band "
             "columns (it attends raw tokens of its selected blocks); use 'blocks' with 'mask'"
         )
-    if component == "phase_bias" and design != "gated":
+    if component == "phase_bias" and design not in BIAS_DESIGNS:
         raise ValueError(
-            f"{where}: component 'phase_bias' needs design 'gated', the model's design is "
-            f"{design!r} (no learned phase bias)"
+            f"{where}: component 'phase_bias' needs a design with a learned intra-block bias "
+            f"{BIAS_DESIGNS}, the model's design is {design!r}"
+        )
+    if component in BRANCH_COMPONENTS and design != "nsa":
+        raise ValueError(
+            f"{where}: component {component!r} needs design 'nsa' (three gated branches), the "
+            f"model's design is {design!r}"
+        )
+    if component in ("blocks", "raw") and design == "nsa":
+        raise ValueError(
+            f"{where}: component {component!r} is not defined for design 'nsa' (its branches "
+            f"have separate softmaxes); use {list(BRANCH_COMPONENTS)}"
         )
 
 
