@@ -202,3 +202,31 @@ def test_quest_bound_is_an_upper_bound():
     has = geo.slot_valid.any(-1)[:, :, None, :].repeat_interleave(2, 1).expand_as(bound)
     assert (bound[has] >= best[has] - 1e-5).all()
     assert (bound[has] > best[has] + 1e-3).any()  # and not trivially equal
+
+
+@pytest.mark.parametrize("design", ["route", "quest", "kpool", "evict", "dsa", "partition"])
+@pytest.mark.parametrize("padded", [False, True])
+def test_training_dense_path_equals_the_gathered_engine(design, padded):
+    """Training at short context lays the kept tokens out as a mask over every key (no
+    gathers); outputs and gradients equal the gathered engine's (what eval runs)."""
+    extra = {"indexer_train": "end_to_end"} if design == "dsa" else {}
+    top_k = {} if design == "partition" else {"top_k": 2}
+    model = _model(design, stride=4, window=3, offsets=(1, 2), **top_k, **extra)
+    x = tokens(2, 30, seed=7)
+    mask = torch.ones_like(x)
+    if padded:
+        mask[0, :6] = 0
+    grads = []
+    for train in (False, True):
+        model.train(train)
+        model.zero_grad()
+        out = model(x, attention_mask=mask)
+        (out[mask.bool()] * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+        grads.append((out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                     if p.grad is not None}))  # fmt: skip
+    (eval_out, eval_g), (train_out, train_g) = grads
+    keep = mask.bool()
+    torch.testing.assert_close(train_out[keep], eval_out[keep], atol=1e-5, rtol=1e-5)
+    assert eval_g.keys() == train_g.keys()
+    for name, g in eval_g.items():
+        torch.testing.assert_close(train_g[name], g, atol=1e-5, rtol=1e-4, msg=name)

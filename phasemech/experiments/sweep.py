@@ -104,6 +104,15 @@ PROFILES = {
         "mean", "gated", "mlp"), target_accuracy=0.99, checkpoint_every=500,
         test_sequences=2048, extra=(("lrs", (3e-3,)), ("pool_min_accuracy", 0.95)),
     ),
+    # the real systems (docs/designs.md) beside the dense control, at the recipe of
+    # "converged"; HCA compresses at a much larger rate than the rest (16 at T = 64, against
+    # 128 at 1M tokens in the real model), so it and its dense control run at d = 16
+    "systems": Profile(
+        steps=4000, strides=(4,), heads=(2,), seeds=(0, 1, 2), designs=("none", "nsa", "dsa",
+        "csa", "hca", "partition"), target_accuracy=0.99, checkpoint_every=500,
+        test_sequences=2048, extra=(("lrs", (3e-3,)), ("pool_min_accuracy", 0.95),
+                                    ("design_strides", (("hca", (16,)), ("none", (4, 16))))),
+    ),
     "full": Profile(
         steps=4000, **{**_SWEEP, "seeds": (0, 1, 2, 3, 4)}, seq_lens=(64, 128),
         long_designs=("none", "gated", "mean"), long_heads=(2, 4), target_accuracy=None,
@@ -132,10 +141,11 @@ def run_specs(p: Profile) -> list[RunSpec]:
         designs = p.designs if t_i == 0 else p.long_designs
         heads = p.heads if t_i == 0 else p.long_heads
         strides = p.strides if t_i == 0 else p.long_strides
+        own = dict(p.get("design_strides", ())) if t_i == 0 else {}
         for design in designs:
             # a dense control per stride: it sees the same data stream as the compressed
             # models of that stride (the task's prefix spans one stride)
-            for d in strides:
+            for d in own.get(design, strides):
                 specs += [RunSpec(design, d, h, seq_len, s) for h in heads for s in p.seeds]
     if p.models is None:
         return specs
@@ -144,6 +154,15 @@ def run_specs(p: Profile) -> list[RunSpec]:
     if missing:
         raise ValueError(f"profile models {missing} are not runs of the sweep")
     return [by_name[m] for m in p.models]
+
+
+#: the systems' own geometry at toy scale, in strides: NSA compresses blocks of 2d every d
+#: (32 every 16 in the paper) and selects blocks of 2d here (64 in the paper, 4d)
+SYSTEM_GEOMETRY_STRIDES = {"nsa": {"block_len": 2, "select_len": 2}}
+
+
+def system_geometry(design: str, stride: int) -> dict[str, int]:
+    return {k: v * stride for k, v in SYSTEM_GEOMETRY_STRIDES.get(design, {}).items()}
 
 
 def train_config(spec: RunSpec, p: Profile) -> TrainConfig:
@@ -155,7 +174,11 @@ def train_config(spec: RunSpec, p: Profile) -> TrainConfig:
         comp = CompressionConfig("none", stride=spec.stride)
     else:
         comp = CompressionConfig(
-            spec.design, stride=spec.stride, window=2 * spec.stride, layers=(1,)
+            spec.design,
+            stride=spec.stride,
+            window=2 * spec.stride,
+            layers=(1,),
+            **system_geometry(spec.design, spec.stride),
         )
     return TrainConfig(
         task=task,
