@@ -334,3 +334,12 @@ def test_bad_patch_requests_are_refused(ds):
     with pytest.raises(ValueError, match="n_boot=-1"):
         patch_heads(model, grid).by_phase(n_boot=-1)
     assert patch_heads(model, grid).by_phase(n_boot=0).ci_low.isna().all()
+
+
+@pytest.mark.parametrize(("design", "site"), [("quest", "kv_block"), ("nsa", "pattern")])
+def test_a_site_the_design_never_runs_is_refused(ds, design, site):
+    """Patching hooks that never fire would report zero effects: refused instead."""
+    model = model_for(design)
+    contrast = make_contrast(ds, "answer", stride=4, n_pairs=4, seed=0)
+    with pytest.raises(ValueError, match=f"not defined for design '{design}'"):
+        patch_sites(model, contrast, site=site)

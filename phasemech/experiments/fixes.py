@@ -41,7 +41,7 @@ from phasemech.data.tasks import MQARTask
 from phasemech.experiments.experiment import Done, Experiment, Profile
 from phasemech.experiments.jobs import Job, TrainJob, payload, scored_targets
 from phasemech.experiments.lr_search import convergence_frame
-from phasemech.experiments.sweep import report_row
+from phasemech.experiments.sweep import report_row, system_geometry
 from phasemech.experiments.sweep_summary import matched_gaps
 from phasemech.measure.learning import PLATEAU_EXIT, all_off_plateau
 from phasemech.training.config import ModelSpec, TrainConfig
@@ -82,8 +82,9 @@ def _profile(steps: int, seeds, **kw) -> Profile:
     jitter = kw.pop("jitter", 2)
     more = kw.pop("extra_items", ())
     target = kw.pop("target_accuracy", None)
+    designs = kw.pop("designs", ("mean",))
     return Profile(
-        steps=steps, seeds=seeds, designs=("mean",), checkpoint_every=None,
+        steps=steps, seeds=seeds, designs=designs, checkpoint_every=None,
         target_accuracy=target, extra=(("fixes", fixes), ("jitter", jitter), *more), **kw,
     )  # fmt: skip
 
@@ -102,6 +103,13 @@ PROFILES = {
     # equal accuracy (final) and along training at equal budget (budget.parquet)
     "converged": _profile(8000, (0, 1, 2), strides=(4,), heads=(2,), test_sequences=2048,
                           target_accuracy=0.99, extra_items=(("min_accuracy", 0.95),)),
+    # the offset fixes on the real systems (phase_sweep --profile systems): the 2-layer grid
+    # fixes, at that profile's recipe, one profile per system ("systems_nsa", ...)
+    **{f"systems_{design}": _profile(4000, (0, 1, 2), strides=(16,) if design == "hca" else (4,),
+                                     heads=(2,), test_sequences=2048, target_accuracy=0.99,
+                                     fixes=("aligned", "staggered_head", "random_offset"),
+                                     designs=(design,), extra_items=(("min_accuracy", 0.95),))
+       for design in ("nsa", "dsa", "csa", "hca", "partition")},
 }  # fmt: skip
 
 
@@ -117,8 +125,9 @@ def train_config(fix: str, seed: int, p: Profile) -> TrainConfig:
     jitter = p.get("jitter") if v.jitter else 0
     task = MQARTask(64, p.seq_lens[0], p.n_pairs, stride=d, jitter=jitter)
     comp = CompressionConfig(
-        p.designs[0], stride=d, window=2 * d, offsets=v.offsets, layers=v.layers
-    )
+        p.designs[0], stride=d, window=2 * d, offsets=v.offsets, layers=v.layers,
+        **system_geometry(p.designs[0], d),
+    )  # fmt: skip
     return TrainConfig(
         task=task,
         model=ModelSpec(n_layers=v.n_layers, d_model=p.d_model, n_heads=p.heads[0]),

@@ -93,6 +93,9 @@ PROFILES = {
     # each setting that reached the threshold; and at d = 8 with d_model 128
     "converged_d8": _on_converged_sweep("converged_d8", "first"),
     "converged_d8_wide": _on_converged_sweep("converged_d8_wide", "first"),
+    # the real systems (phase_sweep --profile systems): which head, branch (nsa), slot bias
+    # (csa, hca) or indexer choice (dsa: its kept pools) serves which phase
+    "systems": _on_converged_sweep("systems", "first"),
 }  # fmt: skip
 
 
@@ -103,6 +106,13 @@ def _timed(timings: dict[str, float], name: str, total: int = 4) -> Iterator[Non
     yield
     timings[name] = time.perf_counter() - t0
     report_progress(len(timings), total)
+
+
+def patch_sites_for(design: str) -> tuple[str, ...]:
+    """The compressed-layer sites a design runs: pooled entries (``kv_block``) where it keeps
+    them, and its attention pattern where it has one ``hook_pattern`` (not ``nsa``'s three)."""
+    entries = design in ("mean", "gated", "mlp", "route", "nsa", "csa", "hca")
+    return ("kv_block",) * entries + ("pattern",) * (design != "nsa")
 
 
 @dataclass(frozen=True)
@@ -196,7 +206,7 @@ class InterventionJob(Job):
                 if kind == "answer" and by_pos:
                     answer = (contrast, res)
             if kind == "answer" and design != "none":  # entries align only on one grid
-                for site in ("kv_block", "pattern"):
+                for site in patch_sites_for(design):
                     res = patch_sites(model, contrast, site=site)
                     res.save(out / f"patch_{kind}_{site}", n_boot=self.n_boot, seed=self.seed)
         return answer

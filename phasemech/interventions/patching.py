@@ -508,6 +508,18 @@ def _run_copies(
     return metric_values(logits, contrast.answer[b], runs.foil[b], runs.metric)
 
 
+def _check_fired(model: HookedTransformer, site: Site, layers: tuple[int, ...], runs) -> None:
+    """A layer whose forward runs none of the site's hooks (``kv_block`` on a design that keeps
+    no entries, ``pattern`` on ``nsa``) would patch nothing: refuse it instead."""
+    silent = [x for x in layers if not any(n in runs.corr for n in site.hooks(model, x))]
+    if silent:
+        design = getattr(getattr(model.cfg, "compression", None), "design", "none")
+        raise ValueError(
+            f"site={site.name!r} is not defined for design {design!r}: layer(s) {silent} never "
+            f"run {list(site.hooks(model, silent[0]))}, so patching would change nothing"
+        )
+
+
 @torch.inference_mode()
 def patch_sites(
     model: HookedTransformer,
@@ -540,6 +552,7 @@ def patch_sites(
     runs = _baseline(
         model, contrast, metric, names + [f"blocks.{x}.hook_resid_pre" for x in layers]
     )
+    _check_fired(model, site, layers, runs)
     batch, seq = contrast.corrupted_tokens.shape
     values = np.full((model.cfg.n_layers, seq if by_pos else 1, site.n_units(model), batch), np.nan)
     values[list(layers)] = runs.corrupted.double().cpu().numpy()
