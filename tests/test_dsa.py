@@ -161,3 +161,44 @@ def test_dsa_config_errors_name_the_value():
     comp = CompressionConfig("dsa")
     assert (comp.index_heads, comp.indexer_train) == (2, "kl")
     assert CompressionConfig.from_dict(comp.to_dict()) == comp
+
+
+def test_keep_every_block_is_dense_attention_and_is_restored():
+    """DSA's dense warm-up: every candidate pool kept, so the layer is dense attention."""
+    hooked = make_hooked(**RG, n_layers=2)
+    model = PhaseTransformer.from_hooked(hooked, CompressionConfig("dsa", stride=4, window=2))
+    x = tokens(2, 30, seed=1)
+    assert not torch.allclose(model(x), hooked(x), atol=1e-4)
+    with model.keep_every_block():
+        torch.testing.assert_close(model(x), hooked(x), atol=1e-5, rtol=1e-5)
+    assert not any(getattr(b.attn, "keep_all", False) for b in model.blocks)
+    with model.keep_every_block(False):
+        assert not torch.allclose(model(x), hooked(x), atol=1e-4)
+
+
+def test_selection_warmup_trains_dense_then_sparse(tmp_path, monkeypatch):
+    """The trainer keeps every block for the first selection_warmup steps only; the field
+    stays out of the config dict when 0 (old cache keys hold)."""
+    from phasemech.data.tasks import MQARTask
+    from phasemech.training import trainer
+    from phasemech.training.config import ModelSpec, TrainConfig
+
+    cfg = TrainConfig(
+        task=MQARTask(vocab_size=16, seq_len=32, n_pairs=3, stride=4),
+        model=ModelSpec(n_layers=2, d_model=16, n_heads=2),
+        compression=CompressionConfig("dsa", stride=4, window=4, layers=(1,)),
+        steps=4, eval_every=2, eval_sequences=8, selection_warmup=2,
+    )  # fmt: skip
+    assert "selection_warmup" not in TrainConfig().to_dict()
+    assert TrainConfig.from_dict(cfg.to_dict()) == cfg
+    seen = []
+    real = trainer.answer_logits
+
+    def spy(model, tokens, qp):
+        if model.training:
+            seen.append(model.blocks[1].attn.keep_all)
+        return real(model, tokens, qp)
+
+    monkeypatch.setattr(trainer, "answer_logits", spy)
+    trainer.train(cfg, tmp_path / "run", progress=False)
+    assert seen == [True, True, False, False]

@@ -88,6 +88,8 @@ class SelectingAttention(CompressedAttentionMixin):
     def __init__(self, cfg, attn_type: str = "global", layer_id: int | None = None):
         super().__init__(cfg, attn_type, layer_id)
         self.top_k: int = self.cfg.compression.top_k
+        #: keep every candidate (``PhaseTransformer.keep_every_block``: a dense warm-up)
+        self.keep_all = False
         self.hook_route_scores = HookPoint()  # [batch, head, pos, block]
         self.hook_route_selected = HookPoint()  # [batch, head, pos, block] (bool)
 
@@ -262,7 +264,8 @@ class SelectingAttention(CompressedAttentionMixin):
         fok: Bool[Tensor, "batch head row 1"],
     ) -> tuple[Int[Tensor, "batch head row sel"], Bool[Tensor, "batch head row sel"]]:
         """Kept block indices (top-k of the gate, then the forced block) and which are real."""
-        val, top = top_k_latest(gate, min(self.n_keep(gate.shape[-1]), gate.shape[-1]))
+        n = gate.shape[-1]
+        val, top = top_k_latest(gate, n if self.keep_all else min(self.n_keep(n), n))
         idx = torch.cat([top, fidx], -1)
         ok = torch.cat([val > float("-inf"), fok], -1)
         if not self.hook_route_selected.has_hooks():

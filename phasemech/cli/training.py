@@ -45,6 +45,10 @@ def train(
         int | None,
         typer.Option(min=0, help="steps over which the data's prefix spread widens to the stride"),
     ] = None,
+    selection_warmup: Annotated[
+        int | None,
+        typer.Option(min=0, help="steps during which selecting layers keep every block (DSA)"),
+    ] = None,
     eval_every: PosInt = None,
     eval_sequences: Annotated[
         int | None,
@@ -64,6 +68,7 @@ def train(
         d_model=d_model, n_layers=n_layers, seq_len=seq_len, pairs=pairs, jitter=jitter,
         steps=steps, batch_size=batch_size, lr=lr, weight_decay=weight_decay,
         schedule=schedule, warmup_steps=warmup_steps, prefix_warmup=prefix_warmup,
+        selection_warmup=selection_warmup,
         eval_every=eval_every, eval_sequences=eval_sequences, target_accuracy=target_accuracy,
         seed=seed, threads=threads,
     )  # fmt: skip
@@ -135,7 +140,7 @@ def _train_config(out: Path, config: Path | None, resume: bool, flags: dict):
         # new task stride; a size the user chose stays, and an invalid one is an error
         f["eval_sequences"] = None
     keys = ("steps", "batch_size", "lr", "weight_decay", "schedule", "warmup_steps",
-            "prefix_warmup", "eval_every", "eval_sequences",
+            "prefix_warmup", "selection_warmup", "eval_every", "eval_sequences",
             "target_accuracy", "seed", "threads")  # fmt: skip
     return dataclasses.replace(
         cfg,

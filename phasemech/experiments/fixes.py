@@ -41,7 +41,7 @@ from phasemech.data.tasks import MQARTask
 from phasemech.experiments.experiment import Done, Experiment, Profile
 from phasemech.experiments.jobs import Job, TrainJob, payload, scored_targets
 from phasemech.experiments.lr_search import convergence_frame
-from phasemech.experiments.sweep import report_row, system_geometry
+from phasemech.experiments.sweep import SYSTEM_TRAINING, report_row, system_geometry
 from phasemech.experiments.sweep_summary import matched_gaps
 from phasemech.measure.learning import PLATEAU_EXIT, all_off_plateau
 from phasemech.training.config import ModelSpec, TrainConfig
@@ -139,6 +139,7 @@ def train_config(fix: str, seed: int, p: Profile) -> TrainConfig:
         # the profile decides early stopping (the budget profiles train every step)
         target_accuracy=p.target_accuracy,
         seed=seed,
+        **SYSTEM_TRAINING.get(p.designs[0], {}),
     )
 
 

@@ -161,6 +161,12 @@ def run_specs(p: Profile) -> list[RunSpec]:
 SYSTEM_GEOMETRY_STRIDES = {"nsa": {"block_len": 2, "select_len": 2}}
 
 
+#: the systems' own training: DSA trains its indexer in a dense warm-up before sparse attention
+#: (without it the indexer starts random, keeps the wrong pools, and the model stayed on the
+#: loss plateau: docs/training.md)
+SYSTEM_TRAINING = {"dsa": {"selection_warmup": 1000}}
+
+
 def system_geometry(design: str, stride: int) -> dict[str, int]:
     return {k: v * stride for k, v in SYSTEM_GEOMETRY_STRIDES.get(design, {}).items()}
 
@@ -190,6 +196,7 @@ def train_config(spec: RunSpec, p: Profile) -> TrainConfig:
         eval_sequences=512 if p.test_sequences >= 512 else 64,
         target_accuracy=p.target_accuracy,
         seed=spec.seed,
+        **SYSTEM_TRAINING.get(spec.design, {}),
     )
 
 

@@ -217,6 +217,21 @@ class PhaseTransformer(HookedTransformer):
     def compressed_layers(self) -> list[int]:
         return self.cfg.compression.compressed_layers(self.cfg.n_layers)
 
+    @contextlib.contextmanager
+    def keep_every_block(self, on: bool = True) -> Iterator[None]:
+        """Inside the ``with`` block (when ``on``), the selecting layers keep every candidate
+        block instead of their top-k: dense attention over the candidates (training's
+        ``selection_warmup``, DSA's dense warm-up)."""
+        layers = [b.attn for b in self.blocks if hasattr(b.attn, "keep_all")]
+        previous = [a.keep_all for a in layers]
+        for a in layers:
+            a.keep_all = on or a.keep_all
+        try:
+            yield
+        finally:
+            for a, was in zip(layers, previous, strict=True):
+                a.keep_all = was
+
     def auxiliary_loss(self) -> Tensor | None:
         """The sum of the auxiliary losses the last training forward left on its layers (a
         learned selector's own objective: ``dsa``'s indexer KL), or ``None``. Training adds it

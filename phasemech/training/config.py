@@ -130,6 +130,10 @@ class TrainConfig:
     # widens from 1 position to the task's stride (0: the full spread from the first step). The
     # held-out set is always phase-balanced at the full spread.
     prefix_warmup: int = 0
+    # DSA's dense warm-up: over the first selection_warmup steps the selecting layers keep every
+    # candidate block (dense over the candidates), so a learned selector (dsa's indexer) learns
+    # from a main attention that already retrieves; evaluation is always sparse
+    selection_warmup: int = 0
 
     def __post_init__(self) -> None:
         def need(name: str, ok: bool, allowed: str) -> None:
@@ -142,7 +146,7 @@ class TrainConfig:
 
         for name in ("steps", "batch_size", "eval_every", "eval_sequences", "threads"):
             need(name, is_int(getattr(self, name)) and getattr(self, name) >= 1, "need int >= 1")
-        for name in ("warmup_steps", "prefix_warmup"):
+        for name in ("warmup_steps", "prefix_warmup", "selection_warmup"):
             need(name, is_int(getattr(self, name)) and getattr(self, name) >= 0, "need int >= 0")
         ce = self.checkpoint_every
         # checkpoints at evaluation steps: a resumed run then restarts with a fresh loss window
@@ -197,10 +201,11 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
-        if not self.prefix_warmup:
-            # fields added with a default that changes nothing stay out of the dict, so the
-            # cache keys and saved configs of runs made before them still match
-            del out["prefix_warmup"]
+        for name in ("prefix_warmup", "selection_warmup"):
+            if not out[name]:
+                # fields added with a default that changes nothing stay out of the dict, so the
+                # cache keys and saved configs of runs made before them still match
+                del out[name]
         out["task"] = task_to_dict(self.task)
         out["model"] = dataclasses.asdict(self.model)
         out["compression"] = self.compression.to_dict()

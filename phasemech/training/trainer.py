@@ -351,7 +351,8 @@ def _train_step(cfg: TrainConfig, model: PhaseTransformer, opt, sched, step: int
     dev = model_device(model)
     batch = task_batch(cfg.task, cfg.batch_size, cfg.seed, step, cfg.prefix_spread(step))
     tokens, qp, ans = (t.to(dev) for t in batch)
-    logits = answer_logits(model, tokens, qp)
+    with model.keep_every_block(step < cfg.selection_warmup):
+        logits = answer_logits(model, tokens, qp)
     loss = F.cross_entropy(logits.flatten(0, 1), ans.flatten())
     aux = model.auxiliary_loss()  # a learned selector's own objective (dsa's indexer KL)
     opt.zero_grad(set_to_none=True)
