@@ -121,3 +121,24 @@ def test_rerun_computes_nothing(runs):
     first, second = runs
     assert not second.failures and second.ran == 0 and second.cached == 4
     assert second.summary["models"] == first.summary["models"]
+
+
+def test_weak_phase_server_names_the_unit_costing_most_at_the_weak_phase():
+    from phasemech.experiments.interventions_summary import weak_phase_server
+
+    rows = []
+    for comp, unit, effects in (("head", 0, [-0.1, -0.1, -0.1]), ("branch_win", 1, [0, -0.5, 0])):
+        for phase, eff in enumerate(effects):
+            base = [0.9, 0.6, 0.9][phase]  # phase 1 is the intact model's weak phase
+            rows.append(dict(component=comp, mode="zero", layer=1, unit=unit, phase=phase,
+                             baseline=base, ablated=base + eff, effect=eff))  # fmt: skip
+    acc = pd.DataFrame(rows)
+    spec = pd.DataFrame([dict(component="head", mode="zero", layer=1, unit=0, p_holm=0.5),
+                         dict(component="branch_win", mode="zero", layer=1, unit=1,
+                              p_holm=0.01)])  # fmt: skip
+    got = weak_phase_server(acc, spec)
+    assert got["weak_phase"] == 1
+    assert got["weak_phase_server"] == "branch_win/zero L1.1"
+    assert got["weak_phase_drop_pts"] == pytest.approx(-50.0)
+    assert got["weak_phase_server_mean_drop_pts"] == pytest.approx(-50 / 3)
+    assert got["weak_phase_server_p_holm"] == 0.01

@@ -134,6 +134,29 @@ def weak_spots(
     return pd.DataFrame(rows)
 
 
+def weak_phase_server(acc: pd.DataFrame, spec: pd.DataFrame) -> dict[str, Any]:
+    """The intact model's weakest phase and the unit of any component (a head, a branch, a
+    slot bias, the blocks a selector kept) whose ablation costs most accuracy there: what
+    serves the weak phase, its drop there and its mean drop (points), and whether its effect
+    depends on phase (Holm p < 0.05)."""
+    base = acc.groupby("phase", observed=True).baseline.first()
+    weak = int(base.idxmin())
+    at = acc[acc.phase == weak].sort_values("effect")
+    if not len(at):
+        return {"weak_phase": weak, "weak_phase_server": ""}
+    top = at.iloc[0]
+    keys = ["component", "mode", "layer", "unit"]
+    sp = spec.set_index(keys).loc[tuple(top[k] for k in keys)]
+    mean = acc[(acc[keys] == top[keys]).all(axis=1)].effect.mean()
+    return {
+        "weak_phase": weak,
+        "weak_phase_server": f"{top.component}/{top['mode']} L{top.layer}.{top.unit}",
+        "weak_phase_drop_pts": 100 * float(top.effect),
+        "weak_phase_server_mean_drop_pts": 100 * float(mean),
+        "weak_phase_server_p_holm": float(sp.p_holm),
+    }
+
+
 def overview_row(info: dict[str, Any], tables: dict[str, Any]) -> dict[str, Any]:
     """One row per model of ``overview.parquet``: intact accuracy and its per-phase range,
     the heads whose zero ablation depends on phase and those opening a weak spot, AtP's
@@ -169,6 +192,7 @@ def overview_row(info: dict[str, Any], tables: dict[str, Any]) -> dict[str, Any]
             f"{u.split()[-1]}->{s}"
             for u, s in zip(opened.get("unit", []), opened.get("served", []), strict=True)
         ),
+        **weak_phase_server(acc, spec),
         "atp_r_saturated": corr("saturated"),
         "atp_r_unsaturated": corr("unsaturated"),
         "atp_over_exact_big": float(ratio),
