@@ -27,6 +27,7 @@ import pandas as pd
 import typer
 
 from phasemech.experiments.audit_fixes_claims import claim_real_fixes
+from phasemech.experiments.systems_claims import claim_systems
 from phasemech.experiments.converged_claims import (
     D_MODEL,
     converged_claim_lines,
@@ -770,6 +771,7 @@ def build_report(src: Sources) -> str:
         claim_evaluation(src),
         claim_fixes(src),
         claim_real_fixes(src.results),
+        claim_systems(src.results),
     ]
     return "\n".join(head) + "\n\n".join(parts) + "\n"
 

@@ -112,8 +112,8 @@ def test_tiny_profile_writes_the_claims_report(tiny_figures):
     sweep, out, stdout = tiny_figures
     text = (out.parent / "REPORT.md").read_text()
     heads = re.findall(r"^## (\d)\. ", text, flags=re.M)
-    assert heads == ["1", "2", "3", "4", "5", "6", "7"]
-    assert text.count("Verdict") == 7
+    assert heads == ["1", "2", "3", "4", "5", "6", "7", "8"]
+    assert text.count("Verdict") == 8
     # every figure link resolves, relative to the report
     for link in re.findall(r"\]\(([^)]+)\)", text):
         assert (out.parent / link).is_file(), link
