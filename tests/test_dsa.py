@@ -4,6 +4,8 @@ loop; the straight-through option."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import make_hooked, raises_naming, tokens
@@ -202,3 +204,9 @@ def test_selection_warmup_trains_dense_then_sparse(tmp_path, monkeypatch):
     monkeypatch.setattr(trainer, "answer_logits", spy)
     trainer.train(cfg, tmp_path / "run", progress=False)
     assert seen == [True, True, False, False]
+    # the early stop waits for the sparse steps, even with a perfect score from the start
+    seen.clear()
+    monkeypatch.setattr(trainer, "held_out_accuracy", lambda *a, **k: (1.0, [1.0] * 4, 0.0))
+    easy = dataclasses.replace(cfg, target_accuracy=0.99, steps=6)
+    result = trainer.train(easy, tmp_path / "easy", progress=False)
+    assert result.step == 4 and seen == [True, True, False, False]

@@ -302,7 +302,12 @@ def _run_steps(
                 acc, by_phase = _evaluate(model, data, stride, log, step, recent, sched, t0)
                 recent = []
                 bar.update(task_id, acc=f"{acc:.3f}", phases=" ".join(f"{p:.2f}" for p in by_phase))
-                stopped_early = cfg.target_accuracy is not None and acc >= cfg.target_accuracy
+                # never inside a dense warm-up: the model stops as it is deployed, sparse-trained
+                stopped_early = (
+                    cfg.target_accuracy is not None
+                    and acc >= cfg.target_accuracy
+                    and step > cfg.selection_warmup
+                )
             done = last or stopped_early
             if step % cfg.ckpt_every == 0 or done:
                 info = {
