@@ -1,0 +1,53 @@
+"""The claims report's systems section on a hand-made sweep summary: the gap rule against the
+dense control, systems that never converged, steps to 0.95 and the weak phase's server."""
+
+from __future__ import annotations
+
+import json
+
+from phasemech.experiments.systems_claims import claim_systems, systems_table
+
+
+def _summary() -> dict:
+    conv, rows = [], []
+    for design, steps, acc, gap in (
+        ("none", (200, 300, 200), 0.99, (0.001, -0.002, 0.004)),
+        ("nsa", (400, 500, None), 0.98, (0.05, 0.02, 0.08)),
+        ("dsa", (None, None, None), None, None),
+    ):
+        for seed, s in enumerate(steps):
+            ok = s is not None
+            conv.append(dict(name=f"{design}_s{seed}", design=design, stride=4, heads=2,
+                             seq_len=64, seed=seed, steps_to_95=s, converged=ok))  # fmt: skip
+        if acc is not None:
+            rows.append(dict(design=design, stride=4, heads=2, seq_len=64, seed="pooled",
+                             targets="all", step="final", accuracy=acc, debiased_gap=gap[0],
+                             debiased_lo=gap[1], debiased_hi=gap[2]))  # fmt: skip
+    return {"convergence": conv, "rows": rows, "matched": []}
+
+
+def _interventions() -> dict:
+    return {"models": [dict(model="nsa_d4_h2_T64_s0", design="nsa", stride=4, heads=2,
+                            weak_phase=3, weak_phase_server="branch_cmp/zero L1.0",
+                            weak_phase_drop_pts=-42.0, weak_phase_server_mean_drop_pts=-12.0,
+                            weak_phase_server_p_holm=0.001)]}  # fmt: skip
+
+
+def test_systems_table_applies_the_gap_rule():
+    t = systems_table(_summary(), _interventions()).set_index("design")
+    assert bool(t.loc["nsa", "has_gap"]) and not bool(t.loc["none", "has_gap"])
+    assert t.loc["dsa", "converged"] == 0 and not bool(t.loc["dsa", "has_gap"])
+    assert t.loc["nsa", "steps"] == "400, 500, never"
+    assert t.loc["nsa", "server"].startswith("phase 3: branch_cmp/zero L1.0 (-42 pts there")
+
+
+def test_claim_systems_reads_the_recorded_files(tmp_path):
+    assert "Verdict: not measured" in claim_systems(tmp_path)
+    (tmp_path / "phase_sweep_systems.json").write_text(json.dumps(_summary()))
+    text = claim_systems(tmp_path)
+    assert "the ablations are not recorded" in text
+    assert "| dsa |" in text and "none converged: no gap" in text
+    assert "a phase gap beyond the dense control in nsa" in text
+    assert "never converged (no evidence either way): dsa" in text
+    (tmp_path / "interventions_systems.json").write_text(json.dumps(_interventions()))
+    assert "branch_cmp/zero L1.0" in claim_systems(tmp_path)
