@@ -76,9 +76,10 @@ def test_dsa_left_padding_matches_the_reference():
     )
 
 
-def _naive_kl(attn, x, q, k, geo) -> torch.Tensor:
-    """The KL term by loops: dense attention's mass per candidate pool, summed over a KV
-    group's heads and renormalised, against the indexer's softmax over the candidates."""
+def _naive_kl(attn, x, q, k, geo, key_valid=None) -> torch.Tensor:
+    """The KL term by loops: dense attention's mass per ranked candidate pool (not the pool
+    the query closes: it is kept unranked), summed over a KV group's heads and renormalised,
+    against the indexer's softmax over those candidates; masked queries left out."""
     b, seq, h, _ = q.shape
     g_n = k.shape[2]
     rep = h // g_n
@@ -87,15 +88,16 @@ def _naive_kl(attn, x, q, k, geo) -> torch.Tensor:
         for g in range(g_n):
             for t in range(seq):
                 cand = geo.block_used[s, g, t].nonzero().flatten().tolist()
-                if not cand:
+                cand = [i for i in cand if int(geo.block_last[s, g, i]) != t]
+                if not cand or (key_valid is not None and not key_valid[s, t]):
                     continue
                 mass = torch.zeros(len(cand))
+                keys = [j for j in range(t + 1) if key_valid is None or key_valid[s, j]]
                 for r in range(rep):
-                    p = torch.softmax(
-                        (k[s, : t + 1, g] @ q[s, t, g * rep + r]) / attn.attn_scale, 0
-                    )
+                    p = torch.softmax((k[s, keys, g] @ q[s, t, g * rep + r]) / attn.attn_scale, 0)
+                    on = dict(zip(keys, p, strict=True))
                     for c, i in enumerate(cand):
-                        mass[c] += p[_real_slots(geo, s, g, i)].sum()
+                        mass[c] += sum(on[j] for j in _real_slots(geo, s, g, i))
                 target = mass / mass.sum()
                 score = torch.stack([_index_score(attn, x, geo, s, g, t, i) for i in cand])
                 logp = torch.log_softmax(score, 0)
@@ -117,13 +119,17 @@ def _index_score(attn, x, geo, s, g, t, i):
     return (x[s, t] @ attn.W_iw * (qx[t] @ k_pool).relu()).sum()
 
 
-def test_dsa_kl_equals_the_loop_and_trains_only_the_indexer():
+@pytest.mark.parametrize("masked", [False, True])
+def test_dsa_kl_equals_the_loop(masked):
     model = _model(stride=4, window=4, top_k=1)
     x_tok = tokens(1, 20, seed=1)
-    attn, geo, _, (x, q, k, _) = _inputs(model, x_tok)
+    mask = torch.ones_like(x_tok)
+    if masked:
+        mask[0, [2, 9, 10]] = 0  # hidden keys, and hidden queries that are no training row
+    attn, geo, _, (x, q, k, _) = _inputs(model, x_tok, attention_mask=mask)
     model.train()
-    got = attn.indexer_kl(x, q, k, geo)
-    want = _naive_kl(attn, x, q, k, geo)
+    got = attn.indexer_kl(attn.indexer(x, geo), q, k, geo)
+    want = _naive_kl(attn, x, q, k, geo, key_valid=mask.bool() if masked else None)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     params = [attn.W_iq, attn.W_ik, attn.W_iw, attn.W_ig, attn.pool_bias, attn.W_Q]
     grads = torch.autograd.grad(got, params, allow_unused=True)
@@ -131,11 +137,23 @@ def test_dsa_kl_equals_the_loop_and_trains_only_the_indexer():
     for a, b in zip(grads[:-1], want_grads, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
     assert grads[-1] is None  # the target is the main attention, detached
-    # a training forward leaves it for the trainer; eval leaves nothing
-    model(x_tok)
-    assert model.auxiliary_loss() is not None
+
+
+def test_dsa_kl_trains_only_the_indexer():
+    """DSA: the KL term reaches the indexer's parameters and nothing upstream or beside it;
+    a training forward leaves it for the trainer, an eval forward leaves nothing."""
+    model = PhaseTransformer.from_hooked(
+        make_hooked(**RG, n_layers=2), CompressionConfig("dsa", stride=4, window=4, layers=(1,))
+    ).train()
+    x = tokens(2, 24, seed=1)
+    model(x)
+    model.auxiliary_loss().backward()
+    indexer = ("W_iq", "W_ik", "W_iw", "W_ig", "pool_bias")
+    for name, p in model.named_parameters():
+        grad = 0.0 if p.grad is None else float(p.grad.abs().sum())
+        assert (grad > 0) == name.endswith(indexer), name
     model.eval()
-    model(x_tok)
+    model(x)
     assert model.auxiliary_loss() is None
 
 

@@ -12,8 +12,9 @@ from phasemech import CompressionConfig, PhaseTransformer
 
 
 def naive_partition_z(layer, q, k, v, geo, key_valid=None):
-    """Head ``h`` attends the real tokens of the candidate blocks ``i`` with ``i mod H == h``,
-    the block the query closes, and its raw span, in one softmax."""
+    """Head ``h`` attends the real tokens of the candidate blocks ``i`` with
+    ``(i - first) mod H == h`` (``first``: the first block with a real token), the block the
+    query closes, and its raw span, in one softmax."""
     b, seq, h, _ = q.shape
     rep = h // k.shape[2]
     out = torch.zeros_like(q)
@@ -22,7 +23,11 @@ def naive_partition_z(layer, q, k, v, geo, key_valid=None):
             g = head // rep
             for t in range(seq):
                 cand = geo.block_used[s, g, t].nonzero().flatten().tolist()
-                kept = [i for i in cand if i % h == head or int(geo.block_last[s, g, i]) == t]
+                first = min(
+                    i for i in range(geo.slot_valid.shape[2]) if geo.slot_valid[s, g, i].any()
+                )
+                own = [i for i in cand if (i - first) % h == head]
+                kept = own + [i for i in cand if int(geo.block_last[s, g, i]) == t]
                 toks = {p for i in kept for p in _real_slots(geo, s, g, i)}
                 toks |= set(range(max(int(geo.raw_start[s, g, t]), 0), t + 1))
                 if key_valid is not None:

@@ -267,7 +267,9 @@ def _model_pad(design, case):
 
 
 @pytest.mark.parametrize("case", PAD_CASES)
-@pytest.mark.parametrize("design", ["mean", "gated", "mlp", "route", "nsa", "dsa"])
+@pytest.mark.parametrize(
+    "design", ["mean", "gated", "mlp", "route", "nsa", "dsa", "csa", "hca", "partition"]
+)
 def test_left_padding_matches_unpadded(design, case):
     """The grid is anchored at the first real token: padding changes nothing at real tokens."""
     model = _model_pad(design, case)

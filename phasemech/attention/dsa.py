@@ -19,9 +19,13 @@ Selection has no gradient, so the indexer is trained by one of (``indexer_train`
   pools, ``p_main`` the dense attention's mass on each pool summed over heads (detached,
   renormalised over the candidates); computed in training mode only and collected by
   :meth:`phasemech.model.transformer.PhaseTransformer.auxiliary_loss`;
-* ``"end_to_end"``: a straight-through path: each kept token's attention logit gets
-  ``score - score.detach()`` (zero, so the forward is unchanged), so the main loss reaches
-  the indexer through the pools it kept.
+* ``"end_to_end"`` (phasemech's own option, not DSA's): a straight-through path: each kept
+  token's attention logit gets ``score - score.detach()`` (zero, so the forward is unchanged),
+  so the main loss reaches the indexer through the pools it kept.
+
+Departures from DSA: the KL target is always the dense attention over the ranked candidates
+(DSA's sparse stage uses the selected set), and the dense warm-up (``selection_warmup``) trains
+the whole model, which from scratch has nothing to freeze (DSA trains only the indexer there).
 
 The indexer reads the layer input, which a KV cache does not keep: no decode regime.
 """
@@ -60,6 +64,7 @@ class DSAAttention(SelectingAttention):
         self.pool_bias = nn.Parameter(torch.zeros(sl, dtype=self.cfg.dtype))
         #: the last training forward's KL term (``indexer_train="kl"``), else ``None``
         self.aux_loss: Tensor | None = None
+        self._summary: tuple[Tensor, Tensor, Tensor] | None = None  # handed to the selection
 
     # ------------------------------------------------------------------ the indexer
     def indexer(
@@ -99,6 +104,9 @@ class DSAAttention(SelectingAttention):
     def block_summary(self, x, k, v, geo):
         if x is None:
             raise ValueError("dsa's indexer needs the layer input")
+        if self._summary is not None:  # this forward's KL pass computed it already
+            summary, self._summary = self._summary, None
+            return summary
         return self.indexer(x, geo)
 
     def block_scores(self, summary, q, rows, k, geo):
@@ -113,25 +121,30 @@ class DSAAttention(SelectingAttention):
     def attend(self, x, q, k, v, geo):
         self.aux_loss = None
         if self.training and self.indexer_train == "kl" and torch.is_grad_enabled():
-            self.aux_loss = self.indexer_kl(x, q, k, geo)
+            # the KL trains the indexer alone (DSA): its input is detached, and the selection
+            # (no gradient) reuses the same indexer pass
+            self._summary = self.indexer(x.detach(), geo)
+            self.aux_loss = self.indexer_kl(self._summary, q, k, geo)
         return super().attend(x, q, k, v, geo)
 
     def indexer_kl(
         self,
-        x: Tensor,
+        summary: tuple[Tensor, Tensor, Tensor],
         q: Float[Tensor, "batch pos head d_head"],
         k: Float[Tensor, "batch pos kv_head d_head"],
         geo: Geometry,
     ) -> Tensor:
-        """``KL(p_main || softmax(score))`` over each query's candidate pools, averaged over
-        the queries that have a candidate (DSA's indexer loss with a dense target)."""
+        """``KL(p_main || softmax(score))`` over each query's ranked candidate pools (the
+        block the query closes is kept anyway, unranked), averaged over the unmasked queries
+        that have one: DSA's indexer loss with the dense attention as its target."""
         seq = q.shape[1]
         rows = torch.arange(seq, device=q.device).expand(q.shape[0], -1)
-        score = self.index_scores(self.indexer(x, geo), rows)  # [batch, kv_head, pos, block]
-        cand = geo.block_used
+        score = self.index_scores(summary, rows)  # [batch, kv_head, pos, block]
+        t = torch.arange(seq, device=q.device)
+        closes = geo.block_last[:, :, None, :] == t[:, None]  # [batch, kv_head, pos, block]
+        cand = geo.block_used & ~closes
         with torch.no_grad():
             qh, kh = q.transpose(1, 2), self._repeat_kv(k.transpose(1, 2), 1)
-            t = torch.arange(seq, device=q.device)
             visible = (t[None, :] <= t[:, None]).expand(q.shape[0], 1, -1, -1)
             if geo.key_valid is not None:
                 visible = visible & geo.key_valid[:, None, None, :]
@@ -142,6 +155,8 @@ class DSAAttention(SelectingAttention):
             total = mass.sum(-1, keepdim=True)
             target = mass / total.clamp(min=1e-30)
             rows_ok = cand.any(-1) & (total[..., 0] > 0)
+            if geo.key_valid is not None:  # a masked query is no training row
+                rows_ok &= geo.key_valid[:, None, :]
         # a finite fill: rows without a candidate stay finite (they are dropped below)
         logp = torch.log_softmax(score.masked_fill(~cand, torch.finfo(score.dtype).min), -1)
         kl = (target * (target.clamp(min=1e-30).log() - logp.masked_fill(~cand, 0.0))).sum(-1)

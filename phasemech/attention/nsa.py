@@ -21,7 +21,10 @@ of the grid: stride ``d``, length ``l``), ``sel`` (a selection block of length `
 * **window** (``win``): the raw window ``[r_t, t]`` of :mod:`phasemech.core.grid`: ``W`` tokens,
   stretched back to the query's incomplete block.
 
-Each branch has its own softmax, so a token can be reached by two branches. Hooks:
+Each branch has its own softmax, so a token can be reached by two branches. Two departures from
+the paper, both simplifications: the branches share the layer's keys and values (NSA gives each
+branch its own, against shortcut learning between branches), and a gate is one linear map and a
+sigmoid (NSA: an MLP and a sigmoid). Hooks:
 ``hook_branch_gate`` ``[batch, pos, head, branch]``, ``hook_branch_z``
 ``[batch, pos, head, branch, d_head]`` (each branch's output before its gate, so an output
 splits exactly into branches), ``hook_cmp_pattern`` ``[batch, head, pos, block]``,
@@ -154,10 +157,9 @@ class NSAAttention(MLPCompressorAttention):
         forced = (j == initial) | ((j <= own) & (j > own - N_LOCAL))
         forced &= open_
         ranked = score.masked_fill(~open_ | forced, float("-inf"))
-        ranked = self._repeat_kv(ranked, 1)
+        ranked = self.hook_route_scores(self._repeat_kv(ranked, 1))  # a hook may re-rank
         val, top = top_k_latest(ranked, min(self.top_k, n_sel))
         chosen = torch.zeros_like(ranked, dtype=torch.bool).scatter(-1, top, val > float("-inf"))
-        self.hook_route_scores(ranked)
         return self.hook_route_selected(chosen | self._repeat_kv(forced, 1))
 
     # ------------------------------------------------------------------ forward

@@ -165,6 +165,9 @@ class SelectingAttention(CompressedAttentionMixin):
         idx, ok = self._select(gate, fidx, fok)  # [batch, head, row, sel]
         pos, keep = self._kept_tokens(idx, ok, geo, rows, k.shape[1])  # [b, h, row, m]
         bias = self.kept_logit_bias(raw_gate, idx)  # [batch, head, row, sel] or None
+        if bias is not None and geo.block_len > geo.stride:
+            # _kept_tokens re-sorts overlapping blocks: the bias would land on the wrong ones
+            raise NotImplementedError(f"{self.design}: a kept-block bias needs disjoint blocks")
         if bias is not None:  # one bias per kept block, on each of its slots
             bias = bias.repeat_interleave(pos.shape[-1] // idx.shape[-1], -1)
         band_ok = self._repeat_kv(at_rows(geo.band_valid, rows), 1)  # [batch, head, row, w]

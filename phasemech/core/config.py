@@ -116,8 +116,8 @@ class CompressionConfig:
             indexer picks the pools whose raw tokens are read; :mod:`phasemech.attention.dsa`),
             ``"csa"`` / ``"hca"`` (DeepSeek-V4's compressors: per-channel gates over projection
             series, a learned slot bias, RMSNorm; :mod:`phasemech.attention.csa`) or
-            ``"partition"`` (head-partitioned history: head ``h`` of ``H`` reads the blocks
-            ``i mod H == h`` raw; :mod:`phasemech.attention.partition`).
+            ``"partition"`` (head-partitioned history: head ``h`` of ``H`` reads every ``H``-th
+            block raw; :mod:`phasemech.attention.partition`).
         stride: ``d``, the distance between consecutive block starts.
         block_len: ``l >= d``; ``None`` means ``l = d`` (no overlap), ``2d`` for ``csa``.
             ``csa`` / ``hca`` need a multiple of ``d`` (one projection series per ``d`` slots).
