@@ -486,7 +486,7 @@ def test_csa_slot_bias_ablation_zeroes_both_biases_and_restores(ds):
 @pytest.mark.parametrize(
     ("design", "component", "match"),
     [("nsa", "raw", "branch_cmp"), ("nsa", "blocks", "branch_cmp"), ("mean", "branch_win", "nsa"),
-     ("dsa", "phase_bias", "learned intra-block bias")],
+     ("partition", "phase_bias", "learned intra-block bias")],
 )  # fmt: skip
 def test_components_a_design_lacks_are_refused(ds, design, component, match):
     with pytest.raises(ValueError, match=match):
@@ -497,6 +497,20 @@ def test_default_components_per_design():
     from phasemech.interventions.ablation_plan import components_for
 
     assert components_for("nsa") == ("head", "branch_cmp", "branch_slc", "branch_win")
-    assert components_for("dsa") == components_for("partition") == ("head", "blocks")
+    assert components_for("partition") == ("head", "blocks")
+    assert components_for("dsa") == ("head", "blocks", "phase_bias")
     assert components_for("csa") == ("head", "blocks", "raw", "phase_bias")
     assert components_for("mlp") == ("head", "blocks", "raw")
+
+
+def test_dsa_pool_bias_ablation_is_one_unit_and_restores(ds):
+    model = _model("dsa", window=4)
+    randomize_compressors(model, seed=3, scale=2.0)
+    saved = model.blocks[1].attn.pool_bias.detach().clone()
+    res = ablate(model, ds, components="phase_bias", modes="zero", n_boot=0)
+    assert set(res.targets.unit) == {0}
+    assert torch.equal(model.blocks[1].attn.pool_bias, saved)
+    with torch.no_grad():
+        model.blocks[1].attn.pool_bias.zero_()
+    want = _logprob(model, ds)
+    np.testing.assert_allclose(_unit(res, "phase_bias", "zero", 1, 0).logprob, want, atol=1e-5)

@@ -72,7 +72,9 @@ def _servers(interventions: dict[str, Any] | None) -> pd.DataFrame:
         )
 
     models["server"] = [cell(r) for r in models.itertuples()]
-    return models[cols].drop_duplicates(["design", "stride", "heads"])
+    # every analysed model of a system (the profile analyses one seed each; more are listed)
+    keys = ["design", "stride", "heads"]
+    return models.groupby(keys)["server"].agg("; ".join).reset_index()[cols]
 
 
 def systems_table(sweep: dict[str, Any], interventions: dict[str, Any] | None) -> pd.DataFrame:

@@ -22,7 +22,8 @@ blocks     mean, resample (per kv_head) ``hook_k_block`` and ``hook_v_block`` of
 raw        mask (per head)              the head's raw-band columns of ``hook_attn_scores`` are
                                         ``-inf`` (pooled designs): it reads blocks only
 phase_bias zero (per kv_head)           the learned intra-block bias of KV head ``g``: ``gated``'s
-                                        ``phase_bias[g]``, ``csa``/``hca``'s ``B_K[g], B_V[g]``:
+                                        ``phase_bias[g]``, ``csa``/``hca``'s ``B_K[g], B_V[g]``
+                                        (``dsa``: its indexer's ``pool_bias``, one unit):
                                         pooling by the content gate alone
 branch_*   zero (per head)              ``nsa``: the head's gate on one branch (``cmp``, ``slc`` or
                                         ``win``) is 0 (``hook_branch_gate``)
@@ -205,10 +206,13 @@ def ablation(
 
 
 def _bias_params(attn: Any) -> list[Tensor]:
-    """A layer's learned intra-block biases, ``[kv_head, slot, ...]`` each: ``gated``'s
-    ``phase_bias``, ``csa``/``hca``'s key and value slot biases."""
+    """A layer's learned intra-block biases, ``[unit, slot, ...]`` each: ``gated``'s
+    ``phase_bias`` and ``csa``/``hca``'s key and value slot biases per KV head, ``dsa``'s
+    indexer pool bias (one unit)."""
     if hasattr(attn, "phase_bias"):
         return [attn.phase_bias]
+    if hasattr(attn, "pool_bias"):  # dsa: one bias for every head, as unit 0 of a view
+        return [attn.pool_bias.unsqueeze(0)]
     return [attn.B_K, attn.B_V]
 
 

@@ -29,8 +29,9 @@ COMPONENTS = ("head", "blocks", "raw", "phase_bias", "branch_cmp", "branch_slc",
 #: ``nsa``'s branches, in the order of its ``hook_branch_gate`` axis
 BRANCH_COMPONENTS = ("branch_cmp", "branch_slc", "branch_win")
 
-#: designs with a learned intra-block bias (``phase_bias`` ablates it per KV head)
-BIAS_DESIGNS = ("gated", "csa", "hca")
+#: designs with a learned intra-block bias (``phase_bias`` ablates it per KV head; ``dsa``'s
+#: indexer has one bias shared by every head: one unit)
+BIAS_DESIGNS = ("gated", "csa", "hca", "dsa")
 
 
 MODES = ("zero", "mean", "resample", "mask")
@@ -83,7 +84,7 @@ def components_for(design: str) -> tuple[str, ...]:
     if design == "nsa":
         return ("head", *BRANCH_COMPONENTS)
     if design in SELECTING_DESIGNS:
-        return ("head", "blocks")
+        return ("head", "blocks") + (("phase_bias",) if design in BIAS_DESIGNS else ())
     return ("head", "blocks", "raw") + (("phase_bias",) if design in BIAS_DESIGNS else ())
 
 
@@ -129,6 +130,13 @@ def unit_kind(component: str, mode: str) -> str:
     """``"kv_head"`` for components that act on a KV head's shared state, else ``"head"``."""
     per_kv = component == "phase_bias" or (component == "blocks" and mode in ("mean", "resample"))
     return "kv_head" if per_kv else "head"
+
+
+def _units(model: PhaseTransformer, component: str, mode: str) -> int:
+    """How many units ``component`` has in a layer of ``model``."""
+    if component == "phase_bias" and _design(model) == "dsa":
+        return 1  # the indexer's one pool bias
+    return _n_units(model, unit_kind(component, mode))
 
 
 def _n_units(model: PhaseTransformer, kind: str) -> int:
@@ -218,7 +226,7 @@ def _plan(
         chosen = _chosen_modes(where, comp, mode_list, design)
         comp_layers = _component_layers(where, comp, layers, compressed, n_layers)
         for mode in chosen:
-            n_units = _n_units(model, unit_kind(comp, mode))
+            n_units = _units(model, comp, mode)
             runs += [_Run(comp, mode, i, u) for i in comp_layers for u in range(n_units)]
     order = {c: k for k, c in enumerate(COMPONENTS)}
     return sorted(runs, key=lambda r: (r.layer, order[r.component], MODES.index(r.mode), r.unit))
@@ -245,7 +253,7 @@ def _check_unit(
             f"{where}: component {component!r} needs a compressed layer, layer {layer} is dense"
         )
     kind = unit_kind(component, mode)
-    n = _n_units(model, kind)
+    n = _units(model, component, mode)
     if not is_int(unit) or not 0 <= unit < n:
         raise ValueError(f"{where}: unit {unit!r} is invalid: allowed {kind} indices 0..{n - 1}")
 
