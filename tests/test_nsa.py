@@ -41,15 +41,27 @@ def _softmax(attn, scores, keep):
     return torch.softmax(s, -1)
 
 
+def _branch_kv(attn, x, branch: int):
+    """A branch's own keys (rotated by TransformerLens' rotary where the model has it) and
+    values, ``x @ W_branch[branch]`` per KV head: ``[pos, kv_head, d_head]``."""
+    k = torch.einsum("pm,gmd->pgd", x, attn.W_K_branch[branch])
+    v = torch.einsum("pm,gmd->pgd", x, attn.W_V_branch[branch])
+    if attn.cfg.positional_embedding_type == "rotary":
+        k = attn.apply_rotary(k[None], 0, None)[0]
+    return k, v
+
+
 def _naive_z(attn, x, q, k, v, o_of):
-    """z [pos, head, d_head] of one sequence, every branch by its definition. ``o_of(g)``:
-    the grid offset of KV head ``g``."""
+    """z [pos, head, d_head] of one sequence, every branch by its definition: the compressed
+    and selection branches on their own keys and values, the window on the layer's ``k, v``.
+    ``o_of(g)``: the grid offset of KV head ``g``."""
     seq, h, _ = q.shape
     g = k.shape[1]
     rep, d, ls, inclusive = h // g, attn.stride, attn.select_len, attn.visibility == "inclusive"
-    entries = [_naive_entries(attn, k[:, i], attn.pos_embed_k[i], attn.compress_k, o_of(i), seq)
+    (k_c, v_c), (k_s, v_s) = _branch_kv(attn, x, 0), _branch_kv(attn, x, 1)
+    entries = [_naive_entries(attn, k_c[:, i], attn.pos_embed_k[i], attn.compress_k, o_of(i), seq)
                for i in range(g)]  # fmt: skip
-    values = [_naive_entries(attn, v[:, i], attn.pos_embed_v[i], attn.compress_v, o_of(i), seq)[0]
+    values = [_naive_entries(attn, v_c[:, i], attn.pos_embed_v[i], attn.compress_v, o_of(i), seq)[0]
               for i in range(g)]  # fmt: skip
     gates = torch.sigmoid(torch.einsum("pm,hmc->phc", x, attn.W_branch) + attn.b_branch)
     z = torch.zeros(seq, h, q.shape[-1])
@@ -75,13 +87,14 @@ def _naive_z(attn, x, q, k, v, o_of):
             ranked = sorted((j for j in range(n_sel) if open_[j] and j not in forced),
                             key=lambda j: (imp[j], j), reverse=True)  # fmt: skip
             chosen = forced | set(ranked[: attn.top_k])
+            p_slc = _softmax(attn, k_s[: t + 1, gi] @ q[t, hi],
+                             [sel(p) in chosen for p in range(t + 1)])  # fmt: skip
             scores = k[: t + 1, gi] @ q[t, hi]
-            p_slc = _softmax(attn, scores, [sel(p) in chosen for p in range(t + 1)])
             newest = t if inclusive else t - 1
             latest_end = newest - (newest + 1 - o) % d
             r = min(t - attn.window + 1, latest_end + 1)
             p_win = _softmax(attn, scores, [p >= r for p in range(t + 1)])
-            branches = [p_cmp[hi] @ values[gi], p_slc @ v[: t + 1, gi], p_win @ v[: t + 1, gi]]
+            branches = [p_cmp[hi] @ values[gi], p_slc @ v_s[: t + 1, gi], p_win @ v[: t + 1, gi]]
             z[t, hi] = sum(gates[t, hi, c] * branches[c] for c in range(3))
     return z
 
@@ -117,7 +130,8 @@ def test_nsa_equals_the_naive_loop_outputs_and_gradients(case):
     torch.testing.assert_close(got[0], want, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(got, cache["blocks.0.attn.hook_z"], atol=1e-5, rtol=1e-4)
     proj = torch.randn_like(want)
-    params = [attn.W_branch, attn.b_branch, attn.pos_embed_k, *attn.compress_v.parameters()]
+    params = [attn.W_branch, attn.b_branch, attn.pos_embed_k, attn.W_K_branch, attn.W_V_branch,
+              *attn.compress_v.parameters()]  # fmt: skip
     g_got = torch.autograd.grad((got[0] * proj).sum(), leaves + params)
     g_want = torch.autograd.grad((want * proj).sum(), leaves + params)
     for a, b in zip(g_got, g_want, strict=True):
@@ -126,11 +140,16 @@ def test_nsa_equals_the_naive_loop_outputs_and_gradients(case):
 
 @pytest.mark.parametrize(("branch", "kw"), [(2, dict(window=40)), (1, dict(top_k=20))])
 def test_nsa_with_one_branch_covering_the_past_is_dense_attention(branch, kw):
-    """Window branch with W >= T, or selection keeping every block: TransformerLens' dense
-    attention (the rest of the model is TL's own)."""
+    """Window branch with W >= T, or selection keeping every block (its own keys and values
+    set to the layer's): TransformerLens' dense attention (the rest of the model is TL's)."""
     hooked = make_hooked(rotary=True)
     model = PhaseTransformer.from_hooked(hooked, CompressionConfig("nsa", stride=4, **kw))
     one_branch(model, branch)
+    with torch.no_grad():
+        for block in model.blocks:
+            assert not block.attn.b_K.any() and not block.attn.b_V.any()  # TL's biases start 0
+            block.attn.W_K_branch[1] = block.attn.W_K
+            block.attn.W_V_branch[1] = block.attn.W_V
     x = tokens(seq=30)
     torch.testing.assert_close(model(x), hooked(x), atol=1e-4, rtol=1e-4)
 

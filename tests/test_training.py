@@ -13,7 +13,16 @@ COMPRESSOR_PARAMS = {
     "route": (),
     "quest": (),
     "kpool": (),
-    "nsa": ("compress_k", "compress_v", "pos_embed_k", "pos_embed_v", "W_branch", "b_branch"),
+    "nsa": (
+        "compress_k",
+        "compress_v",
+        "pos_embed_k",
+        "pos_embed_v",
+        "W_branch",
+        "b_branch",
+        "W_K_branch",
+        "W_V_branch",
+    ),
     "dsa": ("W_iq", "W_ik", "W_iw", "W_ig", "pool_bias"),  # through the indexer's KL term
     "csa": ("P_K", "P_V", "W_z_K", "W_z_V", "B_K", "B_V", "w_K", "w_V"),
     "hca": ("P_K", "P_V", "W_z_K", "W_z_V", "B_K", "B_V", "w_K", "w_V"),

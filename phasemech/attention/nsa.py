@@ -8,7 +8,8 @@ of the grid: stride ``d``, length ``l``), ``sel`` (a selection block of length `
     g = sigmoid(x_t W_branch[h] + b_branch[h])     one gate per head and branch, from the input
 
 * **compressed** (``cmp``): the ``mlp`` design's compressor (an MLP over each flattened block
-  of ``l`` post-RoPE keys / values every ``d`` tokens, with intra-block position embeddings),
+  of ``l`` of the branch's post-RoPE keys / values every ``d`` tokens, with intra-block
+  position embeddings),
   attended over every complete block (``block_scope="all"``; NSA has no exclusion, the window
   is a branch of its own). A query with no complete block yet gets a zero output.
 * **selection** (``slc``): selection blocks of ``l'`` tokens on the same grid offset, block
@@ -17,14 +18,17 @@ of the grid: stride ``d``, length ``l``), ``sel`` (a selection block of length `
   heads of a KV group (NSA's shared selection under GQA). The initial block (the first holding
   a real token) and the two local ones (the query's own and the one before) are forced; the
   ``top_k`` most important of the rest are added (ties to the later block). The query attends
-  the raw tokens of its selected blocks up to itself. Selection has no gradient.
+  the selected blocks' tokens up to itself, with the branch's own keys and values. Selection
+  has no gradient.
 * **window** (``win``): the raw window ``[r_t, t]`` of :mod:`phasemech.core.grid`: ``W`` tokens,
   stretched back to the query's incomplete block.
 
-Each branch has its own softmax, so a token can be reached by two branches. Two departures from
-the paper, both simplifications: the branches share the layer's keys and values (NSA gives each
-branch its own, against shortcut learning between branches), and a gate is one linear map and a
-sigmoid (NSA: an MLP and a sigmoid). Hooks:
+Each branch has its own softmax, so a token can be reached by two branches. As in NSA each
+branch has its own keys and values (against shortcut learning between branches): the compressed
+and selection branches project theirs from the layer input (``W_K_branch``, ``W_V_branch``
+``[branch, kv_head, d_model, d_head]``, keys rotated with RoPE), the window uses the layer's own
+(TransformerLens' ``W_K``, ``W_V``). One simplification: a gate is one linear map and a sigmoid
+(NSA: an MLP and a sigmoid). Hooks:
 ``hook_branch_gate`` ``[batch, pos, head, branch]``, ``hook_branch_z``
 ``[batch, pos, head, branch, d_head]`` (each branch's output before its gate, so an output
 splits exactly into branches), ``hook_cmp_pattern`` ``[batch, head, pos, block]``,
@@ -76,6 +80,13 @@ class NSAAttention(MLPCompressorAttention):
             (torch.randn(h, m, len(BRANCHES), generator=gen) * std).to(self.cfg.dtype)
         )
         self.b_branch = nn.Parameter(torch.zeros(h, len(BRANCHES), dtype=self.cfg.dtype))
+        # NSA gives each branch its own keys and values (against shortcut learning between
+        # branches): the compressed and selection branches project their own from the input,
+        # the window reads the layer's (TransformerLens') keys and values
+        g, dh = self.n_kv_heads, self.cfg.d_head
+        shape = (2, g, m, dh)  # [branch (cmp, slc), kv_head, d_model, d_head]
+        self.W_K_branch = nn.Parameter((torch.randn(shape, generator=gen) * std).to(self.cfg.dtype))
+        self.W_V_branch = nn.Parameter((torch.randn(shape, generator=gen) * std).to(self.cfg.dtype))
         self.hook_branch_gate = HookPoint()  # [batch, pos, head, branch]
         self.hook_branch_z = HookPoint()  # [batch, pos, head, branch, d_head]
         self.hook_cmp_pattern = HookPoint()  # [batch, head, pos, block]
@@ -95,6 +106,21 @@ class NSAAttention(MLPCompressorAttention):
         else:
             logits = torch.einsum("bpm,hmc->bphc", x, w)
         return torch.sigmoid(logits + self.b_branch.to(x.dtype))
+
+    def branch_kv(
+        self, x: Tensor, branch: int, key_valid: Tensor | None
+    ) -> tuple[
+        Float[Tensor, "batch pos kv_head d_head"], Float[Tensor, "batch pos kv_head d_head"]
+    ]:
+        """The keys (rotated, with RoPE, at TransformerLens' positions) and values of branch
+        ``branch`` (0: compressed, 1: selection), projected from the layer input."""
+        eq = "bpgm,gmd->bpgd" if x.ndim == 4 else "bpm,gmd->bpgd"
+        k = torch.einsum(eq, x, self.W_K_branch[branch].to(x.dtype))
+        v = torch.einsum(eq, x, self.W_V_branch[branch].to(x.dtype))
+        if self.cfg.positional_embedding_type == "rotary":
+            mask = None if key_valid is None else key_valid.long()
+            k = self.apply_rotary(k, 0, mask)
+        return k, v
 
     def _softmax(
         self, scores: Float[Tensor, "... key"], visible: Bool[Tensor, "... key"]
@@ -167,7 +193,8 @@ class NSAAttention(MLPCompressorAttention):
         if x is None:
             raise ValueError("nsa's branch gates need the layer input")
         seq = q.shape[1]
-        k_blk, v_blk, weights = self.pool(x, k, v, geo)  # [batch, kv_head, block, d_head]
+        k_c, v_c = self.branch_kv(x, 0, geo.key_valid)  # the compressed branch's own K and V
+        k_blk, v_blk, weights = self.pool(x, k_c, v_c, geo)  # [batch, kv_head, block, d_head]
         k_blk = self.hook_k_block(k_blk.permute(0, 2, 1, 3)).permute(0, 2, 1, 3)
         v_blk = self.hook_v_block(v_blk.permute(0, 2, 1, 3)).permute(0, 2, 1, 3)
         qh = q.transpose(1, 2)  # [batch, head, pos, d]
@@ -181,25 +208,27 @@ class NSAAttention(MLPCompressorAttention):
         sel_of, n_sel = self.selection_blocks(geo, seq)
         score = self.importance(p_cmp.detach(), geo, sel_of, n_sel)
         chosen = self.select(score, sel_of, geo.key_valid)  # [batch, head, pos, sel]
-        s_tok = qh @ kh.transpose(-1, -2)  # [batch, head, pos, key_pos]
+        k_s, v_s = self.branch_kv(x, 1, geo.key_valid)  # the selection branch's own K and V
+        s_slc = qh @ self._repeat_kv(k_s.transpose(1, 2), 1).transpose(-1, -2)
         t = torch.arange(seq, device=q.device)
         causal = t[None, :] <= t[:, None]
         if geo.key_valid is not None:
             causal = causal & geo.key_valid[:, None, None, :].to(causal.device)
         sel_keys = self._repeat_kv(sel_of, 1)[:, :, None, :].expand(-1, -1, seq, -1)
         slc_vis = chosen.gather(-1, sel_keys) & causal
-        p_slc = self.hook_slc_pattern(self._softmax(s_tok, slc_vis))
-        # window branch
+        p_slc = self.hook_slc_pattern(self._softmax(s_slc, slc_vis))
+        z_slc = p_slc @ self._repeat_kv(v_s.transpose(1, 2), 1)
+        # window branch: the layer's own keys and values
         win_vis = causal & (t[None, :] >= self._repeat_kv(geo.raw_start, 1)[..., None])
-        p_win = self.hook_win_pattern(self._softmax(s_tok, win_vis))
-        branch_z = torch.stack([z_cmp, p_slc @ vh, p_win @ vh], -2)  # [b, h, pos, branch, d]
+        p_win = self.hook_win_pattern(self._softmax(qh @ kh.transpose(-1, -2), win_vis))
+        branch_z = torch.stack([z_cmp, z_slc, p_win @ vh], -2)  # [b, h, pos, branch, d]
         branch_z = self.hook_branch_z(branch_z.transpose(1, 2))
         gates = self.hook_branch_gate(self.branch_gates(x))  # [batch, pos, head, branch]
         z = (gates[..., None] * branch_z).sum(-2)
         token_pattern = None
         if self._token_pattern_wanted():
             if weights is None:
-                weights = self.block_attribution(x, k, v, geo)
+                weights = self.block_attribution(x, k_c, v_c, geo)
             a = self._repeat_kv(self._blocks_to_tokens(weights, geo, seq), 1)
             gh = gates.permute(0, 2, 1, 3)[..., None]  # [batch, head, pos, branch, 1]
             token_pattern = gh[..., 0, :] * (p_cmp @ a) + gh[..., 1, :] * p_slc
