@@ -44,3 +44,14 @@ def test_phase_sweep_tiny_profile(tmp_path):
     again = subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert "0 jobs run, 4 cached" in " ".join(again.stdout.split())
     assert {f: f.stat().st_mtime_ns for f in cached} == stamps
+
+
+def test_far_targets_of_a_short_context_give_no_row():
+    """At d = 16 and T = 64 no target lies 3d - 1 back: no 'far' row (not an empty-frame
+    error that fails the sweep's statistics)."""
+    import pandas as pd
+
+    from phasemech.experiments.sweep import report_row
+
+    df = pd.DataFrame({"distance": [3, 20, 46], "source_pos": [10, 20, 30]})
+    assert report_row({"targets": "far"}, df, 16, 10, 10) is None

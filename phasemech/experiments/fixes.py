@@ -198,7 +198,8 @@ class FixStatsJob(Job):
         rows = []
         for scope in ("all", "far"):
             key = {"design": self.fix, "seed": "pooled", "targets": scope}
-            rows.append(report_row(key, df, self.stride, self.n_boot, self.n_perm))
+            row = report_row(key, df, self.stride, self.n_boot, self.n_perm)
+            rows += [] if row is None else [row]  # no far targets at a large stride
         for seed, g in df.groupby("seed"):
             key = {"design": self.fix, "seed": str(int(seed)), "targets": "all"}
             rows.append(
@@ -218,6 +219,8 @@ class FixStatsJob(Job):
             a, b = (x.assign(phase=x["source_pos"] % d, seq_id=x["group_id"]) for x in (base, fix))
             if scope == "far":
                 a, b = a[a["distance"] >= far_from], b[b["distance"] >= far_from]
+                if not (len(a) and len(b)):  # a context too short for far targets
+                    continue
             c = compare_gaps(a, b, d, n_boot=self.n_boot, seed=0)
             # the cut reaches the goal, is real (CI above 0), costs no more than NONINFERIORITY
             # of mean accuracy, and every seed of both the fix and its baseline learned (a

@@ -270,7 +270,8 @@ class SweepStatsJob(Job):
         for stride in self.grids:
             for targets in ("all", "far"):
                 pooled = {**key, "seed": "pooled", "step": "final", "targets": targets}
-                rows.append(report_row(pooled, fin, stride, self.n_boot, self.n_perm))
+                row = report_row(pooled, fin, stride, self.n_boot, self.n_perm)
+                rows += [] if row is None else [row]
             for (seed, step), g in df.groupby(["seed", "step"]):
                 final = int(step) == int(final_of[g.index[0]])
                 stage = "final" if final else str(int(step))
@@ -279,13 +280,19 @@ class SweepStatsJob(Job):
         return rows
 
 
-def report_row(key: dict, df: pd.DataFrame, stride: int, n_boot: int, n_perm: int) -> dict:
-    """One row of ``results.parquet``: the statistics template of ``df`` on grid ``stride``."""
+def report_row(
+    key: dict, df: pd.DataFrame, stride: int, n_boot: int, n_perm: int
+) -> dict | None:
+    """One row of ``results.parquet``: the statistics template of ``df`` on grid ``stride``
+    (None for the ``far`` targets of a context too short to have any)."""
     from phasemech.measure.stats import phase_report
 
     if key["targets"] == "far":
-        # sources at least W + d - 1 = 3d - 1 back are read only through blocks (W = 2d)
+        # sources at least W + d - 1 = 3d - 1 back are read only through blocks (W = 2d);
+        # at d = 16 and T = 64 no target lies that far back
         df = df[df["distance"] >= 3 * stride - 1]
+        if not len(df):
+            return None
     sdf = df.assign(phase=phase_of(df["source_pos"].to_numpy(), stride))
     # clusters: contents; with several seeds, seeds then contents (stats resamples both)
     sdf["seq_id"] = sdf["group_id"] + 1_000_000 * sdf["seed"]
