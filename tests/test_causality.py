@@ -9,31 +9,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from phasemech import CompressionConfig
-from phasemech.core.config import SELECTING_DESIGNS, TOP_K_DESIGNS
+from phasemech.core.config import DESIGNS, SELECTING_DESIGNS, TOP_K_DESIGNS
 
 N_LAYERS = 2
 
 
 @st.composite
 def configs(draw):
-    design = draw(
-        st.sampled_from(
-            [
-                "mean",
-                "gated",
-                "mlp",
-                "route",
-                "evict",
-                "quest",
-                "kpool",
-                "nsa",
-                "dsa",
-                "csa",
-                "hca",
-                "partition",
-            ]  # fmt: skip
-        )
-    )
+    design = draw(st.sampled_from([d for d in DESIGNS if d != "none"]))
     d = draw(st.integers(1, 6))
     gqa = draw(st.booleans())
     n_kv = 2 if gqa else 4

@@ -37,20 +37,9 @@ GATES = ("scalar", "channel")
 BLOCK_SCOPES = ("outside_window", "before_window", "all")
 
 Design = Literal[
-    "none",
-    "mean",
-    "gated",
-    "mlp",
-    "route",
-    "evict",
-    "quest",
-    "kpool",
-    "nsa",
-    "dsa",
-    "csa",
-    "hca",
+    "none", "mean", "gated", "mlp", "route", "evict", "quest", "kpool", "nsa", "dsa", "csa", "hca",
     "partition",
-]
+]  # fmt: skip
 OffsetSpec = str | int | tuple[int, ...] | tuple[tuple[int, ...], ...]
 
 DEFAULT_TOP_K = 2

@@ -280,9 +280,7 @@ class SweepStatsJob(Job):
         return rows
 
 
-def report_row(
-    key: dict, df: pd.DataFrame, stride: int, n_boot: int, n_perm: int
-) -> dict | None:
+def report_row(key: dict, df: pd.DataFrame, stride: int, n_boot: int, n_perm: int) -> dict | None:
     """One row of ``results.parquet``: the statistics template of ``df`` on grid ``stride``
     (None for the ``far`` targets of a context too short to have any)."""
     from phasemech.measure.stats import phase_report
