@@ -304,6 +304,7 @@ INTERVENTIONS = Experiment(
         "converged": "phase_sweep_converged",
         "converged_d8": "phase_sweep_converged_d8",
         "converged_d8_wide": "phase_sweep_converged_d8_wide",
+        "systems": "phase_sweep_systems",
     },
 )
 
