@@ -142,3 +142,15 @@ def test_weak_phase_server_names_the_unit_costing_most_at_the_weak_phase():
     assert got["weak_phase_drop_pts"] == pytest.approx(-50.0)
     assert got["weak_phase_server_mean_drop_pts"] == pytest.approx(-50 / 3)
     assert got["weak_phase_server_p_holm"] == 0.01
+
+
+@pytest.mark.parametrize("name", ["default", "converged", "converged_d8", "converged_d8_wide",
+                                  "systems"])  # fmt: skip
+def test_each_sweep_profile_runs_in_its_sweeps_folder(name):
+    """An interventions profile on a sweep's models runs in that sweep's folder, so it reads
+    the trained models from their cache instead of training them again."""
+    from phasemech.experiments.sweep import search_jobs
+
+    assert INTERVENTIONS.folders[name] == f"phase_sweep_{name}"
+    ours, sweep = PROFILES[name], SWEEP_PROFILES[name]
+    assert {j.key for j in search_jobs(ours, Done())} == {j.key for j in search_jobs(sweep, Done())}
