@@ -153,4 +153,5 @@ def test_each_sweep_profile_runs_in_its_sweeps_folder(name):
 
     assert INTERVENTIONS.folders[name] == f"phase_sweep_{name}"
     ours, sweep = PROFILES[name], SWEEP_PROFILES[name]
-    assert {j.key for j in search_jobs(ours, Done())} == {j.key for j in search_jobs(sweep, Done())}
+    mine = {j.key for j in search_jobs(ours, Done())}
+    assert mine and mine <= {j.key for j in search_jobs(sweep, Done())}  # default: a subset
