@@ -58,7 +58,11 @@ def attribution_patch(
         runs = _baseline(model, contrast, metric, z_names)
     values = np.zeros((n_layers, seq, n_heads, batch))
     saturation = np.zeros(batch)
-    last_pattern = f"blocks.{n_layers - 1}.attn.hook_pattern"
+    # the last layer's attention at the answer (its saturation); nsa has three patterns and no
+    # hook_pattern: its effective attention on tokens stands in
+    last = model.blocks[n_layers - 1].attn
+    pattern = "hook_token_pattern" if hasattr(last, "hook_branch_gate") else "hook_pattern"
+    last_pattern = f"blocks.{n_layers - 1}.attn.{pattern}"
     bar = tqdm(total=batch, desc="attribution patching", disable=not progress)
     for start in range(0, batch, batch_size):
         sl = slice(start, min(start + batch_size, batch))
