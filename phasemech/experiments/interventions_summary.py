@@ -136,23 +136,25 @@ def weak_spots(
 
 def weak_phase_server(acc: pd.DataFrame, spec: pd.DataFrame) -> dict[str, Any]:
     """The intact model's weakest phase and the unit of any component (a head, a branch, a
-    slot bias, the blocks a selector kept) whose ablation costs most accuracy there: what
-    serves the weak phase, its drop there and its mean drop (points), and whether its effect
-    depends on phase (Holm p < 0.05)."""
+    slot bias, the blocks a selector kept) that serves it most specifically: whose ablation
+    costs the most accuracy there beyond its mean cost at the other phases (a unit every phase
+    needs, such as the induction head, is no server of one phase). Its drop there and elsewhere
+    (points) and whether its effect depends on phase (Holm p < 0.05)."""
     base = acc.groupby("phase", observed=True).baseline.first()
     weak = int(base.idxmin())
-    at = acc[acc.phase == weak].sort_values("effect")
-    if not len(at):
-        return {"weak_phase": weak, "weak_phase_server": ""}
-    top = at.iloc[0]
     keys = ["component", "mode", "layer", "unit"]
-    sp = spec.set_index(keys).loc[tuple(top[k] for k in keys)]
-    mean = acc[(acc[keys] == top[keys]).all(axis=1)].effect.mean()
+    units = acc.assign(at=acc.phase == weak).groupby([*keys, "at"], observed=True).effect.mean()
+    units = units.unstack("at")
+    if True not in units.columns or False not in units.columns:
+        return {"weak_phase": weak, "weak_phase_server": ""}
+    specific = (units[True] - units[False]).sort_values()
+    top = specific.index[0]
+    sp = spec.set_index(keys).loc[top]
     return {
         "weak_phase": weak,
-        "weak_phase_server": f"{top.component}/{top['mode']} L{top.layer}.{top.unit}",
-        "weak_phase_drop_pts": 100 * float(top.effect),
-        "weak_phase_server_mean_drop_pts": 100 * float(mean),
+        "weak_phase_server": f"{top[0]}/{top[1]} L{top[2]}.{top[3]}",
+        "weak_phase_drop_pts": 100 * float(units.loc[top, True]),
+        "weak_phase_server_mean_drop_pts": 100 * float(units.loc[top, False]),
         "weak_phase_server_p_holm": float(sp.p_holm),
     }
 

@@ -68,7 +68,7 @@ def _servers(interventions: dict[str, Any] | None) -> pd.DataFrame:
         sig = "phase-dependent" if r.weak_phase_server_p_holm < 0.05 else "not phase-dependent"
         return (
             f"phase {r.weak_phase}: {r.weak_phase_server} ({r.weak_phase_drop_pts:+.0f} pts there, "
-            f"{r.weak_phase_server_mean_drop_pts:+.0f} mean; {sig}) [{r.model}]"
+            f"{r.weak_phase_server_mean_drop_pts:+.0f} at the other phases; {sig}) [{r.model}]"
         )
 
     models["server"] = [cell(r) for r in models.itertuples()]
@@ -114,8 +114,8 @@ def claim_systems(results: Path) -> str:
         + ". Only converged seeds (held-out accuracy >= 0.95) are pooled into a gap.",
         "",
         "| system | its mechanism | d | H | T | converged seeds | accuracy | debiased gap [95% CI] "
-        "| dense gap [95% CI] | gap beyond dense | steps to 0.95 (by seed) | serves the weak "
-        "phase (zero ablation) |",
+        "| dense gap [95% CI] | gap beyond dense | steps to 0.95 (by seed) | the intact model's "
+        "weak phase and the unit serving it most specifically (ablation) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in t.itertuples():
