@@ -129,6 +129,12 @@ def claim_systems(results: Path) -> str:
             f"| {'yes' if r.has_gap else 'no'} | {r.steps if isinstance(r.steps, str) else '-'} "
             f"| {r.server if isinstance(r.server, str) else '-'} |"
         )
+    out += [
+        "",
+        "Every component of each system ablated, by phase (heads; `nsa`'s branches; `csa`/`hca`'s "
+        "entries, raw window and slot biases; `dsa`'s kept pools and indexer bias; a "
+        f"`partition` head's slice): `analyses/results/{INTERVENTIONS_FILE[:-5]}.md`.",
+    ]
     systems = t[t["design"] != "none"]
     gapped = systems[systems["has_gap"]]
     never = systems[systems["converged"] == 0]
