@@ -51,3 +51,20 @@ def test_claim_systems_reads_the_recorded_files(tmp_path):
     assert "never converged (no evidence either way): dsa" in text
     (tmp_path / "interventions_systems.json").write_text(json.dumps(_interventions()))
     assert "branch_cmp/zero L1.0" in claim_systems(tmp_path)
+
+
+def test_recorded_fixes_runs_are_listed(tmp_path):
+    (tmp_path / "phase_sweep_systems.json").write_text(json.dumps(_summary()))
+    fx = {"comparison": [dict(fix="staggered_head", baseline="aligned", targets="all",
+                              gap_baseline=0.007, gap_other=0.001, reduction=0.9,
+                              reduction_lo=-0.45, reduction_hi=1.65, accuracy_diff=-0.001,
+                              meets_goal=False),
+                         dict(fix="staggered_head", baseline="aligned", targets="far",
+                              gap_baseline=0.0, gap_other=0.0, reduction=float("nan"),
+                              reduction_lo=float("nan"), reduction_hi=float("nan"),
+                              accuracy_diff=0.0, meets_goal=False)]}  # fmt: skip
+    (tmp_path / "fixes_systems_csa.json").write_text(json.dumps(fx))
+    text = claim_systems(tmp_path)
+    assert "Offset fixes on `csa`" in text
+    assert "staggered_head: gap 0.007 -> 0.001, cut 90% [-45%, 165%]" in text
+    assert text.count("staggered_head") == 1  # the far-target row is not listed

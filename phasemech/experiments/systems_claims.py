@@ -90,6 +90,29 @@ def systems_table(sweep: dict[str, Any], interventions: dict[str, Any] | None) -
     return out.drop(columns="order").reset_index(drop=True)
 
 
+def _fixes_lines(results: Path) -> list[str]:
+    """The offset fixes on each system whose fixes run is recorded (``fixes_systems_<design>
+    .json``, ``phasemech run fixes --profile systems_<design>``): the gap cut per fix."""
+    lines = []
+    for design in MECHANISM:
+        fx = _load(results / f"fixes_systems_{design}.json")
+        if fx is None:
+            continue
+        rows = [r for r in fx.get("comparison", []) if r["targets"] == "all"]
+        cells = [
+            f"{r['fix']}: gap {_fmt(r['gap_baseline'])} -> {_fmt(r['gap_other'])}, cut "
+            f"{100 * r['reduction']:.0f}% [{100 * r['reduction_lo']:.0f}%, "
+            f"{100 * r['reduction_hi']:.0f}%], accuracy {r['accuracy_diff']:+.3f} "
+            f"({'meets the goal' if r['meets_goal'] else 'does not meet the goal'})"
+            for r in rows
+        ]
+        lines.append(
+            f"- Offset fixes on `{design}` (`analyses/results/fixes_systems_{design}.json`, "
+            f"`phasemech run fixes --profile systems_{design}`): " + "; ".join(cells) + "."
+        )
+    return ["", *lines] if lines else []
+
+
 def claim_systems(results: Path) -> str:
     """The report section: the table, and a verdict per system by the gap rule."""
     out = ["## 8. The real systems, trained from scratch", ""]
@@ -135,6 +158,7 @@ def claim_systems(results: Path) -> str:
         "entries, raw window and slot biases; `dsa`'s kept pools and indexer bias; a "
         f"`partition` head's slice): `analyses/results/{INTERVENTIONS_FILE[:-5]}.md`.",
     ]
+    out += _fixes_lines(results)
     systems = t[t["design"] != "none"]
     gapped = systems[systems["has_gap"]]
     never = systems[systems["converged"] == 0]
