@@ -27,7 +27,6 @@ import pandas as pd
 import typer
 
 from phasemech.experiments.audit_fixes_claims import claim_real_fixes
-from phasemech.experiments.systems_claims import claim_systems
 from phasemech.experiments.converged_claims import (
     D_MODEL,
     converged_claim_lines,
@@ -35,6 +34,7 @@ from phasemech.experiments.converged_claims import (
     merge_summaries,
 )
 from phasemech.experiments.sweep import PROFILES as SWEEP_PROFILE_DEFS
+from phasemech.experiments.systems_claims import claim_systems
 from phasemech.experiments.theory_trained import D_HEAD
 from phasemech.measure.learning import all_off_plateau, seeds_off_plateau
 from phasemech.theory.dynamics import fmt_num, fmt_time
