@@ -402,3 +402,19 @@ def test_cli_data_needle(tmp_path):
     assert len(df) == 80 and df.groupby("phase").size().nunique() == 1
     bad = runner.invoke(app, ["data", "needle", "--out", str(tmp_path / "b"), "--depths", "0,2"])
     assert bad.exit_code != 0 and "depths" in bad.output
+
+
+@pytest.mark.parametrize("warmup", [None, "2"])
+def test_cli_train_a_system_takes_its_own_defaults(tmp_path, warmup):
+    """--design gives a system its own defaults (dsa's indexer training); dsa without a dense
+    warm-up gets a hint, with one it does not."""
+    args = [a for a in TRAIN_ARGS]
+    args[args.index("--design") + 1] = "dsa"
+    args[args.index("--steps") + 1] = "2"
+    extra = [] if warmup is None else ["--selection-warmup", warmup]
+    result = runner.invoke(app, ["train", "-o", str(tmp_path / "r"), *args, *extra])
+    assert result.exit_code == 0, result.output
+    assert ("selection-warmup" in _flat(result.output)) == (warmup is None)
+    cfg = TrainConfig.from_dict(json.loads((tmp_path / "r" / "train_config.json").read_text()))
+    assert (cfg.compression.design, cfg.compression.indexer_train) == ("dsa", "kl")
+    assert cfg.selection_warmup == (0 if warmup is None else 2)

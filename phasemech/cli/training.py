@@ -76,6 +76,12 @@ def train(
         cfg = _train_config(out, config, resume, flags)
     except (ValueError, TypeError, OSError) as err:
         raise typer.BadParameter(str(err)) from err
+    if cfg.compression.design == "dsa" and not cfg.selection_warmup:
+        # trained sparse from the start, its random indexer kept a model on the loss plateau
+        console.print(
+            "[yellow]dsa without a dense warm-up: its indexer starts random and models stayed "
+            "on the loss plateau; consider --selection-warmup 500 (docs/training.md)[/]"
+        )
     try:
         result = run_train(cfg, out, resume=resume, device=dev)
     except (OSError, ValueError) as err:  # a foreign folder, a corrupt run, a full disk
