@@ -125,15 +125,21 @@ def PhaseTransformerFrom(base, a: AuditConfig):  # noqa: N802
 
 
 def test_tiny_audit_end_to_end(tmp_path):
-    a = AuditConfig(designs=("route", "mean"), contexts=(128,), contents=1, regime="decode",
-                    layers=tuple(range(2, 30)), n_boot=20, n_perm=20)  # fmt: skip
+    a = AuditConfig(designs=("route", "mean", "partition"), contexts=(128,), contents=1,
+                    regime="decode", layers=tuple(range(2, 30)), n_boot=20, n_perm=20)  # fmt: skip
     out = tmp_path / "audit"
     summary = run_audit(a, out, num_cpus=1, progress=False)
     for name in ("targets", "per_phase", "depth_phase", "head_phase", "summary"):
         assert len(pd.read_parquet(out / f"{name}.parquet"))
     t = pd.read_parquet(out / "targets.parquet")
-    assert sorted(t.setting.unique()) == ["mean_d4_w16", "null", "route_d4_w16_k8"]
-    assert sorted(t.phase.unique()) == [0, 1, 2, 3] and len(t) == 3 * 4
+    settings = ["mean_d4_w16", "null", "partition_d4_w16", "route_d4_w16_k8"]
+    assert sorted(t.setting.unique()) == settings
+    assert sorted(t.phase.unique()) == [0, 1, 2, 3] and len(t) == 4 * 4
+    # partition's budget is one head's share of SmolLM2's 9 query heads, not a top-k
+    from phasemech.experiments.audit_fixes import kv_budget
+
+    budget = {r["setting"]: r["budget"] for r in summary["rows"]}
+    assert budget["partition_d4_w16"] == kv_budget(a.compression("partition"), 128, 9) < 128
     assert [r["setting"] for r in summary["rows"]][0] == "null"
     text = (out / "summary.md").read_text()
     assert "decode regime" in text and "route_d4_w16_k8" in text

@@ -297,3 +297,17 @@ def test_sink_probe_script(tmp_path):
     rows = pd.DataFrame(json.loads(out.read_text())["rows"])
     by = rows.groupby("offset")["sink_alone"].sum()
     assert by[1] == 9 and by[0] == 0
+
+
+def test_partition_budget_is_a_heads_share():
+    """partition reads its own blocks (a 1/H share), the block it closes and its raw band;
+    without the model's head count there is no budget to give."""
+    from phasemech import CompressionConfig
+    from phasemech.experiments.audit_fixes import kv_budget
+
+    comp = CompressionConfig("partition", stride=4, window=16)
+    with pytest.raises(ValueError, match="n_heads"):
+        kv_budget(comp, 1024)
+    one, nine = kv_budget(comp, 1024, 1), kv_budget(comp, 1024, 9)
+    # the last query ranks 251 blocks of 4 at T = 1024, W = 16: a 9th of them, its own, the band
+    assert nine < one <= 1024 and nine == (-(-251 // 9) + 1) * 4 + 16

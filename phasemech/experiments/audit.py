@@ -31,7 +31,7 @@ from typing import Any, ClassVar
 
 import pandas as pd
 
-from phasemech.core.config import CompressionConfig
+from phasemech.core.config import TOP_K_DESIGNS, CompressionConfig
 from phasemech.core.validation import is_int
 from phasemech.data.retrieval import TASK_KINDS, RetrievalTask
 from phasemech.experiments.audit_fixes import apply_variant, check_variants, kv_budget, random_shift
@@ -44,7 +44,7 @@ HOSTS = ("standard", "shortformer", "rotary")
 #: one shift per prompt, :func:`~phasemech.experiments.audit_fixes.random_shift`)
 AUDIT_OFFSETS = ("aligned", "per_layer", "per_head", "per_layer_head", "random")
 #: designs an audit applies post hoc (no trained parameters)
-AUDIT_DESIGNS = ("mean", "route", "evict", "quest", "kpool")
+AUDIT_DESIGNS = ("mean", "route", "evict", "quest", "kpool", "partition")
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,8 @@ class AuditConfig:
         if not self.designs or bad or len(set(self.designs)) != len(self.designs):
             raise ValueError(
                 f"AuditConfig: designs={self.designs!r} is invalid: allowed one or more of "
-                f"{AUDIT_DESIGNS}, each once (gated and mlp need trained compressors)"
+                f"{AUDIT_DESIGNS}, each once (the others need trained compressors, gates or "
+                "indexers)"
             )
         if self.regime not in REGIMES:
             raise ValueError(f"AuditConfig: regime={self.regime!r} is invalid: allowed {REGIMES}")
@@ -146,12 +147,11 @@ class AuditConfig:
         return [f"{d}/{v}: {why}" for (d, v), why in self._grids.items() if isinstance(why, str)]
 
     def _compression(self, design: str) -> CompressionConfig:
-        selecting = design != "mean"
         return CompressionConfig(
             design,
             stride=self.stride,
             window=self.window,
-            top_k=self.top_k if selecting else None,
+            top_k=self.top_k if design in TOP_K_DESIGNS else None,
             layers=self.layers,
             offsets=self.offsets,
             block_len=self.block_len,
@@ -177,13 +177,14 @@ class AuditConfig:
         suffix = "" if variant == "aligned" else f"_{variant}"
         return f"{design}_d{c.stride}_w{c.window}{k}{suffix}"
 
-    def setting_meta(self) -> dict[str, dict[str, Any]]:
-        """Per setting name: its design, variant and KV budget per context."""
+    def setting_meta(self, n_heads: int = 0) -> dict[str, dict[str, Any]]:
+        """Per setting name: its design, variant and KV budget per context (``n_heads``: the
+        model's query heads, for ``partition``'s share)."""
         out = {"null": dict(design="null", variant="aligned",
                             budget={c: kv_budget(None, c) for c in self.contexts})}  # fmt: skip
         for (d, v), comp in self._grids.items():
             if not isinstance(comp, str):
-                budget = {c: kv_budget(comp, c) for c in self.contexts}
+                budget = {c: kv_budget(comp, c, n_heads) for c in self.contexts}
                 out[self.setting_name(d, v)] = dict(design=d, variant=v, budget=budget)
         return out
 
@@ -352,7 +353,10 @@ def run_audit(
     targets = pd.DataFrame([r for res in results for r in res["targets"]])
     heads = pd.DataFrame([h for res in results for h in res["heads"]])
     worker_s = sum(res["seconds"] for res in results)
-    return write_report(a, targets, heads, out, time.perf_counter() - t0, worker_s)
+    from phasemech.model.sources import describe
+
+    n_heads = describe(a.model).n_heads  # partition's KV budget is a head's share
+    return write_report(a, targets, heads, out, time.perf_counter() - t0, worker_s, n_heads)
 
 
 __all__ = ["AUDIT_DESIGNS", "AuditConfig", "AuditJob", "audit_jobs", "check_audit", "run_audit"]

@@ -111,16 +111,21 @@ def apply_variant(comp: CompressionConfig, name: str) -> CompressionConfig:
     return out
 
 
-def kv_budget(comp: CompressionConfig | None, context: int) -> int:
+def kv_budget(comp: CompressionConfig | None, context: int, n_heads: int = 0) -> int:
     """Most tokens (or compressed entries) one query reads at the end of a ``context``-token
     prompt: ``top_k`` blocks of ``block_len`` plus the raw band for the selecting designs, the
-    used blocks plus the raw band for ``mean``; the null reads every token."""
+    used blocks plus the raw band for ``mean``, a head's share of the blocks (of ``n_heads``)
+    plus the block it closes and the raw band for ``partition``; the null reads every token."""
     if comp is None:
         return context
     band = raw_band_width(context, comp.stride, comp.window, comp.block_scope)
     used, ranked = last_query_blocks(
         context, comp.stride, comp.block_len, comp.window, comp.visibility, 0, comp.block_scope
     )
+    if comp.design == "partition":
+        if n_heads < 1:
+            raise ValueError("kv_budget: partition's budget needs the model's n_heads")
+        return min(context, (-(-ranked // n_heads) + 1) * comp.block_len + band)
     if comp.top_k is not None:  # never more blocks than the last query can rank
         return min(context, min(comp.top_k, ranked) * comp.block_len + band)
     return min(context, used + band)
@@ -177,7 +182,7 @@ def fix_pairs(a, meta: dict[str, dict]) -> list[tuple[str, str, str, str]]:
     fixes = {n: m for n, m in meta.items() if m["variant"] != "aligned"}
     pairs = [(m["design"], m["variant"], a.setting_name(m["design"], "aligned"), name)
              for name, m in fixes.items()]  # fmt: skip
-    rules = [d for d in a.designs if d != "mean"]
+    rules = [d for d in a.designs if d not in ("mean", "partition")]  # partition ranks nothing
     if len(rules) > 1:
         first = "route" if "route" in rules else rules[0]
         base = a.setting_name(first, "aligned")

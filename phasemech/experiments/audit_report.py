@@ -44,10 +44,12 @@ def average_claim(row: pd.Series, null: pd.Series) -> str:
     )
 
 
-def tables(a, targets: pd.DataFrame, heads: pd.DataFrame) -> dict[str, pd.DataFrame]:
-    """Every table of the report, per context."""
+def tables(
+    a, targets: pd.DataFrame, heads: pd.DataFrame, n_heads: int = 0
+) -> dict[str, pd.DataFrame]:
+    """Every table of the report, per context (``n_heads``: the model's query heads)."""
     summaries, phases, depths, head_rows = [], [], [], []
-    meta = a.setting_meta()
+    meta = a.setting_meta(n_heads)
     for context, t in targets.groupby("context", sort=True):
         summary, per_phase = report(t, _settings(a), a.stride, a.n_boot, a.n_perm, a.seed)
         null = summary.iloc[0]
@@ -145,13 +147,19 @@ def _write_frontiers(a, summary: pd.DataFrame, out: Path) -> None:
 
 
 def write_report(
-    a, targets: pd.DataFrame, heads: pd.DataFrame, out: Path, wall_s: float, worker_s: float
+    a,
+    targets: pd.DataFrame,
+    heads: pd.DataFrame,
+    out: Path,
+    wall_s: float,
+    worker_s: float,
+    n_heads: int = 0,
 ) -> dict[str, Any]:
     """Write every table, ``summary.md``, ``summary.json`` and the pages into ``out``."""
     from phasemech.viz.audit import write_audit_html
 
     out.mkdir(parents=True, exist_ok=True)
-    t = tables(a, targets, heads)
+    t = tables(a, targets, heads, n_heads)
     for name, df in t.items():
         atomic_write(out / f"{name}.parquet", lambda tmp, df=df: df.to_parquet(tmp))
     md = summary_markdown(a, t["summary"], wall_s, worker_s)

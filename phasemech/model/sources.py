@@ -38,6 +38,7 @@ class ModelSource:
     architecture: str
     n_layers: int
     positional: str  # TransformerLens' positional_embedding_type
+    n_heads: int = 0  # query heads per layer (a head-partitioned design's budget needs it)
 
 
 def _hf_config(folder: Path, gguf_file: str | None = None):
@@ -57,7 +58,8 @@ def _from_config(spec: str, kind: str, path: Path, cfg) -> ModelSource:
             "TransformerLens name"
         )
     n_ctx, n_layers = int(cfg.max_position_embeddings), int(cfg.num_hidden_layers)
-    return ModelSource(spec, kind, str(path), n_ctx, arch, n_layers, "rotary")
+    heads = int(cfg.num_attention_heads)
+    return ModelSource(spec, kind, str(path), n_ctx, arch, n_layers, "rotary", heads)
 
 
 def describe(spec: str) -> ModelSource:
@@ -106,7 +108,9 @@ def _hub(spec: str) -> ModelSource:
         ) from None
     arch = cfg.original_architecture or ""
     pos = cfg.positional_embedding_type
-    return ModelSource(spec, "hub", name, int(cfg.n_ctx), arch, int(cfg.n_layers), pos)
+    return ModelSource(
+        spec, "hub", name, int(cfg.n_ctx), arch, int(cfg.n_layers), pos, int(cfg.n_heads)
+    )
 
 
 def tokenizer(source: ModelSource):
