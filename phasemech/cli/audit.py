@@ -39,7 +39,9 @@ def _variants(fix: str | None) -> tuple[str, ...]:
 
 @app.command()
 def audit(
-    design: Annotated[str, typer.Option(help="mean, route, evict, quest, kpool, partition (comma-list)")],
+    design: Annotated[
+        str, typer.Option(help="mean, route, evict, quest, kpool, partition (comma-list)")
+    ],
     out: Annotated[Path, typer.Option("-o", "--out", help="the audit folder to write")],
     model: Annotated[
         str, typer.Option(help="bundled name, local HF folder, .gguf file or TransformerLens name")
