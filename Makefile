@@ -48,6 +48,7 @@ bench: $(STAMP)
 	$(PY) bench/launcher.py
 	$(PY) bench/train_step.py
 	$(PY) bench/selection.py
+	$(PY) bench/selection_train.py
 
 pretrained: $(STAMP)
 	$(VENV)/bin/phasemech run pretrained --runs runs --profile $(if $(filter 1,$(FULL)),full,default)

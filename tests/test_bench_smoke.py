@@ -32,3 +32,12 @@ def test_selection_benchmark_runs(tmp_path):
     }
     assert all(r["forward_s"] > 0 and r["attn_s"] > 0 for r in rows)
     assert all(r["forward_s_ratio"] == 1.0 for r in rows if r["variant"] == "dense")
+
+
+def test_selection_train_benchmark_runs():
+    """A training step of a selecting design, dense mask beside the gathered engine."""
+    cmd = [sys.executable, str(ROOT / "bench/selection_train.py"), "--designs", "partition"]
+    cmd += ["--repeats", "1"]
+    done = subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    row = done.stdout.strip().splitlines()[-1].split()
+    assert row[0] == "partition" and all(float(x) > 0 for x in row[1:])
