@@ -31,7 +31,7 @@ def _model(**comp) -> PhaseTransformer:
 def naive_index(attn, x, geo):
     """``score(s, g, t, i)`` from the definition (no gradient: selection has none)."""
 
-    def score(s, g, t, i):
+    def score(s, g, t, i, head=None):
         with torch.no_grad():
             return float(_index_score(attn, x.detach(), geo, s, g, t, i))
 

@@ -1,43 +1,26 @@
-"""``partition`` (head-partitioned history) against a naive per-query reference, and the
-property that defines it: beyond the window, every past token is read by exactly one head."""
+"""``partition`` (head-partitioned history) against the selecting designs' naive per-query
+reference under its fixed rule (the blocks a head owns), and the property that defines it:
+beyond the window, every past token is read by exactly one head."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from conftest import make_hooked, raises_naming, tokens
-from test_selection import _real_slots
+from test_selection import naive_z
 
 from phasemech import CompressionConfig, PhaseTransformer
 
 
-def naive_partition_z(layer, q, k, v, geo, key_valid=None):
-    """Head ``h`` attends the real tokens of the candidate blocks ``i`` with
-    ``(i - first) mod H == h`` (``first``: the first block with a real token), the block the
-    query closes, and its raw span, in one softmax."""
-    b, seq, h, _ = q.shape
-    rep = h // k.shape[2]
-    out = torch.zeros_like(q)
-    for s in range(b):
-        for head in range(h):
-            g = head // rep
-            for t in range(seq):
-                cand = geo.block_used[s, g, t].nonzero().flatten().tolist()
-                first = min(
-                    i for i in range(geo.slot_valid.shape[2]) if geo.slot_valid[s, g, i].any()
-                )
-                own = [i for i in cand if (i - first) % h == head]
-                kept = own + [i for i in cand if int(geo.block_last[s, g, i]) == t]
-                toks = {p for i in kept for p in _real_slots(geo, s, g, i)}
-                toks |= set(range(max(int(geo.raw_start[s, g, t]), 0), t + 1))
-                if key_valid is not None:
-                    toks = {p for p in toks if key_valid[s, p]}
-                if not toks:
-                    continue
-                idx = torch.tensor(sorted(toks))
-                scores = (k[s, idx, g] @ q[s, t, head]) / layer.attn_scale
-                out[s, t, head] = torch.softmax(scores, 0) @ v[s, idx, g]
-    return out
+def owned_blocks(h: int, geo):
+    """The fixed rule: head ``head`` ranks (score 0) the blocks ``i`` with
+    ``(i - first) mod H == head``, ``first`` the first block with a real token, and no other."""
+
+    def score(s, g, t, i, head):
+        first = int(geo.slot_valid[s, g].any(-1).int().argmax())
+        return 0.0 if (i - first) % h == head else None
+
+    return score
 
 
 def _model(**comp):
@@ -61,7 +44,8 @@ def test_partition_matches_the_naive_reference(comp, padded):
     q, k = cache["blocks.0.attn.hook_rot_q"], cache["blocks.0.attn.hook_rot_k"]
     v = cache["blocks.0.attn.hook_v"]
     geo = attn._geometry(cache["blocks.0.attn.hook_grid_offset"], 34, mask.bool())
-    want = naive_partition_z(attn, q.double(), k.double(), v.double(), geo, mask.bool())
+    rule = owned_blocks(q.shape[2], geo)
+    want = naive_z(attn, q.double(), k.double(), v.double(), geo, rule, key_valid=mask.bool())
     got = cache["blocks.0.attn.hook_z"].double()
     keep = mask.bool()
     torch.testing.assert_close(got[keep], want[keep], atol=1e-5, rtol=0)

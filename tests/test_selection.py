@@ -35,7 +35,8 @@ def naive_z(layer, q, k, v, geo, rule: str, key_valid=None):
     """``z [batch, pos, head, d]`` by the definition: candidates from the geometry (the coverage
     rule, tested on its own), top-k by the rule's score, attend the union of the kept blocks'
     real tokens and the raw span ``[r_t, t]`` in one softmax. ``rule``: a design's name, or
-    ``score(sequence, kv_head, t, block)`` for a learned rule."""
+    ``score(sequence, kv_head, t, block, head=query head)`` for a learned or fixed rule
+    (``None``: not ranked; a layer without ``top_k`` keeps every ranked block)."""
     b, seq, h, _ = q.shape
     rep = h // k.shape[2]
     out = torch.zeros_like(q)
@@ -52,11 +53,12 @@ def naive_z(layer, q, k, v, geo, rule: str, key_valid=None):
                         continue
                     slots = _real_slots(geo, s, g, i)
                     score = (
-                        rule(s, g, t, i)  # a learned rule's score (dsa's indexer)
+                        rule(s, g, t, i, head=head)  # a learned or fixed rule's score
                         if callable(rule)
                         else _block_score(rule, q[s, t, head], k[s, slots, g])
                     )
-                    ranked.append((score, i))
+                    if score is not None:  # a fixed rule may leave a block unranked
+                        ranked.append((score, i))
                 kept = [i for _, i in sorted(ranked, reverse=True)[: layer.top_k]] + forced
                 toks = {p for i in kept for p in _real_slots(geo, s, g, i)}
                 toks |= {j for j in range(max(int(geo.raw_start[s, g, t]), 0), t + 1) if real(j)}

@@ -51,7 +51,7 @@ class SeriesPoolAttention(CompressedAttentionMixin):
         std = self.cfg.initializer_range if self.cfg.initializer_range > 0 else 0.02
         gen = self._generator()
         dt = self.cfg.dtype
-        eye = torch.eye(dh, dtype=dt).expand(g, series, dh, dh).clone()
+        eye = torch.eye(dh, dtype=dt).expand(g, series, dh, dh)
         self.P_K, self.P_V = nn.Parameter(eye.clone()), nn.Parameter(eye.clone())
         self.W_z_K = nn.Parameter((torch.randn(g, series, m, dh, generator=gen) * std).to(dt))
         self.W_z_V = nn.Parameter((torch.randn(g, series, m, dh, generator=gen) * std).to(dt))
@@ -78,10 +78,6 @@ class SeriesPoolAttention(CompressedAttentionMixin):
         return torch.cat([out, x_pass], -1)
 
     # ------------------------------------------------------------------ the compressor
-    def _series(self, t: Tensor, sl: int) -> Tensor:
-        """Per-slot series parameter ``[kv_head, slot, ...]`` from ``[kv_head, series, ...]``."""
-        return t.index_select(1, self.series_of_slot.to(t.device)[:sl])
-
     def _entries(
         self,
         x: Float[Tensor, "batch pos d_model"],
@@ -90,18 +86,18 @@ class SeriesPoolAttention(CompressedAttentionMixin):
         params: tuple[Tensor, Tensor, Tensor, Tensor],
     ) -> tuple[Float[Tensor, "batch kv_head block d_head"], Tensor]:
         w_z, proj, bias, weight = params
-        sl = geo.slot_pos.shape[3]
+        series = self.series_of_slot  # [slot]: the projection series of each slot
         if x.ndim == 4:  # split-QKV input: one residual copy per KV head
             z = torch.einsum("bpgm,gsmd->bpgsd", x, w_z.to(x.dtype))
         else:
             z = torch.einsum("bpm,gsmd->bpgsd", x, w_z.to(x.dtype))
         zs = self._gather_slots(z.flatten(-2), geo).unflatten(-1, z.shape[-2:])
-        idx = self.series_of_slot.to(x.device)[:sl]  # each slot reads its series' gate
-        zs = zs[:, :, :, torch.arange(sl, device=x.device), idx] + bias[None, :, None]
+        slots = torch.arange(len(series), device=x.device)
+        zs = zs[:, :, :, slots, series] + bias[None, :, None]  # each slot its series' gate
         valid = geo.slot_valid[..., None]
         alpha = torch.softmax(zs.masked_fill(~valid, torch.finfo(zs.dtype).min), dim=3) * valid
         cs = torch.einsum("bgnsd,gsde->bgnse", self._gather_slots(content, geo),
-                          self._series(proj, sl))  # fmt: skip
+                          proj.index_select(1, series))  # fmt: skip
         pooled = (alpha * cs).sum(3)
         rms = pooled.pow(2).mean(-1, keepdim=True).add(RMS_EPS).rsqrt()
         return pooled * rms * weight[None, :, None], alpha

@@ -236,80 +236,58 @@ class CompressionConfig:
             raise _bad("layers", self.layers, "layer indices must be unique")
         self._set("layers", tuple(sorted(int(i) for i in layers)))
 
+    def _takes(self, name: str, designs: tuple[str, ...], refusal: str) -> bool:
+        """Whether this design takes the design-specific field ``name``; a value given to a
+        design that does not is refused with ``refusal``."""
+        if self.design in designs:
+            return True
+        if getattr(self, name) is not None:
+            raise _bad(name, getattr(self, name), refusal)
+        return False
+
+    def _positive_int(self, name: str, default: int, allowed: str) -> None:
+        """``name`` filled with ``default`` when None, then checked to be an int >= 1."""
+        if getattr(self, name) is None:
+            self._set(name, default)
+        value = getattr(self, name)
+        if not is_int(value) or value < 1:
+            raise _bad(name, value, allowed)
+        self._set(name, int(value))
+
     def _check_top_k(self) -> None:
-        if self.design not in TOP_K_DESIGNS:
-            if self.top_k is not None:
-                raise _bad(
-                    "top_k",
-                    self.top_k,
-                    f"only designs {TOP_K_DESIGNS} select blocks, not {self.design!r}",
-                )
-            return
-        if self.top_k is None:
-            self._set("top_k", DEFAULT_TOP_K)
-        if not is_int(self.top_k) or self.top_k < 1:
-            raise _bad("top_k", self.top_k, f"must be an int >= 1 for design={self.design!r}")
-        self._set("top_k", int(self.top_k))
+        refusal = f"only designs {TOP_K_DESIGNS} select blocks, not {self.design!r}"
+        if self._takes("top_k", TOP_K_DESIGNS, refusal):
+            allowed = f"must be an int >= 1 for design={self.design!r}"
+            self._positive_int("top_k", DEFAULT_TOP_K, allowed)
 
     def _check_obs_window(self) -> None:
-        if self.design != "evict":
-            if self.obs_window is not None:
-                raise _bad(
-                    "obs_window",
-                    self.obs_window,
-                    f"only design='evict' scores chunks by observation queries, not "
-                    f"{self.design!r}",
-                )
-            return
-        if self.obs_window is None:
-            self._set("obs_window", DEFAULT_OBS_WINDOW)
-        if not is_int(self.obs_window) or self.obs_window < 1:
-            raise _bad("obs_window", self.obs_window, "must be an int >= 1 (observation queries)")
-        self._set("obs_window", int(self.obs_window))
+        refusal = f"only design='evict' scores chunks by observation queries, not {self.design!r}"
+        if self._takes("obs_window", ("evict",), refusal):
+            allowed = "must be an int >= 1 (observation queries)"
+            self._positive_int("obs_window", DEFAULT_OBS_WINDOW, allowed)
 
     def _check_select_len(self) -> None:
-        if self.design != "nsa":
-            if self.select_len is not None:
-                raise _bad(
-                    "select_len",
-                    self.select_len,
-                    f"only design='nsa' has selection blocks, not {self.design!r}",
-                )
-            return
-        if self.select_len is None:
-            self._set("select_len", self.stride)
-        if not is_int(self.select_len) or self.select_len < 1 or self.select_len % self.stride:
-            raise _bad("select_len", self.select_len, f"must be a multiple of stride={self.stride}")
-        self._set("select_len", int(self.select_len))
+        refusal = f"only design='nsa' has selection blocks, not {self.design!r}"
+        if self._takes("select_len", ("nsa",), refusal):
+            allowed = f"must be a multiple of stride={self.stride}"
+            self._positive_int("select_len", self.stride, allowed)
+            if self.select_len % self.stride:
+                raise _bad("select_len", self.select_len, allowed)
 
     def _check_indexer(self) -> None:
-        if self.design != "dsa":
-            for name in ("index_heads", "indexer_train"):
-                if getattr(self, name) is not None:
-                    raise _bad(
-                        name,
-                        getattr(self, name),
-                        f"only design='dsa' has an indexer, not {self.design!r}",
-                    )
+        refusal = f"only design='dsa' has an indexer, not {self.design!r}"
+        takes = [self._takes(name, ("dsa",), refusal) for name in ("index_heads", "indexer_train")]
+        if not all(takes):
             return
-        if self.index_heads is None:
-            self._set("index_heads", DEFAULT_INDEX_HEADS)
-        if not is_int(self.index_heads) or self.index_heads < 1:
-            raise _bad("index_heads", self.index_heads, "must be an int >= 1")
-        self._set("index_heads", int(self.index_heads))
+        self._positive_int("index_heads", DEFAULT_INDEX_HEADS, "must be an int >= 1")
         if self.indexer_train is None:
             self._set("indexer_train", "kl")
         if self.indexer_train not in INDEXER_TRAINING:
             raise _bad("indexer_train", self.indexer_train, f"allowed: {INDEXER_TRAINING}")
 
     def _check_series(self) -> None:
-        if self.design not in SERIES_DESIGNS:
-            if self.pool_rope is not None:
-                raise _bad(
-                    "pool_rope",
-                    self.pool_rope,
-                    f"only designs {SERIES_DESIGNS} take it, not {self.design!r}",
-                )
+        refusal = f"only designs {SERIES_DESIGNS} take it, not {self.design!r}"
+        if not self._takes("pool_rope", SERIES_DESIGNS, refusal):
             return
         if self.pool_rope is None:
             self._set("pool_rope", "pre")

@@ -290,10 +290,11 @@ def audit_jobs(a: AuditConfig, chunks_per_context: int = 8) -> list[AuditJob]:
     return jobs
 
 
-def check_audit(a: AuditConfig) -> None:
+def check_audit(a: AuditConfig):
     """Every bad input fails here, in one line, before any forward: the model spec, contexts
     longer than the model was trained for, a tokenizer that cannot place the needle on every
-    phase, a design the model's attention cannot host, layers the model lacks."""
+    phase, a design the model's attention cannot host, layers the model lacks. Returns the
+    model's resolved source (``phasemech.model.sources.ModelSource``)."""
     from phasemech.data.retrieval import check_task
     from phasemech.model.sources import describe, tokenizer
 
@@ -308,6 +309,7 @@ def check_audit(a: AuditConfig) -> None:
     for c in a.contexts:
         check_task(tok, a.retrieval_task(c), source.max_context)
     _check_host(a, source)
+    return source
 
 
 def _check_host(a: AuditConfig, source) -> None:
@@ -338,7 +340,7 @@ def run_audit(
     from phasemech.experiments.experiment import ray_session
     from phasemech.experiments.launcher import launch, read_cached
 
-    check_audit(a)
+    source = check_audit(a)
     out = Path(out)
     jobs = audit_jobs(a)
     t0 = time.perf_counter()
@@ -353,10 +355,9 @@ def run_audit(
     targets = pd.DataFrame([r for res in results for r in res["targets"]])
     heads = pd.DataFrame([h for res in results for h in res["heads"]])
     worker_s = sum(res["seconds"] for res in results)
-    from phasemech.model.sources import describe
-
-    n_heads = describe(a.model).n_heads  # partition's KV budget is a head's share
-    return write_report(a, targets, heads, out, time.perf_counter() - t0, worker_s, n_heads)
+    # partition's KV budget is a head's share
+    wall_s = time.perf_counter() - t0
+    return write_report(a, targets, heads, out, wall_s, worker_s, source.n_heads)
 
 
 __all__ = ["AUDIT_DESIGNS", "AuditConfig", "AuditJob", "audit_jobs", "check_audit", "run_audit"]

@@ -110,8 +110,11 @@ def _timed(timings: dict[str, float], name: str, total: int = 4) -> Iterator[Non
 
 def patch_sites_for(design: str) -> tuple[str, ...]:
     """The compressed-layer sites a design runs: pooled entries (``kv_block``) where it keeps
-    them, and its attention pattern where it has one ``hook_pattern`` (not ``nsa``'s three)."""
-    entries = design in ("mean", "gated", "mlp", "route", "nsa", "csa", "hca")
+    them (every design that is not a selecting one, and ``route``'s routing means), and its
+    attention pattern where it has one ``hook_pattern`` (not ``nsa``'s three)."""
+    from phasemech.core.config import SELECTING_DESIGNS
+
+    entries = design not in SELECTING_DESIGNS or design == "route"
     return ("kv_block",) * entries + ("pattern",) * (design != "nsa")
 
 

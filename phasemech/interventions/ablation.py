@@ -74,6 +74,7 @@ from phasemech.interventions.ablation_plan import (
     _grid,
     _plan,
     _Run,
+    bias_params,
     unit_kind,
 )
 
@@ -191,7 +192,7 @@ def ablation(
     _check_unit(where, model, component, mode, layer, unit)
     _check_replacement(where, component, mode, replacement)
     hooks = _hooks(model, component, mode, int(layer), int(unit), replacement)
-    params = _bias_params(model.blocks[layer].attn) if component == "phase_bias" else []
+    params = bias_params(model.blocks[layer].attn) if component == "phase_bias" else []
     saved = [p.detach()[unit].clone() for p in params]
     try:
         with torch.no_grad():
@@ -203,17 +204,6 @@ def ablation(
         with torch.no_grad():
             for p, value in zip(params, saved, strict=True):
                 p[unit] = value
-
-
-def _bias_params(attn: Any) -> list[Tensor]:
-    """A layer's learned intra-block biases, ``[unit, slot, ...]`` each: ``gated``'s
-    ``phase_bias`` and ``csa``/``hca``'s key and value slot biases per KV head, ``dsa``'s
-    indexer pool bias (one unit)."""
-    if hasattr(attn, "phase_bias"):
-        return [attn.phase_bias]
-    if hasattr(attn, "pool_bias"):  # dsa: one bias for every head, as unit 0 of a view
-        return [attn.pool_bias.unsqueeze(0)]
-    return [attn.B_K, attn.B_V]
 
 
 def _scores(

@@ -132,10 +132,21 @@ def unit_kind(component: str, mode: str) -> str:
     return "kv_head" if per_kv else "head"
 
 
-def _units(model: PhaseTransformer, component: str, mode: str) -> int:
-    """How many units ``component`` has in a layer of ``model``."""
-    if component == "phase_bias" and _design(model) == "dsa":
-        return 1  # the indexer's one pool bias
+def bias_params(attn: Any) -> list[Tensor]:
+    """A layer's learned intra-block biases, ``[unit, slot, ...]`` each: ``gated``'s
+    ``phase_bias`` and ``csa``/``hca``'s key and value slot biases per KV head, ``dsa``'s
+    indexer pool bias (one unit, as a view)."""
+    if hasattr(attn, "phase_bias"):
+        return [attn.phase_bias]
+    if hasattr(attn, "pool_bias"):
+        return [attn.pool_bias.unsqueeze(0)]
+    return [attn.B_K, attn.B_V]
+
+
+def _units(model: PhaseTransformer, component: str, mode: str, layer: int) -> int:
+    """How many units ``component`` has in ``layer`` (a bias: its leading axis)."""
+    if component == "phase_bias":
+        return bias_params(model.blocks[layer].attn)[0].shape[0]
     return _n_units(model, unit_kind(component, mode))
 
 
@@ -226,8 +237,8 @@ def _plan(
         chosen = _chosen_modes(where, comp, mode_list, design)
         comp_layers = _component_layers(where, comp, layers, compressed, n_layers)
         for mode in chosen:
-            n_units = _units(model, comp, mode)
-            runs += [_Run(comp, mode, i, u) for i in comp_layers for u in range(n_units)]
+            runs += [_Run(comp, mode, i, u) for i in comp_layers
+                     for u in range(_units(model, comp, mode, i))]  # fmt: skip
     order = {c: k for k, c in enumerate(COMPONENTS)}
     return sorted(runs, key=lambda r: (r.layer, order[r.component], MODES.index(r.mode), r.unit))
 
@@ -253,7 +264,7 @@ def _check_unit(
             f"{where}: component {component!r} needs a compressed layer, layer {layer} is dense"
         )
     kind = unit_kind(component, mode)
-    n = _units(model, component, mode)
+    n = _units(model, component, mode, layer)
     if not is_int(unit) or not 0 <= unit < n:
         raise ValueError(f"{where}: unit {unit!r} is invalid: allowed {kind} indices 0..{n - 1}")
 
