@@ -76,10 +76,11 @@ def test_dsa_left_padding_matches_the_reference():
     )
 
 
-def _naive_kl(attn, x, q, k, geo, key_valid=None) -> torch.Tensor:
+def _naive_kl(attn, x, q, k, geo, key_valid=None, top_k=None) -> torch.Tensor:
     """The KL term by loops: dense attention's mass per ranked candidate pool (not the pool
     the query closes: it is kept unranked), summed over a KV group's heads and renormalised,
-    against the indexer's softmax over those candidates; masked queries left out."""
+    against the indexer's softmax over those candidates; masked queries left out. With
+    ``top_k`` (DSA's sparse stage) the candidates are only the ``top_k`` best-scored ones."""
     b, seq, h, _ = q.shape
     g_n = k.shape[2]
     rep = h // g_n
@@ -89,6 +90,10 @@ def _naive_kl(attn, x, q, k, geo, key_valid=None) -> torch.Tensor:
             for t in range(seq):
                 cand = geo.block_used[s, g, t].nonzero().flatten().tolist()
                 cand = [i for i in cand if int(geo.block_last[s, g, i]) != t]
+                if top_k is not None:  # the best-scored, ties to the later pool
+                    with torch.no_grad():
+                        sc = {i: float(_index_score(attn, x, geo, s, g, t, i)) for i in cand}
+                    cand = sorted(sorted(cand, key=lambda i: (sc[i], i))[-top_k:])
                 if not cand or (key_valid is not None and not key_valid[s, t]):
                     continue
                 mass = torch.zeros(len(cand))
@@ -119,17 +124,26 @@ def _index_score(attn, x, geo, s, g, t, i):
     return (x[s, t] @ attn.W_iw * (qx[t] @ k_pool).relu()).sum()
 
 
-@pytest.mark.parametrize("masked", [False, True])
-def test_dsa_kl_equals_the_loop(masked):
-    model = _model(stride=4, window=4, top_k=1)
-    x_tok = tokens(1, 20, seed=1)
+@pytest.mark.parametrize(
+    ("masked", "stage"), [(False, "warmup"), (True, "warmup"), (False, "sparse"), (True, "sparse")]
+)
+def test_dsa_kl_equals_the_loop(masked, stage):
+    """Warm-up (every block read): the KL covers every ranked candidate; sparse stage: only
+    the ``top_k`` pools the indexer selected (DSA's two stages)."""
+    model = _model(stride=4, window=4, top_k=2)
+    x_tok = tokens(1, 24, seed=1)
     mask = torch.ones_like(x_tok)
     if masked:
         mask[0, [2, 9, 10]] = 0  # hidden keys, and hidden queries that are no training row
     attn, geo, _, (x, q, k, _) = _inputs(model, x_tok, attention_mask=mask)
     model.train()
+    attn.keep_all = stage == "warmup"
     got = attn.indexer_kl(attn.indexer(x, geo), q, k, geo)
-    want = _naive_kl(attn, x, q, k, geo, key_valid=mask.bool() if masked else None)
+    top_k = None if stage == "warmup" else attn.top_k
+    want = _naive_kl(attn, x, q, k, geo, key_valid=mask.bool() if masked else None, top_k=top_k)
+    if stage == "sparse":  # the selection bites: fewer pools than the warm-up's term covers
+        attn.keep_all = True
+        assert not torch.isclose(got, attn.indexer_kl(attn.indexer(x, geo), q, k, geo))
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     params = [attn.W_iq, attn.W_ik, attn.W_iw, attn.W_ig, attn.pool_bias, attn.W_Q]
     grads = torch.autograd.grad(got, params, allow_unused=True)

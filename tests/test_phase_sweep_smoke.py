@@ -55,3 +55,26 @@ def test_far_targets_of_a_short_context_give_no_row():
 
     df = pd.DataFrame({"distance": [3, 20, 46], "source_pos": [10, 20, 30]})
     assert report_row({"targets": "far"}, df, 16, 10, 10) is None
+
+
+def test_systems_profiles_build_the_systems_they_name():
+    """The systems' own geometry and training, and the rotary profiles' positions and pooling
+    (a profile option that silently fell away would compare a design with itself)."""
+    from phasemech.experiments.sweep import PROFILES, run_specs, train_config
+
+    def configs(profile):
+        p = PROFILES[profile]
+        return {s.name: train_config(s, p) for s in run_specs(p) if s.seed == 0}
+
+    base = configs("systems")
+    assert base["nsa_d4_h2_T64_s0"].compression.select_len == 8
+    assert base["dsa_d4_h2_T64_s0"].selection_warmup == 500
+    assert base["hca_d16_h2_T64_s0"].compression.stride == 16
+    assert {c.model.positional_embedding_type for c in base.values()} == {"standard"}
+    for profile, pool in (("systems_rotary", "pre"), ("systems_rotary_post", "post")):
+        cfgs = configs(profile)
+        assert sorted(cfgs) == sorted(["none_d4_h2_T64_s0", "none_d16_h2_T64_s0",
+                                       "csa_d4_h2_T64_s0", "hca_d16_h2_T64_s0"])  # fmt: skip
+        assert {c.model.positional_embedding_type for c in cfgs.values()} == {"rotary"}
+        for name in ("csa_d4_h2_T64_s0", "hca_d16_h2_T64_s0"):
+            assert cfgs[name].compression.pool_rope == pool

@@ -68,3 +68,41 @@ def test_recorded_fixes_runs_are_listed(tmp_path):
     assert "Offset fixes on `csa`" in text
     assert "staggered_head: gap 0.007 -> 0.001, cut 90% [-45%, 165%]" in text
     assert text.count("staggered_head") == 1  # the far-target row is not listed
+
+
+def _rotary(csa_gap: tuple[float, float, float]) -> dict:
+    s = _summary()
+    for r in s["rows"] + s["convergence"]:
+        r["design"] = {"nsa": "csa", "dsa": "hca"}.get(r["design"], r["design"])
+    csa = next(r for r in s["rows"] if r["design"] == "csa")
+    csa.update(debiased_gap=csa_gap[0], debiased_lo=csa_gap[1], debiased_hi=csa_gap[2])
+    return s
+
+
+def test_pre_and_post_rope_pooling_are_compared(tmp_path):
+    (tmp_path / "phase_sweep_systems.json").write_text(json.dumps(_summary()))
+    assert "Pooling before or after RoPE" not in claim_systems(tmp_path)
+    (tmp_path / "phase_sweep_systems_rotary.json").write_text(
+        json.dumps(_rotary((0.05, 0.02, 0.08)))
+    )
+    text = claim_systems(tmp_path)
+    assert "| pre | csa | 4 | 2 of 3 | 0.980 | 0.050 [0.020, 0.080]" in text
+    assert (
+        "| pre | hca | 4 | 0 of 3 | - | none converged: no gap |" in text
+        and "Pre against post" not in text
+    )
+    (tmp_path / "phase_sweep_systems_rotary_post.json").write_text(
+        json.dumps(_rotary((0.004, -0.001, 0.01)))
+    )
+    text = claim_systems(tmp_path)
+    assert "| post | csa | 4 | 2 of 3 | 0.980 | 0.004 [-0.001, 0.010]" in text
+    assert "Pre against post: `csa`'s pre-RoPE gap is larger than post-RoPE's (CIs" in text
+    assert "`hca`'s" not in text.split("Pre against post")[1]  # it never converged
+    server = _interventions()
+    server["models"][0].update(design="csa", model="csa_d4_h2_T64_s0")
+    (tmp_path / "interventions_systems_rotary.json").write_text(json.dumps(server))
+    text = claim_systems(tmp_path)
+    assert "ablations `interventions_systems_rotary.json`" in text
+    pre_csa = next(ln for ln in text.splitlines() if ln.startswith("| pre | csa |"))
+    assert pre_csa.endswith("phase 3: branch_cmp/zero L1.0 (-42 pts there, -12 at the other "
+                            "phases; phase-dependent) [csa_d4_h2_T64_s0] |")  # fmt: skip

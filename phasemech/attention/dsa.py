@@ -15,17 +15,20 @@ One score per query serves every head (the real indexer picks tokens for all hea
 
 Selection has no gradient, so the indexer is trained by one of (``indexer_train``):
 
-* ``"kl"`` (DSA): an auxiliary loss ``KL(p_main || softmax(score))`` over each query's candidate
-  pools, ``p_main`` the dense attention's mass on each pool summed over heads (detached,
-  renormalised over the candidates); computed in training mode only and collected by
-  :meth:`phasemech.model.transformer.PhaseTransformer.auxiliary_loss`;
+* ``"kl"`` (DSA): an auxiliary loss ``KL(p_main || softmax(score))`` over a set of each query's
+  pools, ``p_main`` the main attention's mass on each pool summed over heads (detached,
+  renormalised over the set); computed in training mode only and collected by
+  :meth:`phasemech.model.transformer.PhaseTransformer.auxiliary_loss`. The set follows DSA's
+  two stages: during the dense warm-up (``selection_warmup``: every pool is read) it is every
+  ranked candidate; in the sparse stage it is the ``top_k`` pools the indexer selected, so the
+  indexer learns to order what it keeps (at ``top_k = 1`` the term is zero there);
 * ``"end_to_end"`` (phasemech's own option, not DSA's): a straight-through path: each kept
   token's attention logit gets ``score - score.detach()`` (zero, so the forward is unchanged),
   so the main loss reaches the indexer through the pools it kept.
 
-Departures from DSA: the KL target is always the dense attention over the ranked candidates
-(DSA's sparse stage uses the selected set), and the dense warm-up (``selection_warmup``) trains
-the whole model, which from scratch has nothing to freeze (DSA trains only the indexer there).
+One departure from DSA: its dense warm-up freezes a pretrained model and trains the indexer
+alone; from scratch there is no trained model to freeze, so the warm-up trains the whole model
+densely while the KL (on a detached input) trains the indexer beside it.
 
 The indexer reads the layer input, which a KV cache does not keep: no decode regime.
 """
@@ -38,7 +41,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from phasemech.attention.rows import query_rows
-from phasemech.attention.selection import SelectingAttention
+from phasemech.attention.selection import SelectingAttention, top_k_latest
 from phasemech.core.grid import Geometry
 
 
@@ -135,14 +138,20 @@ class DSAAttention(SelectingAttention):
         geo: Geometry,
     ) -> Tensor:
         """``KL(p_main || softmax(score))`` over each query's ranked candidate pools (the
-        block the query closes is kept anyway, unranked), averaged over the unmasked queries
-        that have one: DSA's indexer loss with the dense attention as its target."""
+        block the query closes is kept anyway, unranked), or in the sparse stage over the
+        ``top_k`` of them the indexer selected, averaged over the unmasked queries that have
+        one: DSA's indexer loss, its target the main attention's mass per pool."""
         seq = q.shape[1]
         rows = torch.arange(seq, device=q.device).expand(q.shape[0], -1)
         score = self.index_scores(summary, rows)  # [batch, kv_head, pos, block]
         t = torch.arange(seq, device=q.device)
         closes = geo.block_last[:, :, None, :] == t[:, None]  # [batch, kv_head, pos, block]
         cand = geo.block_used & ~closes
+        if not self.keep_all:  # DSA's sparse stage: only the pools the indexer selected
+            n = score.shape[-1]
+            ranked = score.detach().masked_fill(~cand, float("-inf"))
+            val, top = top_k_latest(ranked, min(self.n_keep(n), n))
+            cand = cand & torch.zeros_like(cand).scatter(-1, top, val > float("-inf"))
         with torch.no_grad():
             qh, kh = q.transpose(1, 2), self._repeat_kv(k.transpose(1, 2), 1)
             visible = (t[None, :] <= t[:, None]).expand(q.shape[0], 1, -1, -1)

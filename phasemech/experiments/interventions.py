@@ -96,6 +96,9 @@ PROFILES = {
     # the real systems (phase_sweep --profile systems): which head, branch (nsa), slot bias
     # (csa, hca) or indexer choice (dsa: its kept pools) serves which phase
     "systems": _on_converged_sweep("systems", "first"),
+    # csa / hca pooled before and after RoPE in rotary models: which head serves which phase
+    "systems_rotary": _on_converged_sweep("systems_rotary", "first"),
+    "systems_rotary_post": _on_converged_sweep("systems_rotary_post", "first"),
 }  # fmt: skip
 
 
@@ -308,6 +311,8 @@ INTERVENTIONS = Experiment(
         "converged_d8": "phase_sweep_converged_d8",
         "converged_d8_wide": "phase_sweep_converged_d8_wide",
         "systems": "phase_sweep_systems",
+        "systems_rotary": "phase_sweep_systems_rotary",
+        "systems_rotary_post": "phase_sweep_systems_rotary_post",
     },
 )
 

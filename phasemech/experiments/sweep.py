@@ -61,6 +61,22 @@ _TINY = dict(
     n_perm=50,
     n_pairs=4,
 )
+_ROTARY = dict(
+    steps=4000,
+    strides=(4,),
+    heads=(2,),
+    seeds=(0, 1, 2),
+    designs=("none", "csa", "hca"),
+    target_accuracy=0.99,
+    checkpoint_every=500,
+    test_sequences=2048,
+    extra=(
+        ("lrs", (3e-3,)),
+        ("pool_min_accuracy", 0.95),
+        ("positional", "rotary"),
+        ("design_strides", (("hca", (16,)), ("none", (4, 16)))),
+    ),
+)
 PROFILES = {
     "tiny": Profile(**_TINY),
     # the learning-rate search's smoke test: two rates on seed 0, seed 1 at the better one
@@ -113,6 +129,13 @@ PROFILES = {
         test_sequences=2048, extra=(("lrs", (3e-3,)), ("pool_min_accuracy", 0.95),
                                     ("design_strides", (("hca", (16,)), ("none", (4, 16))))),
     ),
+    # pre- against post-RoPE pooling (DeepSeek-V4 pools pre-RoPE and rotates the entry at its
+    # block start): the "systems" recipe for csa / hca with rotary positions (the lab's
+    # default is learned absolute positions, under which the option changes nothing)
+    "systems_rotary": Profile(**_ROTARY),
+    "systems_rotary_post": Profile(**{**_ROTARY, "extra": _ROTARY["extra"] + (
+        ("design_options", (("csa", (("pool_rope", "post"),)),
+                            ("hca", (("pool_rope", "post"),)))),)}),
     "full": Profile(
         steps=4000, **{**_SWEEP, "seeds": (0, 1, 2, 3, 4)}, seq_lens=(64, 128),
         long_designs=("none", "gated", "mean"), long_heads=(2, 4), target_accuracy=None,
@@ -171,6 +194,12 @@ def system_geometry(design: str, stride: int) -> dict[str, int]:
     return {k: v * stride for k, v in SYSTEM_GEOMETRY_STRIDES.get(design, {}).items()}
 
 
+def design_options(design: str, p: Profile) -> dict[str, Any]:
+    """The profile's compression options for ``design`` (``extra`` ``design_options``: e.g.
+    csa's ``pool_rope``), as CompressionConfig keywords."""
+    return dict(dict(p.get("design_options", ())).get(design, ()))
+
+
 def train_config(spec: RunSpec, p: Profile) -> TrainConfig:
     # the task's random prefix spans the model's own stride: phases uniform on its grid with the
     # least positional spread (one shared prefix over the largest stride kept d = 4 models on
@@ -185,10 +214,16 @@ def train_config(spec: RunSpec, p: Profile) -> TrainConfig:
             window=2 * spec.stride,
             layers=(1,),
             **system_geometry(spec.design, spec.stride),
+            **design_options(spec.design, p),
         )
     return TrainConfig(
         task=task,
-        model=ModelSpec(n_layers=2, d_model=p.d_model, n_heads=spec.heads),
+        model=ModelSpec(
+            n_layers=2,
+            d_model=p.d_model,
+            n_heads=spec.heads,
+            positional_embedding_type=p.get("positional", "standard"),
+        ),
         compression=comp,
         steps=p.steps,
         eval_every=p.eval_every,
@@ -386,7 +421,13 @@ def finish(p: Profile, done: Done, out: Path) -> dict[str, Any]:
     trained = chosen_runs(done)
     summary = {
         # the width travels with the recording (the report reads it, not today's profile)
-        "profile": {"d_model": p.d_model, "n_pairs": p.n_pairs, "steps": p.steps},
+        "profile": {
+            "d_model": p.d_model,
+            "n_pairs": p.n_pairs,
+            "steps": p.steps,
+            "positional": p.get("positional", "standard"),
+            "design_options": {d: dict(o) for d, o in p.get("design_options", ())},
+        },
         "models": len(trained),
         "train_seconds": sum(r["train_seconds"] for _, r in trained),
         "runs": [

@@ -4,7 +4,9 @@ CSA/HCA, head-partitioned history) trained from scratch: one row per system.
 Read from recorded results only: ``phase_sweep_systems.json`` (``phasemech run phase_sweep
 --profile systems``: convergence, pooled per-phase accuracy and debiased gaps of converged
 seeds, the dense controls) and ``interventions_systems.json`` (``phasemech run interventions
---profile systems``: what serves each model's weak phase). The gap rule is the converged
+--profile systems``: what serves each model's weak phase), and where recorded the offset fixes
+per system (``fixes_systems_<design>.json``) and csa / hca pooled before against after RoPE
+in rotary models (``phase_sweep_systems_rotary{,_post}.json``). The gap rule is the converged
 sweeps' (:mod:`phasemech.experiments.converged_claims`): a system *has a gap* when its debiased
 gap's CI lies above 0 and above its dense control's, and a system none of whose seeds converged
 has no gap at all.
@@ -90,6 +92,10 @@ def systems_table(sweep: dict[str, Any], interventions: dict[str, Any] | None) -
     return out.drop(columns="order").reset_index(drop=True)
 
 
+def _gap_cell(r: Any) -> str:
+    return f"{_fmt(r.debiased_gap)} [{_fmt(r.debiased_lo)}, {_fmt(r.debiased_hi)}]"
+
+
 def _fixes_lines(results: Path) -> list[str]:
     """The offset fixes on each system whose fixes run is recorded (``fixes_systems_<design>
     .json``, ``phasemech run fixes --profile systems_<design>``): the gap cut per fix."""
@@ -111,6 +117,73 @@ def _fixes_lines(results: Path) -> list[str]:
             f"`phasemech run fixes --profile systems_{design}`): " + "; ".join(cells) + "."
         )
     return ["", *lines] if lines else []
+
+
+#: pre- and post-RoPE pooling in rotary lab models (csa / hca's ``pool_rope``): file, command
+#: (and the ablations of its models, ``phasemech run interventions --profile <same>``)
+ROPE_SWEEPS = {"pre": "systems_rotary", "post": "systems_rotary_post"}
+
+
+def _ci_order(a: Any, b: Any, other: str) -> str:
+    """How setting ``a``'s debiased-gap CI lies against ``b``'s (called ``other``)."""
+    if a.debiased_lo > b.debiased_hi:
+        return f"larger than {other} (CIs disjoint)"
+    if a.debiased_hi < b.debiased_lo:
+        return f"smaller than {other} (CIs disjoint)"
+    return f"the same as {other} within the CIs"
+
+
+def _rope_lines(results: Path) -> list[str]:
+    """Pre- against post-RoPE pooling of ``csa`` / ``hca`` in rotary lab models (each sweep
+    with its own rotary dense control), by the section's gap rule; empty when not recorded."""
+    tables, sources = {}, []
+    for pool, profile in ROPE_SWEEPS.items():
+        sweep = _load(results / f"phase_sweep_{profile}.json")
+        if sweep is None:
+            continue
+        inter = _load(results / f"interventions_{profile}.json")
+        t = systems_table(sweep, inter)
+        tables[pool] = t[t["design"].isin(["csa", "hca"])].set_index("design")
+        sources.append(
+            f"`{pool}`: `analyses/results/phase_sweep_{profile}.json` (`phasemech run "
+            f"phase_sweep --profile {profile}`)"
+            + (f", ablations `interventions_{profile}.json`" if inter else "")
+        )
+    if not tables:
+        return []
+    out = [
+        "",
+        "Pooling before or after RoPE (`pool_rope`; DeepSeek-V4 pools pre-RoPE keys and rotates "
+        "the entry at its block start), in rotary models at the same recipe, each sweep with "
+        "its own rotary dense control; " + "; ".join(sources) + ".",
+        "",
+        "| pooling | system | d | converged seeds | accuracy | debiased gap [95% CI] | rotary "
+        "dense gap [95% CI] | gap beyond dense | steps to 0.95 (by seed) | weak phase and the "
+        "unit serving it (ablation) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for pool, t in tables.items():
+        for r in t.itertuples():
+            conv = bool(r.converged)
+            out.append(
+                f"| {pool} | {r.Index} | {r.stride} | {r.converged} of {r.seeds} "
+                f"| {_fmt(r.accuracy) if conv else '-'} "
+                f"| {_gap_cell(r) if conv else 'none converged: no gap'} "
+                f"| {_fmt(r.dense_gap)} [{_fmt(r.dense_lo)}, {_fmt(r.dense_hi)}] "
+                f"| {'yes' if r.has_gap else 'no'} | {r.steps} "
+                f"| {r.server if isinstance(r.server, str) else '-'} |"
+            )
+    if len(tables) == 2:
+        both = [d for d in tables["pre"].index if d in tables["post"].index]
+        cells = [
+            f"`{d}`'s pre-RoPE gap is "
+            + _ci_order(tables["pre"].loc[d], tables["post"].loc[d], "post-RoPE's")
+            for d in both
+            if tables["pre"].loc[d, "converged"] and tables["post"].loc[d, "converged"]
+        ]
+        out += ["", "Pre against post: " + ("; ".join(cells) or "no system converged both ways")
+                + "."]  # fmt: skip
+    return out
 
 
 def claim_systems(results: Path) -> str:
@@ -143,7 +216,7 @@ def claim_systems(results: Path) -> str:
     ]
     for r in t.itertuples():
         conv = bool(r.converged)
-        gap = f"{_fmt(r.debiased_gap)} [{_fmt(r.debiased_lo)}, {_fmt(r.debiased_hi)}]"
+        gap = _gap_cell(r)
         dense = f"{_fmt(r.dense_gap)} [{_fmt(r.dense_lo)}, {_fmt(r.dense_hi)}]"
         out.append(
             f"| {r.design} | {MECHANISM.get(r.design, 'dense control')} | {r.stride} | {r.heads} "
@@ -159,6 +232,7 @@ def claim_systems(results: Path) -> str:
         f"`partition` head's slice): `analyses/results/{INTERVENTIONS_FILE[:-5]}.md`.",
     ]
     out += _fixes_lines(results)
+    out += _rope_lines(results)
     systems = t[t["design"] != "none"]
     gapped = systems[systems["has_gap"]]
     never = systems[systems["converged"] == 0]
@@ -174,4 +248,4 @@ def claim_systems(results: Path) -> str:
     return "\n".join(out)
 
 
-__all__ = ["MECHANISM", "claim_systems", "systems_table"]
+__all__ = ["MECHANISM", "ROPE_SWEEPS", "claim_systems", "systems_table"]
