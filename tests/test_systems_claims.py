@@ -106,3 +106,25 @@ def test_pre_and_post_rope_pooling_are_compared(tmp_path):
     pre_csa = next(ln for ln in text.splitlines() if ln.startswith("| pre | csa |"))
     assert pre_csa.endswith("phase 3: branch_cmp/zero L1.0 (-42 pts there, -12 at the other "
                             "phases; phase-dependent) [csa_d4_h2_T64_s0] |")  # fmt: skip
+
+
+def test_the_t128_sweep_joins_the_table(tmp_path):
+    """Where ``phase_sweep_systems_T128.json`` is recorded its settings are rows of their own
+    (against their own T's dense control), and the verdict names each system's context."""
+    (tmp_path / "phase_sweep_systems.json").write_text(json.dumps(_summary()))
+    long = _summary()
+    for r in long["rows"] + long["convergence"]:
+        r["seq_len"] = 128
+    nsa = next(r for r in long["rows"] if r["design"] == "nsa")
+    nsa.update(debiased_gap=0.001, debiased_lo=-0.002, debiased_hi=0.003)  # no gap at T = 128
+    (tmp_path / "phase_sweep_systems_T128.json").write_text(json.dumps(long))
+    (tmp_path / "interventions_systems.json").write_text(json.dumps(_interventions()))
+    t = systems_table(_summary(), _interventions())
+    assert list(t.seq_len) == [64, 64, 64]
+    text = claim_systems(tmp_path)
+    assert "phase_sweep_systems_T128.json" in text
+    rows = [ln for ln in text.splitlines() if ln.startswith("| nsa |")]
+    assert len(rows) == 2 and "| 128 |" in rows[1]
+    assert "branch_cmp/zero L1.0" in rows[0] and "branch_cmp" not in rows[1]  # T = 64's model
+    assert "a phase gap beyond the dense control in nsa (T = 64);" in text
+    assert "never converged (no evidence either way): dsa (T = 64), dsa (T = 128)" in text

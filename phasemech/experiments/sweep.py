@@ -129,6 +129,13 @@ PROFILES = {
         test_sequences=2048, extra=(("lrs", (3e-3,)), ("pool_min_accuracy", 0.95),
                                     ("design_strides", (("hca", (16,)), ("none", (4, 16))))),
     ),
+    # the context axis for the systems: T = 128 (twice the blocks per context), the same recipe
+    "systems_T128": Profile(
+        steps=4000, strides=(4,), heads=(2,), seeds=(0, 1, 2), seq_lens=(128,), designs=(
+        "none", "nsa", "dsa", "csa", "hca", "partition"), target_accuracy=0.99,
+        checkpoint_every=500, test_sequences=2048, extra=(("lrs", (3e-3,)),
+        ("pool_min_accuracy", 0.95), ("design_strides", (("hca", (16,)), ("none", (4, 16))))),
+    ),
     # pre- against post-RoPE pooling (DeepSeek-V4 pools pre-RoPE and rotates the entry at its
     # block start): the "systems" recipe for csa / hca with rotary positions (the lab's
     # default is learned absolute positions, under which the option changes nothing)

@@ -22,10 +22,14 @@ from typing import Any
 
 import pandas as pd
 
-from phasemech.experiments.converged_claims import converged_settings
+from phasemech.experiments.converged_claims import converged_settings, merge_summaries
 from phasemech.experiments.sweep_summary import _fmt
 
 SWEEP_FILE = "phase_sweep_systems.json"
+#: the same systems at T = 128 (``phasemech run phase_sweep --profile systems_T128``), merged
+#: into the table where recorded
+LONG_FILE = "phase_sweep_systems_T128.json"
+LONG_COMMAND = "phasemech run phase_sweep --profile systems_T128"
 INTERVENTIONS_FILE = "interventions_systems.json"
 SWEEP_COMMAND = "phasemech run phase_sweep --profile systems"
 INTERVENTIONS_COMMAND = "phasemech run interventions --profile systems"
@@ -62,9 +66,11 @@ def _steps(summary: dict[str, Any]) -> pd.DataFrame:
 def _servers(interventions: dict[str, Any] | None) -> pd.DataFrame:
     """Per analysed model: its weak phase and the unit whose ablation costs most there."""
     models = pd.DataFrame((interventions or {}).get("models", []))
-    cols = ["design", "stride", "heads", "server"]
+    cols = ["design", "stride", "heads", "seq_len", "server"]
     if not len(models) or "weak_phase_server" not in models.columns:
         return pd.DataFrame(columns=cols)
+    # a model's context is in its name (``nsa_d4_h2_T64_s0``)
+    models["seq_len"] = models["model"].str.extract(r"_T(\d+)_", expand=False).astype(int)
 
     def cell(r) -> str:
         sig = "phase-dependent" if r.weak_phase_server_p_holm < 0.05 else "not phase-dependent"
@@ -75,7 +81,7 @@ def _servers(interventions: dict[str, Any] | None) -> pd.DataFrame:
 
     models["server"] = [cell(r) for r in models.itertuples()]
     # every analysed model of a system (the profile analyses one seed each; more are listed)
-    keys = ["design", "stride", "heads"]
+    keys = cols[:-1]
     return models.groupby(keys)["server"].agg("; ".join).reset_index()[cols]
 
 
@@ -86,9 +92,10 @@ def systems_table(sweep: dict[str, Any], interventions: dict[str, Any] | None) -
     if not len(s):
         return s
     out = s.merge(_steps(sweep), on=["design", "stride", "heads", "seq_len"], how="left")
-    out = out.merge(_servers(interventions), on=["design", "stride", "heads"], how="left")
+    out = out.merge(_servers(interventions), on=["design", "stride", "heads", "seq_len"],
+                    how="left")  # fmt: skip
     order = {d: i for i, d in enumerate(["none", *MECHANISM])}
-    out = out.assign(order=out["design"].map(order)).sort_values(["stride", "order"])
+    out = out.assign(order=out["design"].map(order)).sort_values(["seq_len", "stride", "order"])
     return out.drop(columns="order").reset_index(drop=True)
 
 
@@ -199,9 +206,15 @@ def claim_systems(results: Path) -> str:
         missing = f"- Missing `analyses/results/{SWEEP_FILE}` (`{SWEEP_COMMAND}`)."
         return "\n".join(out + [missing, "", "Verdict: not measured."])
     inter = _load(results / INTERVENTIONS_FILE)
-    t = systems_table(sweep, inter)
+    long = _load(results / LONG_FILE)
+    t = systems_table(sweep if long is None else merge_summaries([sweep, long]), inter)
     out += [
         f"Source: `analyses/results/{SWEEP_FILE}` (`{SWEEP_COMMAND}`)"
+        + (
+            ""
+            if long is None
+            else f", at T = 128 `analyses/results/{LONG_FILE}` (`{LONG_COMMAND}`)"
+        )
         + (
             f" and `analyses/results/{INTERVENTIONS_FILE}` (`{INTERVENTIONS_COMMAND}`)"
             if inter
@@ -234,15 +247,22 @@ def claim_systems(results: Path) -> str:
     out += _fixes_lines(results)
     out += _rope_lines(results)
     systems = t[t["design"] != "none"]
+    several = t["seq_len"].nunique() > 1
+
+    def names(rows: pd.DataFrame) -> str:
+        if not several:
+            return ", ".join(rows.design)
+        return ", ".join(f"{r.design} (T = {r.seq_len})" for r in rows.itertuples())
+
     gapped = systems[systems["has_gap"]]
     never = systems[systems["converged"] == 0]
     verdict = (
-        "a phase gap beyond the dense control in " + ", ".join(gapped.design)
+        "a phase gap beyond the dense control in " + names(gapped)
         if len(gapped)
         else "no system shows a phase gap beyond its dense control"
     )
     if len(never):
-        verdict += "; never converged (no evidence either way): " + ", ".join(never.design)
+        verdict += "; never converged (no evidence either way): " + names(never)
     rule = "debiased-gap CI above 0 and above the dense control's CI, converged seeds only"
     out += ["", f"Verdict (rule: {rule}): {verdict}."]
     return "\n".join(out)
