@@ -48,6 +48,7 @@ def configs(draw):
         if design in SELECTING_DESIGNS
         else draw(st.sampled_from(["outside_window", "all"])),
         select_len=d * draw(st.integers(1, 3)) if design == "nsa" else None,
+        gate_hidden=draw(st.sampled_from([None, 5])) if design == "nsa" else None,
         indexer_train=draw(st.sampled_from(["kl", "end_to_end"])) if design == "dsa" else None,
         pool_rope=draw(st.sampled_from(["pre", "post"])) if design in ("csa", "hca") else None,
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import (
     make_hooked,
     make_model,
@@ -63,7 +64,8 @@ def _naive_z(attn, x, q, k, v, o_of):
                for i in range(g)]  # fmt: skip
     values = [_naive_entries(attn, v_c[:, i], attn.pos_embed_v[i], attn.compress_v, o_of(i), seq)[0]
               for i in range(g)]  # fmt: skip
-    gates = torch.sigmoid(torch.einsum("pm,hmc->phc", x, attn.W_branch) + attn.b_branch)
+    hid = x if attn.gate_hidden is None else F.silu(x @ attn.W_gate_in + attn.b_gate_in)
+    gates = torch.sigmoid(torch.einsum("pm,hmc->phc", hid, attn.W_branch) + attn.b_branch)
     z = torch.zeros(seq, h, q.shape[-1])
     for t in range(seq):
         p_cmp = {}
@@ -106,6 +108,7 @@ CASES = {
         top_k=1,
     ),
     "strict_no_window": dict(stride=3, window=0, visibility="strict", top_k=3),
+    "mlp_gate": dict(stride=4, window=4, gate_hidden=6, rotary=True, gqa=True),
 }  # fmt: skip
 
 
@@ -115,6 +118,9 @@ def test_nsa_equals_the_naive_loop_outputs_and_gradients(case):
     randomize_compressors(model, seed=2)
     with torch.no_grad():  # gates away from 1/2, so a swapped branch would show
         model.blocks[0].attn.b_branch.copy_(torch.randn(4, 3))
+        if model.blocks[0].attn.gate_hidden is not None:  # a hidden layer that matters
+            model.blocks[0].attn.W_gate_in.normal_(0, 0.5)
+            model.blocks[0].attn.b_gate_in.normal_()
     x_tok = tokens(batch=1, seq=22)
     _, cache = model.run_with_cache(x_tok)
     attn = model.blocks[0].attn
@@ -132,6 +138,8 @@ def test_nsa_equals_the_naive_loop_outputs_and_gradients(case):
     proj = torch.randn_like(want)
     params = [attn.W_branch, attn.b_branch, attn.pos_embed_k, attn.W_K_branch, attn.W_V_branch,
               *attn.compress_v.parameters()]  # fmt: skip
+    if attn.gate_hidden is not None:
+        params += [attn.W_gate_in, attn.b_gate_in]
     g_got = torch.autograd.grad((got[0] * proj).sum(), leaves + params)
     g_want = torch.autograd.grad((want * proj).sum(), leaves + params)
     for a, b in zip(g_got, g_want, strict=True):
@@ -182,6 +190,10 @@ def test_nsa_selection_hook_changes_what_is_read():
 def test_nsa_config_errors_name_the_value():
     raises_naming("select_len", 6, design="nsa", stride=4, select_len=6)
     raises_naming("select_len", 8, design="mean", stride=4, select_len=8)
+    raises_naming("gate_hidden", 0, design="nsa", gate_hidden=0)
+    raises_naming("gate_hidden", 8, design="gated", gate_hidden=8)
+    assert "gate_hidden" not in CompressionConfig("nsa").to_dict()  # old cache keys hold
+    assert CompressionConfig("nsa", gate_hidden=16).to_dict()["gate_hidden"] == 16
     comp = CompressionConfig("nsa", stride=4)
     assert comp.select_len == 4 and comp.block_scope == "all" and comp.top_k == 2
     assert "select_len" not in CompressionConfig("mean").to_dict()  # old cache keys hold

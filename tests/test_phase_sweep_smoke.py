@@ -78,3 +78,10 @@ def test_systems_profiles_build_the_systems_they_name():
         assert {c.model.positional_embedding_type for c in cfgs.values()} == {"rotary"}
         for name in ("csa_d4_h2_T64_s0", "hca_d16_h2_T64_s0"):
             assert cfgs[name].compression.pool_rope == pool
+    gate = configs("systems_nsa_mlp_gate")
+    assert sorted(gate) == ["none_d4_h2_T64_s0", "nsa_d4_h2_T64_s0"]
+    assert gate["nsa_d4_h2_T64_s0"].compression.gate_hidden == 32
+    assert base["nsa_d4_h2_T64_s0"].compression.gate_hidden is None
+    # the same geometry as "systems"' nsa, and its dense control is the same job (cached)
+    assert gate["nsa_d4_h2_T64_s0"].compression.select_len == 8
+    assert gate["none_d4_h2_T64_s0"] == base["none_d4_h2_T64_s0"]

@@ -79,33 +79,45 @@ def _rotary(csa_gap: tuple[float, float, float]) -> dict:
     return s
 
 
-def test_pre_and_post_rope_pooling_are_compared(tmp_path):
+def test_the_variants_are_tabled_and_contrasted(tmp_path):
     (tmp_path / "phase_sweep_systems.json").write_text(json.dumps(_summary()))
-    assert "Pooling before or after RoPE" not in claim_systems(tmp_path)
+    assert "own variants" not in claim_systems(tmp_path)
     (tmp_path / "phase_sweep_systems_rotary.json").write_text(
         json.dumps(_rotary((0.05, 0.02, 0.08)))
     )
     text = claim_systems(tmp_path)
-    assert "| pre | csa | 4 | 2 of 3 | 0.980 | 0.050 [0.020, 0.080]" in text
-    assert (
-        "| pre | hca | 4 | 0 of 3 | - | none converged: no gap |" in text
-        and "Pre against post" not in text
-    )
+    pre = "| rotary, pooled pre-RoPE |"
+    assert f"{pre} csa | 4 | 2 of 3 | 0.980 | 0.050 [0.020, 0.080]" in text
+    assert f"{pre} hca | 4 | 0 of 3 | - | none converged: no gap |" in text
+    assert "Contrasts" not in text  # nothing to set it against yet
     (tmp_path / "phase_sweep_systems_rotary_post.json").write_text(
         json.dumps(_rotary((0.004, -0.001, 0.01)))
     )
     text = claim_systems(tmp_path)
-    assert "| post | csa | 4 | 2 of 3 | 0.980 | 0.004 [-0.001, 0.010]" in text
-    assert "Pre against post: `csa`'s pre-RoPE gap is larger than post-RoPE's (CIs" in text
-    assert "`hca`'s" not in text.split("Pre against post")[1]  # it never converged
+    assert "| rotary, pooled post-RoPE | csa | 4 | 2 of 3 | 0.980 | 0.004 [-0.001, 0.010]" in text
+    assert (
+        "Contrasts: `csa` rotary, pooled pre-RoPE: gap larger than rotary, pooled "
+        "post-RoPE's (CIs disjoint)."
+    ) in text  # fmt: skip (hca never converged)
     server = _interventions()
     server["models"][0].update(design="csa", model="csa_d4_h2_T64_s0")
     (tmp_path / "interventions_systems_rotary.json").write_text(json.dumps(server))
     text = claim_systems(tmp_path)
     assert "ablations `interventions_systems_rotary.json`" in text
-    pre_csa = next(ln for ln in text.splitlines() if ln.startswith("| pre | csa |"))
+    pre_csa = next(ln for ln in text.splitlines() if ln.startswith(f"{pre} csa |"))
     assert pre_csa.endswith("phase 3: branch_cmp/zero L1.0 (-42 pts there, -12 at the other "
                             "phases; phase-dependent) [csa_d4_h2_T64_s0] |")  # fmt: skip
+    # nsa's MLP gate is set against the main sweep's (linear-gate) nsa
+    gate = _summary()
+    next(r for r in gate["rows"] if r["design"] == "nsa").update(
+        debiased_gap=0.002, debiased_lo=-0.001, debiased_hi=0.004
+    )
+    (tmp_path / "phase_sweep_systems_nsa_mlp_gate.json").write_text(json.dumps(gate))
+    text = claim_systems(tmp_path)
+    assert "| an MLP gate (32 SiLU units) | nsa | 4 | 2 of 3 |" in text
+    assert ("`nsa` an MLP gate (32 SiLU units): gap smaller than the main sweep's (CIs "
+            "disjoint)") in text  # fmt: skip
+    assert "| an MLP gate (32 SiLU units) | dsa |" not in text  # only the variant's systems
 
 
 def test_the_t128_sweep_joins_the_table(tmp_path):

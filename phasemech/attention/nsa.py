@@ -6,6 +6,7 @@ of the grid: stride ``d``, length ``l``), ``sel`` (a selection block of length `
 
     o_t = sum_c g_c * Attn(q_t, K_c, V_c),   c in {cmp, slc, win}
     g = sigmoid(x_t W_branch[h] + b_branch[h])     one gate per head and branch, from the input
+    g = sigmoid(SiLU(x_t W_gate_in + b_gate_in) W_branch[h] + b_branch[h])   (``gate_hidden``)
 
 * **compressed** (``cmp``): the ``mlp`` design's compressor (an MLP over each flattened block
   of ``l`` of the branch's post-RoPE keys / values every ``d`` tokens, with intra-block
@@ -27,8 +28,9 @@ Each branch has its own softmax, so a token can be reached by two branches. As i
 branch has its own keys and values (against shortcut learning between branches): the compressed
 and selection branches project theirs from the layer input (``W_K_branch``, ``W_V_branch``
 ``[branch, kv_head, d_model, d_head]``, keys rotated with RoPE), the window uses the layer's own
-(TransformerLens' ``W_K``, ``W_V``). One simplification: a gate is one linear map and a sigmoid
-(NSA: an MLP and a sigmoid). Hooks:
+(TransformerLens' ``W_K``, ``W_V``). A gate is one linear map and a sigmoid by default; NSA's
+paper says "an MLP and sigmoid activation" without the MLP's size, which ``gate_hidden = n``
+gives (one hidden layer of ``n`` SiLU units shared by the heads). Hooks:
 ``hook_branch_gate`` ``[batch, pos, head, branch]``, ``hook_branch_z``
 ``[batch, pos, head, branch, d_head]`` (each branch's output before its gate, so an output
 splits exactly into branches), ``hook_cmp_pattern`` ``[batch, head, pos, block]``,
@@ -48,6 +50,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 from transformer_lens.hook_points import HookPoint
@@ -76,9 +79,19 @@ class NSAAttention(MLPCompressorAttention):
         h, m = self.cfg.n_heads, self.cfg.d_model
         std = self.cfg.initializer_range if self.cfg.initializer_range > 0 else 0.02
         gen = self._generator()
+        #: the gate MLP's hidden width (None: one linear map from the input)
+        self.gate_hidden: int | None = comp.gate_hidden
+        if self.gate_hidden is not None:
+            n = self.gate_hidden
+            self.W_gate_in = nn.Parameter(
+                (torch.randn(m, n, generator=gen) * std).to(self.cfg.dtype)
+            )
+            self.b_gate_in = nn.Parameter(torch.zeros(n, dtype=self.cfg.dtype))
+            m = n  # the per-head map reads the hidden layer
         self.W_branch = nn.Parameter(
             (torch.randn(h, m, len(BRANCHES), generator=gen) * std).to(self.cfg.dtype)
         )
+        m = self.cfg.d_model
         self.b_branch = nn.Parameter(torch.zeros(h, len(BRANCHES), dtype=self.cfg.dtype))
         # NSA gives each branch its own keys and values (against shortcut learning between
         # branches): the compressed and selection branches project their own from the input,
@@ -97,8 +110,10 @@ class NSAAttention(MLPCompressorAttention):
 
     # ------------------------------------------------------------------ pieces
     def branch_gates(self, x: Tensor) -> Float[Tensor, "batch pos head branch"]:
-        """``sigmoid(x W_branch + b_branch)`` per query head (split-QKV input: head ``h`` reads
-        its KV head's copy)."""
+        """``sigmoid(x W_branch + b_branch)`` per query head, ``x`` first through the hidden
+        layer with ``gate_hidden`` (split-QKV input: head ``h`` reads its KV head's copy)."""
+        if self.gate_hidden is not None:
+            x = F.silu(x @ self.W_gate_in.to(x.dtype) + self.b_gate_in.to(x.dtype))
         w = self.W_branch.to(x.dtype)
         if x.ndim == 4:
             x = self._repeat_kv(x, 2)

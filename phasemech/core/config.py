@@ -50,7 +50,7 @@ SELECTING_DESIGNS = ("route", "evict", "quest", "kpool", "dsa", "partition")
 TOP_K_DESIGNS = ("route", "evict", "quest", "kpool", "dsa", "nsa")
 #: fields that only some designs use; ``to_dict`` leaves them out while ``None`` so that the
 #: cache keys of configs written before they existed do not change
-_OPTIONAL_FIELDS = ("select_len", "index_heads", "indexer_train", "pool_rope")
+_OPTIONAL_FIELDS = ("select_len", "index_heads", "indexer_train", "pool_rope", "gate_hidden")
 #: DeepSeek-V4's compressors: entries and the raw window in one softmax by default
 SERIES_DESIGNS = ("csa", "hca")
 #: designs whose compressed entries and raw window overlap by default (``block_scope="all"``)
@@ -145,6 +145,9 @@ class CompressionConfig:
         select_len: ``nsa`` only: ``l'``, the length of a selection block, a multiple of
             ``stride``; ``None`` means ``stride``. Selection blocks lie on the compression grid's
             offset: block ``j`` covers ``[j*l' + o - l', j*l' + o - 1]``.
+        gate_hidden: ``nsa`` only: ``None`` (default) computes each branch gate with one
+            linear map of the input; an int ``n`` with an MLP of ``n`` SiLU units (NSA's paper:
+            "an MLP and sigmoid activation").
         index_heads: ``dsa`` only: the indexer's heads; ``None`` means 2.
         indexer_train: ``dsa`` only: ``"kl"`` (default; DSA's auxiliary KL toward the dense
             attention's mass on each pool) or ``"end_to_end"`` (a straight-through gradient of
@@ -169,6 +172,7 @@ class CompressionConfig:
     block_scope: Literal["outside_window", "before_window", "all"] | None = None
     obs_window: int | None = None
     select_len: int | None = None
+    gate_hidden: int | None = None
     index_heads: int | None = None
     indexer_train: Literal["kl", "end_to_end"] | None = None
     pool_rope: Literal["pre", "post"] | None = None
@@ -273,6 +277,9 @@ class CompressionConfig:
             self._positive_int("select_len", self.stride, allowed)
             if self.select_len % self.stride:
                 raise _bad("select_len", self.select_len, allowed)
+        refusal = f"only design='nsa' has branch gates, not {self.design!r}"
+        if self._takes("gate_hidden", ("nsa",), refusal) and self.gate_hidden is not None:
+            self._positive_int("gate_hidden", 1, "must be None (a linear gate) or an int >= 1")
 
     def _check_indexer(self) -> None:
         refusal = f"only design='dsa' has an indexer, not {self.design!r}"

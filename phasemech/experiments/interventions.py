@@ -99,6 +99,7 @@ PROFILES = {
     # csa / hca pooled before and after RoPE in rotary models: which head serves which phase
     "systems_rotary": _on_converged_sweep("systems_rotary", "first"),
     "systems_rotary_post": _on_converged_sweep("systems_rotary_post", "first"),
+    "systems_nsa_mlp_gate": _on_converged_sweep("systems_nsa_mlp_gate", "first"),
 }  # fmt: skip
 
 
@@ -313,6 +314,7 @@ INTERVENTIONS = Experiment(
         "systems": "phase_sweep_systems",
         "systems_rotary": "phase_sweep_systems_rotary",
         "systems_rotary_post": "phase_sweep_systems_rotary_post",
+        "systems_nsa_mlp_gate": "phase_sweep_systems_nsa_mlp_gate",
     },
 )
 

@@ -143,6 +143,11 @@ PROFILES = {
     "systems_rotary_post": Profile(**{**_ROTARY, "extra": _ROTARY["extra"] + (
         ("design_options", (("csa", (("pool_rope", "post"),)),
                             ("hca", (("pool_rope", "post"),)))),)}),
+    # NSA's gate as its paper states it, an MLP and a sigmoid (32 SiLU units), against the
+    # one-linear-map gate of "systems"
+    "systems_nsa_mlp_gate": Profile(**{**_ROTARY, "designs": ("none", "nsa"), "extra": (
+        ("lrs", (3e-3,)), ("pool_min_accuracy", 0.95),
+        ("design_options", (("nsa", (("gate_hidden", 32),)),)))}),
     "full": Profile(
         steps=4000, **{**_SWEEP, "seeds": (0, 1, 2, 3, 4)}, seq_lens=(64, 128),
         long_designs=("none", "gated", "mean"), long_heads=(2, 4), target_accuracy=None,

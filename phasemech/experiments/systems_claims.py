@@ -5,8 +5,9 @@ Read from recorded results only: ``phase_sweep_systems.json`` (``phasemech run p
 --profile systems``: convergence, pooled per-phase accuracy and debiased gaps of converged
 seeds, the dense controls) and ``interventions_systems.json`` (``phasemech run interventions
 --profile systems``: what serves each model's weak phase), and where recorded the offset fixes
-per system (``fixes_systems_<design>.json``) and csa / hca pooled before against after RoPE
-in rotary models (``phase_sweep_systems_rotary{,_post}.json``). The gap rule is the converged
+per system (``fixes_systems_<design>.json``), the systems at T = 128 and the systems' own
+variants (:data:`VARIANTS`: csa / hca pooled before or after RoPE in rotary models, nsa with
+an MLP gate). The gap rule is the converged
 sweeps' (:mod:`phasemech.experiments.converged_claims`): a system *has a gap* when its debiased
 gap's CI lies above 0 and above its dense control's, and a system none of whose seeds converged
 has no gap at all.
@@ -126,9 +127,16 @@ def _fixes_lines(results: Path) -> list[str]:
     return ["", *lines] if lines else []
 
 
-#: pre- and post-RoPE pooling in rotary lab models (csa / hca's ``pool_rope``): file, command
-#: (and the ablations of its models, ``phasemech run interventions --profile <same>``)
-ROPE_SWEEPS = {"pre": "systems_rotary", "post": "systems_rotary_post"}
+#: the systems' own variants, each a sweep profile (its file ``phase_sweep_<profile>.json`` and
+#: the ablations ``interventions_<profile>.json``, by the same command) with its own dense
+#: control: profile -> (variant, its systems)
+VARIANTS = {
+    "systems_rotary": ("rotary, pooled pre-RoPE", ("csa", "hca")),
+    "systems_rotary_post": ("rotary, pooled post-RoPE", ("csa", "hca")),
+    "systems_nsa_mlp_gate": ("an MLP gate (32 SiLU units)", ("nsa",)),
+}
+#: (variant profile, what it is set against: another variant or None for the main sweep)
+CONTRASTS = (("systems_rotary", "systems_rotary_post"), ("systems_nsa_mlp_gate", None))
 
 
 def _ci_order(a: Any, b: Any, other: str) -> str:
@@ -140,19 +148,46 @@ def _ci_order(a: Any, b: Any, other: str) -> str:
     return f"the same as {other} within the CIs"
 
 
-def _rope_lines(results: Path) -> list[str]:
-    """Pre- against post-RoPE pooling of ``csa`` / ``hca`` in rotary lab models (each sweep
-    with its own rotary dense control), by the section's gap rule; empty when not recorded."""
+def _variant_row(variant: str, r: Any) -> str:
+    conv = bool(r.converged)
+    return (
+        f"| {variant} | {r.Index} | {r.stride} | {r.converged} of {r.seeds} "
+        f"| {_fmt(r.accuracy) if conv else '-'} "
+        f"| {_gap_cell(r) if conv else 'none converged: no gap'} "
+        f"| {_fmt(r.dense_gap)} [{_fmt(r.dense_lo)}, {_fmt(r.dense_hi)}] "
+        f"| {'yes' if r.has_gap else 'no'} | {r.steps} "
+        f"| {r.server if isinstance(r.server, str) else '-'} |"
+    )
+
+
+def _contrasts(tables: dict[str, pd.DataFrame], main: pd.DataFrame) -> list[str]:
+    """Each recorded contrast, system by system where both sides converged."""
+    cells = []
+    for mine, other in CONTRASTS:
+        theirs = main if other is None else tables.get(other)
+        if mine not in tables or theirs is None:
+            continue
+        name = "the main sweep's" if other is None else f"{VARIANTS[other][0]}'s"
+        for d in tables[mine].index.intersection(theirs.index):
+            a, b = tables[mine].loc[d], theirs.loc[d]
+            if a.converged and b.converged:
+                cells.append(f"`{d}` {VARIANTS[mine][0]}: gap {_ci_order(a, b, name)}")
+    return ["", "Contrasts: " + "; ".join(cells) + "."] if cells else []
+
+
+def _variant_lines(results: Path, main: pd.DataFrame) -> list[str]:
+    """The recorded variants (:data:`VARIANTS`) by the section's gap rule, each against its
+    own dense control, and the contrasts between them; empty when none is recorded."""
     tables, sources = {}, []
-    for pool, profile in ROPE_SWEEPS.items():
+    for profile, (variant, designs) in VARIANTS.items():
         sweep = _load(results / f"phase_sweep_{profile}.json")
         if sweep is None:
             continue
         inter = _load(results / f"interventions_{profile}.json")
         t = systems_table(sweep, inter)
-        tables[pool] = t[t["design"].isin(["csa", "hca"])].set_index("design")
+        tables[profile] = t[t["design"].isin(designs)].set_index("design")
         sources.append(
-            f"`{pool}`: `analyses/results/phase_sweep_{profile}.json` (`phasemech run "
+            f"{variant}: `analyses/results/phase_sweep_{profile}.json` (`phasemech run "
             f"phase_sweep --profile {profile}`)"
             + (f", ablations `interventions_{profile}.json`" if inter else "")
         )
@@ -160,37 +195,18 @@ def _rope_lines(results: Path) -> list[str]:
         return []
     out = [
         "",
-        "Pooling before or after RoPE (`pool_rope`; DeepSeek-V4 pools pre-RoPE keys and rotates "
-        "the entry at its block start), in rotary models at the same recipe, each sweep with "
-        "its own rotary dense control; " + "; ".join(sources) + ".",
+        "The systems' own variants, each at the same recipe against its own dense control "
+        "(`pool_rope`: DeepSeek-V4 pools pre-RoPE keys and rotates the entry at its block "
+        "start; the lab's default learned positions make the two one): " + "; ".join(sources) + ".",
         "",
-        "| pooling | system | d | converged seeds | accuracy | debiased gap [95% CI] | rotary "
-        "dense gap [95% CI] | gap beyond dense | steps to 0.95 (by seed) | weak phase and the "
-        "unit serving it (ablation) |",
+        "| variant | system | d | converged seeds | accuracy | debiased gap [95% CI] | its dense "
+        "gap [95% CI] | gap beyond dense | steps to 0.95 (by seed) | weak phase and the unit "
+        "serving it (ablation) |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for pool, t in tables.items():
-        for r in t.itertuples():
-            conv = bool(r.converged)
-            out.append(
-                f"| {pool} | {r.Index} | {r.stride} | {r.converged} of {r.seeds} "
-                f"| {_fmt(r.accuracy) if conv else '-'} "
-                f"| {_gap_cell(r) if conv else 'none converged: no gap'} "
-                f"| {_fmt(r.dense_gap)} [{_fmt(r.dense_lo)}, {_fmt(r.dense_hi)}] "
-                f"| {'yes' if r.has_gap else 'no'} | {r.steps} "
-                f"| {r.server if isinstance(r.server, str) else '-'} |"
-            )
-    if len(tables) == 2:
-        both = [d for d in tables["pre"].index if d in tables["post"].index]
-        cells = [
-            f"`{d}`'s pre-RoPE gap is "
-            + _ci_order(tables["pre"].loc[d], tables["post"].loc[d], "post-RoPE's")
-            for d in both
-            if tables["pre"].loc[d, "converged"] and tables["post"].loc[d, "converged"]
-        ]
-        out += ["", "Pre against post: " + ("; ".join(cells) or "no system converged both ways")
-                + "."]  # fmt: skip
-    return out
+    for profile, t in tables.items():
+        out += [_variant_row(VARIANTS[profile][0], r) for r in t.itertuples()]
+    return out + _contrasts(tables, main[main["seq_len"] == 64].set_index("design"))
 
 
 def claim_systems(results: Path) -> str:
@@ -245,7 +261,7 @@ def claim_systems(results: Path) -> str:
         f"`partition` head's slice): `analyses/results/{INTERVENTIONS_FILE[:-5]}.md`.",
     ]
     out += _fixes_lines(results)
-    out += _rope_lines(results)
+    out += _variant_lines(results, t)
     systems = t[t["design"] != "none"]
     several = t["seq_len"].nunique() > 1
 
@@ -268,4 +284,4 @@ def claim_systems(results: Path) -> str:
     return "\n".join(out)
 
 
-__all__ = ["MECHANISM", "ROPE_SWEEPS", "claim_systems", "systems_table"]
+__all__ = ["CONTRASTS", "MECHANISM", "VARIANTS", "claim_systems", "systems_table"]
