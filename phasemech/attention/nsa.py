@@ -87,11 +87,10 @@ class NSAAttention(MLPCompressorAttention):
                 (torch.randn(m, n, generator=gen) * std).to(self.cfg.dtype)
             )
             self.b_gate_in = nn.Parameter(torch.zeros(n, dtype=self.cfg.dtype))
-            m = n  # the per-head map reads the hidden layer
+        gate_in = m if self.gate_hidden is None else self.gate_hidden  # what W_branch reads
         self.W_branch = nn.Parameter(
-            (torch.randn(h, m, len(BRANCHES), generator=gen) * std).to(self.cfg.dtype)
+            (torch.randn(h, gate_in, len(BRANCHES), generator=gen) * std).to(self.cfg.dtype)
         )
-        m = self.cfg.d_model
         self.b_branch = nn.Parameter(torch.zeros(h, len(BRANCHES), dtype=self.cfg.dtype))
         # NSA gives each branch its own keys and values (against shortcut learning between
         # branches): the compressed and selection branches project their own from the input,

@@ -149,8 +149,9 @@ class CompressionConfig:
             linear map of the input; an int ``n`` with an MLP of ``n`` SiLU units (NSA's paper:
             "an MLP and sigmoid activation").
         index_heads: ``dsa`` only: the indexer's heads; ``None`` means 2.
-        indexer_train: ``dsa`` only: ``"kl"`` (default; DSA's auxiliary KL toward the dense
-            attention's mass on each pool) or ``"end_to_end"`` (a straight-through gradient of
+        indexer_train: ``dsa`` only: ``"kl"`` (default; DSA's auxiliary KL toward the main
+            attention's mass on each pool: every candidate in the dense warm-up, the selected
+            ones in the sparse stage) or ``"end_to_end"`` (a straight-through gradient of
             the main loss through the kept pools).
         pool_rope: ``csa`` / ``hca`` only: ``"pre"`` (default, as DeepSeek-V4: pool pre-RoPE
             keys, rotate the entry at its block's stride start) or ``"post"`` (pool rotated keys).
