@@ -77,8 +77,9 @@ def test_dsa_left_padding_matches_the_reference():
 
 
 def _naive_kl(attn, x, q, k, geo, key_valid=None, top_k=None) -> torch.Tensor:
-    """The KL term by loops: dense attention's mass per ranked candidate pool (not the pool
-    the query closes: it is kept unranked), summed over a KV group's heads and renormalised,
+    """The KL term by loops: each head's attention mass per ranked candidate pool (not the
+    pool the query closes: it is kept unranked) renormalised over those pools, summed over a
+    KV group's heads and renormalised,
     against the indexer's softmax over those candidates; masked queries left out. With
     ``top_k`` (DSA's sparse stage) the candidates are only the ``top_k`` best-scored ones."""
     b, seq, h, _ = q.shape
@@ -98,11 +99,12 @@ def _naive_kl(attn, x, q, k, geo, key_valid=None, top_k=None) -> torch.Tensor:
                     continue
                 mass = torch.zeros(len(cand))
                 keys = [j for j in range(t + 1) if key_valid is None or key_valid[s, j]]
-                for r in range(rep):
+                for r in range(rep):  # each head's attention on the pools, renormalised
                     p = torch.softmax((k[s, keys, g] @ q[s, t, g * rep + r]) / attn.attn_scale, 0)
                     on = dict(zip(keys, p, strict=True))
-                    for c, i in enumerate(cand):
-                        mass[c] += sum(on[j] for j in _real_slots(geo, s, g, i))
+                    head = torch.stack([sum(on[j] for j in _real_slots(geo, s, g, i))
+                                        for i in cand])  # fmt: skip
+                    mass += head / head.sum()
                 target = mass / mass.sum()
                 score = torch.stack([_index_score(attn, x, geo, s, g, t, i) for i in cand])
                 logp = torch.log_softmax(score, 0)
@@ -242,3 +244,26 @@ def test_selection_warmup_trains_dense_then_sparse(tmp_path, monkeypatch):
     easy = dataclasses.replace(cfg, target_accuracy=0.99, steps=6)
     result = trainer.train(easy, tmp_path / "easy", progress=False)
     assert result.step == 4 and seen == [True, True, False, False]
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_dsa_kl_pools_are_the_pools_the_engine_keeps(ties):
+    """The sparse stage's KL covers exactly the ranked pools the attention reads (the engine's
+    ``hook_route_selected`` less any forced closing pool), ties included (zero indexer queries
+    score every pool 0: both break ties toward the later pool)."""
+    model = _model(stride=4, window=4, top_k=2, offsets="per_head")
+    if ties:
+        with torch.no_grad():
+            model.blocks[0].attn.W_iq.zero_()
+    x_tok = tokens(2, 28, seed=6)
+    mask = torch.ones_like(x_tok)
+    mask[1, :3] = 0  # left padding
+    attn, geo, cache, _ = _inputs(model, x_tok, attention_mask=mask)
+    rep = model.cfg.n_heads // geo.block_used.shape[1]
+    scores = cache["blocks.0.attn.hook_route_scores"][:, ::rep]  # one KV head's queries agree
+    got = attn.kl_pools(scores, geo)
+    kept = cache["blocks.0.attn.hook_route_selected"][:, ::rep]
+    t = torch.arange(x_tok.shape[1])
+    closes = geo.block_last[:, :, None, :] == t[:, None]
+    assert torch.equal(got, kept & ~closes)
+    assert bool(got.any()) and bool((geo.block_used & ~closes & ~got).any())  # selection bites

@@ -205,3 +205,20 @@ def test_nsa_refuses_a_kv_cache():
     with pytest.raises(NotImplementedError, match="nsa"):
         model.generate(tokens(batch=1, seq=12), max_new_tokens=2, use_past_kv_cache=True,
                        stop_at_eos=False, verbose=False)  # fmt: skip
+
+
+def test_nsa_mlp_gate_reads_split_qkv_input_as_the_plain_input():
+    """With split QKV input the gate MLP reads each KV head's copy of the input: the same
+    output as from the shared input (a gate that mixed up the copies would differ)."""
+    model = make_model("nsa", stride=4, window=4, gate_hidden=6, gqa=True)
+    randomize_compressors(model, seed=3)
+    attn = model.blocks[0].attn
+    with torch.no_grad():
+        attn.W_gate_in.normal_(0, 0.5)
+        attn.b_gate_in.normal_()
+    x = tokens(2, 20, seed=4)
+    plain = model(x)
+    model.set_use_split_qkv_input(True)
+    torch.testing.assert_close(model(x), plain, atol=1e-5, rtol=1e-5)
+    perturb = {"blocks.0.hook_k_input": lambda t, hook: t + torch.randn_like(t)}
+    assert not torch.allclose(model.run_with_hooks(x, fwd_hooks=list(perturb.items())), plain)

@@ -37,6 +37,9 @@ def test_phase_sweep_tiny_profile(tmp_path):
     summary = json.loads((sweep / "summary.json").read_text())
     assert summary["models"] == 2 and len(summary["runs"]) == 2
     assert summary["profile"]["d_model"] == 64  # the report reads the width from the recording
+    # so are the positions and design options the models were trained with
+    assert summary["profile"]["positional"] == "standard"
+    assert summary["profile"]["design_options"] == {}
     assert len(summary["rows"]) == len(results)  # the report reads these rows, not markdown
     # a second run reuses every job: nothing is retrained, rescored or rewritten
     cached = sorted(sweep.rglob("model.safetensors")) + sorted((sweep / "jobs").glob("*.json"))
@@ -85,3 +88,15 @@ def test_systems_profiles_build_the_systems_they_name():
     # the same geometry as "systems"' nsa, and its dense control is the same job (cached)
     assert gate["nsa_d4_h2_T64_s0"].compression.select_len == 8
     assert gate["none_d4_h2_T64_s0"] == base["none_d4_h2_T64_s0"]
+
+
+def test_recorded_profiles_keep_their_job_keys():
+    """A new optional config field or profile option must not move the keys of recorded runs'
+    jobs (their cache): the ``systems`` sweep's first-stage keys as recorded."""
+    from phasemech.experiments.experiment import Done
+    from phasemech.experiments.sweep import PROFILES, search_jobs
+
+    keys = sorted(j.key for j in search_jobs(PROFILES["systems"], Done()))
+    assert keys == ["459b87352ff692f5", "510a7071ff1dc72d", "9378acd838cc7360",
+                    "a29dc2485e52e007", "a5d067c999c8d884", "b4a08368d5cee6a6",
+                    "b85689543cb00d79"]  # fmt: skip

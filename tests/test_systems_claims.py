@@ -90,10 +90,11 @@ def test_the_variants_are_tabled_and_contrasted(tmp_path):
     assert f"{pre} csa | 4 | 2 of 3 | 0.980 | 0.050 [0.020, 0.080]" in text
     assert f"{pre} hca | 4 | 0 of 3 | - | none converged: no gap |" in text
     assert "Contrasts" not in text  # nothing to set it against yet
-    (tmp_path / "phase_sweep_systems_rotary_post.json").write_text(
-        json.dumps(_rotary((0.004, -0.001, 0.01)))
-    )
+    post = _rotary((0.004, -0.001, 0.01))
+    post["profile"] = {"positional": "rotary", "design_options": {"csa": {"pool_rope": "post"}}}
+    (tmp_path / "phase_sweep_systems_rotary_post.json").write_text(json.dumps(post))
     text = claim_systems(tmp_path)
+    assert "rotary, pooled post-RoPE (rotary positions; csa pool_rope=post)" in text
     assert "| rotary, pooled post-RoPE | csa | 4 | 2 of 3 | 0.980 | 0.004 [-0.001, 0.010]" in text
     assert (
         "Contrasts: `csa` rotary, pooled pre-RoPE: gap larger than rotary, pooled "
@@ -118,6 +119,9 @@ def test_the_variants_are_tabled_and_contrasted(tmp_path):
     assert ("`nsa` an MLP gate (32 SiLU units): gap smaller than the main sweep's (CIs "
             "disjoint)") in text  # fmt: skip
     assert "| an MLP gate (32 SiLU units) | dsa |" not in text  # only the variant's systems
+    # a variant recorded before any model finished is left out, not a crash
+    (tmp_path / "phase_sweep_systems_nsa_mlp_gate.json").write_text(json.dumps({"rows": []}))
+    assert "an MLP gate" not in claim_systems(tmp_path)
 
 
 def test_the_t128_sweep_joins_the_table(tmp_path):

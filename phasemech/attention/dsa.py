@@ -16,8 +16,9 @@ One score per query serves every head (the real indexer picks tokens for all hea
 Selection has no gradient, so the indexer is trained by one of (``indexer_train``):
 
 * ``"kl"`` (DSA): an auxiliary loss ``KL(p_main || softmax(score))`` over a set of each query's
-  pools, ``p_main`` the main attention's mass on each pool summed over heads (detached,
-  renormalised over the set); computed in training mode only and collected by
+  pools, ``p_main`` the main attention's mass on each pool (each head's attention restricted
+  to the set and renormalised, summed over the heads, renormalised; detached); computed in
+  training mode only and collected by
   :meth:`phasemech.model.transformer.PhaseTransformer.auxiliary_loss`. The set follows DSA's
   two stages: during the dense warm-up (``selection_warmup``: every pool is read) it is every
   ranked candidate; in the sparse stage it is the ``top_k`` pools the indexer selected, so the
@@ -37,7 +38,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from jaxtyping import Float, Int
+from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from phasemech.attention.rows import query_rows
@@ -130,6 +131,22 @@ class DSAAttention(SelectingAttention):
             self.aux_loss = self.indexer_kl(self._summary, q, k, geo)
         return super().attend(x, q, k, v, geo)
 
+    def kl_pools(
+        self, score: Float[Tensor, "batch kv_head pos block"], geo: Geometry
+    ) -> Bool[Tensor, "batch kv_head pos block"]:
+        """The pools each query's KL covers: its ranked candidates (the block it closes is kept
+        anyway, unranked) during the dense warm-up, or in DSA's sparse stage the ``top_k`` of
+        them the indexer selected, by the engine's own rule (ties to the later pool)."""
+        t = torch.arange(score.shape[2], device=score.device)
+        closes = geo.block_last[:, :, None, :] == t[:, None]  # [batch, kv_head, pos, block]
+        cand = geo.block_used & ~closes
+        if self.keep_all:
+            return cand
+        n = score.shape[-1]
+        ranked = score.detach().masked_fill(~cand, float("-inf"))
+        val, top = top_k_latest(ranked, min(self.n_keep(n), n))
+        return cand & torch.zeros_like(cand).scatter(-1, top, val > float("-inf"))
+
     def indexer_kl(
         self,
         summary: tuple[Tensor, Tensor, Tensor],
@@ -137,30 +154,27 @@ class DSAAttention(SelectingAttention):
         k: Float[Tensor, "batch pos kv_head d_head"],
         geo: Geometry,
     ) -> Tensor:
-        """``KL(p_main || softmax(score))`` over each query's ranked candidate pools (the
-        block the query closes is kept anyway, unranked), or in the sparse stage over the
-        ``top_k`` of them the indexer selected, averaged over the unmasked queries that have
-        one: DSA's indexer loss, its target the main attention's mass per pool."""
+        """``KL(p_main || softmax(score))`` over each query's :meth:`kl_pools`, averaged over
+        the unmasked queries that have one: DSA's indexer loss. ``p_main``: each head's
+        attention restricted to those pools and renormalised (DSA's main attention reads only
+        its set), summed over the KV group's heads and renormalised."""
         seq = q.shape[1]
         rows = torch.arange(seq, device=q.device).expand(q.shape[0], -1)
         score = self.index_scores(summary, rows)  # [batch, kv_head, pos, block]
-        t = torch.arange(seq, device=q.device)
-        closes = geo.block_last[:, :, None, :] == t[:, None]  # [batch, kv_head, pos, block]
-        cand = geo.block_used & ~closes
-        if not self.keep_all:  # DSA's sparse stage: only the pools the indexer selected
-            n = score.shape[-1]
-            ranked = score.detach().masked_fill(~cand, float("-inf"))
-            val, top = top_k_latest(ranked, min(self.n_keep(n), n))
-            cand = cand & torch.zeros_like(cand).scatter(-1, top, val > float("-inf"))
+        cand = self.kl_pools(score, geo)
         with torch.no_grad():
+            t = torch.arange(seq, device=q.device)
             qh, kh = q.transpose(1, 2), self._repeat_kv(k.transpose(1, 2), 1)
             visible = (t[None, :] <= t[:, None]).expand(q.shape[0], 1, -1, -1)
             if geo.key_valid is not None:
                 visible = visible & geo.key_valid[:, None, None, :]
             p = self._row_pattern(qh @ kh.transpose(-1, -2), visible)  # [b, h, pos, key]
             a = self._blocks_to_tokens(geo.slot_valid.to(p.dtype), geo, seq)  # [b, g, n, key]
-            mass = p.unflatten(1, (cand.shape[1], -1)).sum(2) @ a.transpose(-1, -2)
-            mass = mass * cand
+            # [batch, kv_head, rep, pos, block]: each head's mass on its pools, renormalised
+            per_head = p.unflatten(1, (cand.shape[1], -1)) @ a.transpose(-1, -2)[:, :, None]
+            per_head = per_head * cand[:, :, None]
+            per_head = per_head / per_head.sum(-1, keepdim=True).clamp(min=1e-30)
+            mass = per_head.sum(2)
             total = mass.sum(-1, keepdim=True)
             target = mass / total.clamp(min=1e-30)
             rows_ok = cand.any(-1) & (total[..., 0] > 0)

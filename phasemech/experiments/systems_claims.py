@@ -71,7 +71,8 @@ def _servers(interventions: dict[str, Any] | None) -> pd.DataFrame:
     if not len(models) or "weak_phase_server" not in models.columns:
         return pd.DataFrame(columns=cols)
     # a model's context is in its name (``nsa_d4_h2_T64_s0``)
-    models["seq_len"] = models["model"].str.extract(r"_T(\d+)_", expand=False).astype(int)
+    models["seq_len"] = pd.to_numeric(models["model"].str.extract(r"_T(\d+)_", expand=False))
+    models = models.dropna(subset=["seq_len"]).astype({"seq_len": int})
 
     def cell(r) -> str:
         sig = "phase-dependent" if r.weak_phase_server_p_holm < 0.05 else "not phase-dependent"
@@ -151,11 +152,11 @@ def _ci_order(a: Any, b: Any, other: str) -> str:
 def _variant_row(variant: str, r: Any) -> str:
     conv = bool(r.converged)
     return (
-        f"| {variant} | {r.Index} | {r.stride} | {r.converged} of {r.seeds} "
+        f"| {variant} | {r.design} | {r.stride} | {r.converged} of {r.seeds} "
         f"| {_fmt(r.accuracy) if conv else '-'} "
         f"| {_gap_cell(r) if conv else 'none converged: no gap'} "
         f"| {_fmt(r.dense_gap)} [{_fmt(r.dense_lo)}, {_fmt(r.dense_hi)}] "
-        f"| {'yes' if r.has_gap else 'no'} | {r.steps} "
+        f"| {'yes' if r.has_gap else 'no'} | {r.steps if isinstance(r.steps, str) else '-'} "
         f"| {r.server if isinstance(r.server, str) else '-'} |"
     )
 
@@ -168,10 +169,10 @@ def _contrasts(tables: dict[str, pd.DataFrame], main: pd.DataFrame) -> list[str]
         if mine not in tables or theirs is None:
             continue
         name = "the main sweep's" if other is None else f"{VARIANTS[other][0]}'s"
-        for d in tables[mine].index.intersection(theirs.index):
-            a, b = tables[mine].loc[d], theirs.loc[d]
+        for key in tables[mine].index.intersection(theirs.index):  # (design, stride)
+            a, b = tables[mine].loc[key], theirs.loc[key]
             if a.converged and b.converged:
-                cells.append(f"`{d}` {VARIANTS[mine][0]}: gap {_ci_order(a, b, name)}")
+                cells.append(f"`{key[0]}` {VARIANTS[mine][0]}: gap {_ci_order(a, b, name)}")
     return ["", "Contrasts: " + "; ".join(cells) + "."] if cells else []
 
 
@@ -185,10 +186,13 @@ def _variant_lines(results: Path, main: pd.DataFrame) -> list[str]:
             continue
         inter = _load(results / f"interventions_{profile}.json")
         t = systems_table(sweep, inter)
-        tables[profile] = t[t["design"].isin(designs)].set_index("design")
+        if not len(t):  # recorded without a finished model
+            continue
+        t = t[t["design"].isin(designs)]
+        tables[profile] = t.set_index(["design", "stride"], drop=False)
         sources.append(
-            f"{variant}: `analyses/results/phase_sweep_{profile}.json` (`phasemech run "
-            f"phase_sweep --profile {profile}`)"
+            f"{variant} ({_options(sweep)}): `analyses/results/phase_sweep_{profile}.json` "
+            f"(`phasemech run phase_sweep --profile {profile}`)"
             + (f", ablations `interventions_{profile}.json`" if inter else "")
         )
     if not tables:
@@ -205,8 +209,18 @@ def _variant_lines(results: Path, main: pd.DataFrame) -> list[str]:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for profile, t in tables.items():
-        out += [_variant_row(VARIANTS[profile][0], r) for r in t.itertuples()]
-    return out + _contrasts(tables, main[main["seq_len"] == 64].set_index("design"))
+        out += [_variant_row(VARIANTS[profile][0], r) for r in t.itertuples(index=False)]
+    main = main[main["seq_len"] == 64].set_index(["design", "stride"], drop=False)
+    return out + _contrasts(tables, main)
+
+
+def _options(sweep: dict[str, Any]) -> str:
+    """What a variant's models were trained with, as its sweep recorded it."""
+    prof = sweep.get("profile", {})
+    opts = [f"{prof.get('positional', 'standard')} positions"]
+    for design, kw in prof.get("design_options", {}).items():
+        opts += [f"{design} {k}={v}" for k, v in kw.items()]
+    return "; ".join(opts)
 
 
 def claim_systems(results: Path) -> str:
