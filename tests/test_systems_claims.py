@@ -68,6 +68,11 @@ def test_recorded_fixes_runs_are_listed(tmp_path):
     assert "Offset fixes on `csa`" in text
     assert "staggered_head: gap 0.007 -> 0.001, cut 90% [-45%, 165%]" in text
     assert text.count("staggered_head") == 1  # the far-target row is not listed
+    # a baseline without a gap has no cut (JSON null where the run recorded NaN)
+    fx["comparison"][0].update(gap_baseline=-0.0, reduction=None, reduction_lo=None,
+                               reduction_hi=None)  # fmt: skip
+    (tmp_path / "fixes_systems_csa.json").write_text(json.dumps(fx))
+    assert "cut n/a (no baseline gap to cut), accuracy -0.001" in claim_systems(tmp_path)
 
 
 def _rotary(csa_gap: tuple[float, float, float]) -> dict:
@@ -105,6 +110,8 @@ def test_the_variants_are_tabled_and_contrasted(tmp_path):
     (tmp_path / "interventions_systems_rotary.json").write_text(json.dumps(server))
     text = claim_systems(tmp_path)
     assert "ablations `interventions_systems_rotary.json`" in text
+    assert text.endswith("; among the variants, a gap beyond the dense control in csa (rotary, "
+                         "pooled pre-RoPE).")  # fmt: skip
     pre_csa = next(ln for ln in text.splitlines() if ln.startswith(f"{pre} csa |"))
     assert pre_csa.endswith("phase 3: branch_cmp/zero L1.0 (-42 pts there, -12 at the other "
                             "phases; phase-dependent) [csa_d4_h2_T64_s0] |")  # fmt: skip

@@ -105,6 +105,14 @@ def _gap_cell(r: Any) -> str:
     return f"{_fmt(r.debiased_gap)} [{_fmt(r.debiased_lo)}, {_fmt(r.debiased_hi)}]"
 
 
+def _cut(r: dict[str, Any]) -> str:
+    """A fix's gap cut with its CI; none where the baseline has no gap to cut (JSON null)."""
+    cut = [r.get(k) for k in ("reduction", "reduction_lo", "reduction_hi")]
+    if any(c is None or c != c for c in cut):  # None (JSON null) or NaN
+        return "n/a (no baseline gap to cut)"
+    return f"{100 * cut[0]:.0f}% [{100 * cut[1]:.0f}%, {100 * cut[2]:.0f}%]"
+
+
 def _fixes_lines(results: Path) -> list[str]:
     """The offset fixes on each system whose fixes run is recorded (``fixes_systems_<design>
     .json``, ``phasemech run fixes --profile systems_<design>``): the gap cut per fix."""
@@ -116,8 +124,7 @@ def _fixes_lines(results: Path) -> list[str]:
         rows = [r for r in fx.get("comparison", []) if r["targets"] == "all"]
         cells = [
             f"{r['fix']}: gap {_fmt(r['gap_baseline'])} -> {_fmt(r['gap_other'])}, cut "
-            f"{100 * r['reduction']:.0f}% [{100 * r['reduction_lo']:.0f}%, "
-            f"{100 * r['reduction_hi']:.0f}%], accuracy {r['accuracy_diff']:+.3f} "
+            f"{_cut(r)}, accuracy {r['accuracy_diff']:+.3f} "
             f"({'meets the goal' if r['meets_goal'] else 'does not meet the goal'})"
             for r in rows
         ]
@@ -176,9 +183,9 @@ def _contrasts(tables: dict[str, pd.DataFrame], main: pd.DataFrame) -> list[str]
     return ["", "Contrasts: " + "; ".join(cells) + "."] if cells else []
 
 
-def _variant_lines(results: Path, main: pd.DataFrame) -> list[str]:
-    """The recorded variants (:data:`VARIANTS`) by the section's gap rule, each against its
-    own dense control, and the contrasts between them; empty when none is recorded."""
+def _variant_tables(results: Path) -> tuple[dict[str, pd.DataFrame], list[str]]:
+    """The recorded variants (:data:`VARIANTS`): each one's systems by the section's gap rule
+    against its own dense control (indexed by design and stride), and where each came from."""
     tables, sources = {}, []
     for profile, (variant, designs) in VARIANTS.items():
         sweep = _load(results / f"phase_sweep_{profile}.json")
@@ -195,6 +202,13 @@ def _variant_lines(results: Path, main: pd.DataFrame) -> list[str]:
             f"(`phasemech run phase_sweep --profile {profile}`)"
             + (f", ablations `interventions_{profile}.json`" if inter else "")
         )
+    return tables, sources
+
+
+def _variant_lines(
+    tables: dict[str, pd.DataFrame], sources: list[str], main: pd.DataFrame
+) -> list[str]:
+    """The variants' table and the contrasts between them; empty when none is recorded."""
     if not tables:
         return []
     out = [
@@ -275,7 +289,16 @@ def claim_systems(results: Path) -> str:
         f"`partition` head's slice): `analyses/results/{INTERVENTIONS_FILE[:-5]}.md`.",
     ]
     out += _fixes_lines(results)
-    out += _variant_lines(results, t)
+    tables, sources = _variant_tables(results)
+    out += _variant_lines(tables, sources, t)
+    rule = "debiased-gap CI above 0 and above the dense control's CI, converged seeds only"
+    out += ["", f"Verdict (rule: {rule}): {_verdict(t, tables)}."]
+    return "\n".join(out)
+
+
+def _verdict(t: pd.DataFrame, variants: dict[str, pd.DataFrame]) -> str:
+    """The systems with a gap beyond their dense control, those that never converged, and
+    the variants with a gap."""
     systems = t[t["design"] != "none"]
     several = t["seq_len"].nunique() > 1
 
@@ -293,9 +316,15 @@ def claim_systems(results: Path) -> str:
     )
     if len(never):
         verdict += "; never converged (no evidence either way): " + names(never)
-    rule = "debiased-gap CI above 0 and above the dense control's CI, converged seeds only"
-    out += ["", f"Verdict (rule: {rule}): {verdict}."]
-    return "\n".join(out)
+    if variants:
+        gaps = [f"{r.design} ({VARIANTS[p][0]})" for p, v in variants.items()
+                for r in v[v["has_gap"]].itertuples(index=False)]  # fmt: skip
+        verdict += (
+            "; among the variants, a gap beyond the dense control in " + ", ".join(gaps)
+            if gaps
+            else "; no variant shows one either"
+        )
+    return verdict
 
 
 __all__ = ["CONTRASTS", "MECHANISM", "VARIANTS", "claim_systems", "systems_table"]
