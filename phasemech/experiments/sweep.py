@@ -61,22 +61,22 @@ _TINY = dict(
     n_perm=50,
     n_pairs=4,
 )
-_ROTARY = dict(
-    steps=4000,
-    strides=(4,),
-    heads=(2,),
-    seeds=(0, 1, 2),
-    designs=("none", "csa", "hca"),
-    target_accuracy=0.99,
-    checkpoint_every=500,
-    test_sequences=2048,
-    extra=(
-        ("lrs", (3e-3,)),
-        ("pool_min_accuracy", 0.95),
-        ("positional", "rotary"),
-        ("design_strides", (("hca", (16,)), ("none", (4, 16)))),
-    ),
-)
+#: the real systems' recipe (docs/designs.md): the "converged" recipe, HCA at its own stride
+_SYSTEMS = dict(
+    steps=4000, strides=(4,), heads=(2,), seeds=(0, 1, 2), target_accuracy=0.99,
+    checkpoint_every=500, test_sequences=2048,
+    extra=(("lrs", (3e-3,)), ("pool_min_accuracy", 0.95),
+           ("design_strides", (("hca", (16,)), ("none", (4, 16))))),
+)  # fmt: skip
+_SYSTEMS_ALL = ("none", "nsa", "dsa", "csa", "hca", "partition")
+
+
+def _systems(designs: tuple[str, ...], *extra: tuple[str, Any], **kw: Any) -> Profile:
+    """The systems' recipe for ``designs``, with more ``extra`` options and fields."""
+    return Profile(**{**_SYSTEMS, "designs": designs, "extra": _SYSTEMS["extra"] + extra, **kw})
+
+
+_POST = ("design_options", (("csa", (("pool_rope", "post"),)), ("hca", (("pool_rope", "post"),))))
 PROFILES = {
     "tiny": Profile(**_TINY),
     # the learning-rate search's smoke test: two rates on seed 0, seed 1 at the better one
@@ -123,31 +123,20 @@ PROFILES = {
     # the real systems (docs/designs.md) beside the dense control, at the recipe of
     # "converged"; HCA compresses at a much larger rate than the rest (16 at T = 64, against
     # 128 at 1M tokens in the real model), so it and its dense control run at d = 16
-    "systems": Profile(
-        steps=4000, strides=(4,), heads=(2,), seeds=(0, 1, 2), designs=("none", "nsa", "dsa",
-        "csa", "hca", "partition"), target_accuracy=0.99, checkpoint_every=500,
-        test_sequences=2048, extra=(("lrs", (3e-3,)), ("pool_min_accuracy", 0.95),
-                                    ("design_strides", (("hca", (16,)), ("none", (4, 16))))),
-    ),
+    "systems": _systems(_SYSTEMS_ALL),
     # the context axis for the systems: T = 128 (twice the blocks per context), the same recipe
-    "systems_T128": Profile(
-        steps=4000, strides=(4,), heads=(2,), seeds=(0, 1, 2), seq_lens=(128,), designs=(
-        "none", "nsa", "dsa", "csa", "hca", "partition"), target_accuracy=0.99,
-        checkpoint_every=500, test_sequences=2048, extra=(("lrs", (3e-3,)),
-        ("pool_min_accuracy", 0.95), ("design_strides", (("hca", (16,)), ("none", (4, 16))))),
-    ),
+    "systems_T128": _systems(_SYSTEMS_ALL, seq_lens=(128,)),
     # pre- against post-RoPE pooling (DeepSeek-V4 pools pre-RoPE and rotates the entry at its
-    # block start): the "systems" recipe for csa / hca with rotary positions (the lab's
-    # default is learned absolute positions, under which the option changes nothing)
-    "systems_rotary": Profile(**_ROTARY),
-    "systems_rotary_post": Profile(**{**_ROTARY, "extra": _ROTARY["extra"] + (
-        ("design_options", (("csa", (("pool_rope", "post"),)),
-                            ("hca", (("pool_rope", "post"),)))),)}),
+    # block start): csa / hca with rotary positions (the lab's default is learned absolute
+    # positions, under which the option changes nothing)
+    "systems_rotary": _systems(("none", "csa", "hca"), ("positional", "rotary")),
+    "systems_rotary_post": _systems(("none", "csa", "hca"), ("positional", "rotary"), _POST),
     # NSA's gate as its paper states it, an MLP and a sigmoid (32 SiLU units), against the
     # one-linear-map gate of "systems"
-    "systems_nsa_mlp_gate": Profile(**{**_ROTARY, "designs": ("none", "nsa"), "extra": (
-        ("lrs", (3e-3,)), ("pool_min_accuracy", 0.95),
-        ("design_options", (("nsa", (("gate_hidden", 32),)),)))}),
+    "systems_nsa_mlp_gate": _systems(
+        ("none", "nsa"), ("design_options", (("nsa", (("gate_hidden", 32),)),)),
+        ("design_strides", (("none", (4,)),)),  # the later entry wins: no d = 16 control
+    ),
     "full": Profile(
         steps=4000, **{**_SWEEP, "seeds": (0, 1, 2, 3, 4)}, seq_lens=(64, 128),
         long_designs=("none", "gated", "mean"), long_heads=(2, 4), target_accuracy=None,
