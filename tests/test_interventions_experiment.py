@@ -146,8 +146,8 @@ def test_weak_phase_server_names_the_unit_serving_the_weak_phase_specifically():
 
 
 @pytest.mark.parametrize("name", ["default", "converged", "converged_d8", "converged_d8_wide",
-                                  "systems", "systems_rotary", "systems_rotary_post",
-                                  "systems_nsa_mlp_gate"])  # fmt: skip
+                                  "systems", "systems_T128", "systems_rotary",
+                                  "systems_rotary_post", "systems_nsa_mlp_gate"])  # fmt: skip
 def test_each_sweep_profile_runs_in_its_sweeps_folder(name):
     """An interventions profile on a sweep's models runs in that sweep's folder, so it reads
     the trained models from their cache instead of training them again."""

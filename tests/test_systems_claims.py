@@ -150,4 +150,14 @@ def test_the_t128_sweep_joins_the_table(tmp_path):
     assert len(rows) == 2 and "| 128 |" in rows[1]
     assert "branch_cmp/zero L1.0" in rows[0] and "branch_cmp" not in rows[1]  # T = 64's model
     assert "a phase gap beyond the dense control in nsa (T = 64);" in text
+    long_inter = _interventions()
+    long_inter["models"][0].update(model="nsa_d4_h2_T128_s0", weak_phase_server="slc L1.1")
+    (tmp_path / "interventions_systems_T128.json").write_text(json.dumps(long_inter))
+    text = claim_systems(tmp_path)
+    assert (
+        "ablations `analyses/results/interventions_systems.json` and `analyses/results/"
+        "interventions_systems_T128.json`" in text
+    )
+    rows = [ln for ln in text.splitlines() if ln.startswith("| nsa |")]
+    assert "slc L1.1" in rows[1] and "slc L1.1" not in rows[0]
     assert "never converged (no evidence either way): dsa (T = 64), dsa (T = 128)" in text

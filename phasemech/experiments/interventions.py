@@ -96,6 +96,7 @@ PROFILES = {
     # the real systems (phase_sweep --profile systems): which head, branch (nsa), slot bias
     # (csa, hca) or indexer choice (dsa: its kept pools) serves which phase
     "systems": _on_converged_sweep("systems", "first"),
+    "systems_T128": _on_converged_sweep("systems_T128", "first"),
     # csa / hca pooled before and after RoPE in rotary models: which head serves which phase
     "systems_rotary": _on_converged_sweep("systems_rotary", "first"),
     "systems_rotary_post": _on_converged_sweep("systems_rotary_post", "first"),
@@ -312,6 +313,7 @@ INTERVENTIONS = Experiment(
         "converged_d8": "phase_sweep_converged_d8",
         "converged_d8_wide": "phase_sweep_converged_d8_wide",
         "systems": "phase_sweep_systems",
+        "systems_T128": "phase_sweep_systems_T128",
         "systems_rotary": "phase_sweep_systems_rotary",
         "systems_rotary_post": "phase_sweep_systems_rotary_post",
         "systems_nsa_mlp_gate": "phase_sweep_systems_nsa_mlp_gate",

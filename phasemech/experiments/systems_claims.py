@@ -32,6 +32,7 @@ SWEEP_FILE = "phase_sweep_systems.json"
 LONG_FILE = "phase_sweep_systems_T128.json"
 LONG_COMMAND = "phasemech run phase_sweep --profile systems_T128"
 INTERVENTIONS_FILE = "interventions_systems.json"
+LONG_INTERVENTIONS_FILE = "interventions_systems_T128.json"
 SWEEP_COMMAND = "phasemech run phase_sweep --profile systems"
 INTERVENTIONS_COMMAND = "phasemech run interventions --profile systems"
 
@@ -237,6 +238,25 @@ def _options(sweep: dict[str, Any]) -> str:
     return "; ".join(opts)
 
 
+def _main_table(results: Path, sweep: dict[str, Any]) -> tuple[pd.DataFrame, str]:
+    """The systems' table (T = 64, and T = 128 where recorded, each with its ablations) and
+    the sentence naming its sources."""
+    long = _load(results / LONG_FILE)
+    found = [(f, x) for f in (INTERVENTIONS_FILE, LONG_INTERVENTIONS_FILE)
+             if (x := _load(results / f)) is not None]  # fmt: skip
+    inter = {"models": [m for _, x in found for m in x.get("models", [])]} if found else None
+    t = systems_table(sweep if long is None else merge_summaries([sweep, long]), inter)
+    source = f"Source: `analyses/results/{SWEEP_FILE}` (`{SWEEP_COMMAND}`)"
+    if long is not None:
+        source += f", at T = 128 `analyses/results/{LONG_FILE}` (`{LONG_COMMAND}`)"
+    if found:
+        files = " and ".join(f"`analyses/results/{f}`" for f, _ in found)
+        source += f"; ablations {files} (`{INTERVENTIONS_COMMAND}`, `--profile systems_T128`)"
+    else:
+        source += f"; the ablations are not recorded (`{INTERVENTIONS_COMMAND}`)"
+    return t, source
+
+
 def claim_systems(results: Path) -> str:
     """The report section: the table, and a verdict per system by the gap rule."""
     out = ["## 8. The real systems, trained from scratch", ""]
@@ -249,22 +269,9 @@ def claim_systems(results: Path) -> str:
     if sweep is None:
         missing = f"- Missing `analyses/results/{SWEEP_FILE}` (`{SWEEP_COMMAND}`)."
         return "\n".join(out + [missing, "", "Verdict: not measured."])
-    inter = _load(results / INTERVENTIONS_FILE)
-    long = _load(results / LONG_FILE)
-    t = systems_table(sweep if long is None else merge_summaries([sweep, long]), inter)
+    t, source = _main_table(results, sweep)
     out += [
-        f"Source: `analyses/results/{SWEEP_FILE}` (`{SWEEP_COMMAND}`)"
-        + (
-            ""
-            if long is None
-            else f", at T = 128 `analyses/results/{LONG_FILE}` (`{LONG_COMMAND}`)"
-        )
-        + (
-            f" and `analyses/results/{INTERVENTIONS_FILE}` (`{INTERVENTIONS_COMMAND}`)"
-            if inter
-            else f"; the ablations are not recorded (`{INTERVENTIONS_COMMAND}`)"
-        )
-        + ". Only converged seeds (held-out accuracy >= 0.95) are pooled into a gap.",
+        source + ". Only converged seeds (held-out accuracy >= 0.95) are pooled into a gap.",
         "",
         "| system | its mechanism | d | H | T | converged seeds | accuracy | debiased gap [95% CI] "
         "| dense gap [95% CI] | gap beyond dense | steps to 0.95 (by seed) | the intact model's "
