@@ -155,8 +155,9 @@ def test_the_t128_sweep_joins_the_table(tmp_path):
     (tmp_path / "interventions_systems_T128.json").write_text(json.dumps(long_inter))
     text = claim_systems(tmp_path)
     assert (
-        "ablations `analyses/results/interventions_systems.json` and `analyses/results/"
-        "interventions_systems_T128.json`" in text
+        "ablations `analyses/results/interventions_systems.json` (`phasemech run interventions "
+        "--profile systems`) and `analyses/results/interventions_systems_T128.json` (`phasemech "
+        "run interventions --profile systems_T128`)" in text
     )
     rows = [ln for ln in text.splitlines() if ln.startswith("| nsa |")]
     assert "slc L1.1" in rows[1] and "slc L1.1" not in rows[0]

@@ -250,8 +250,11 @@ def _main_table(results: Path, sweep: dict[str, Any]) -> tuple[pd.DataFrame, str
     if long is not None:
         source += f", at T = 128 `analyses/results/{LONG_FILE}` (`{LONG_COMMAND}`)"
     if found:
-        files = " and ".join(f"`analyses/results/{f}`" for f, _ in found)
-        source += f"; ablations {files} (`{INTERVENTIONS_COMMAND}`, `--profile systems_T128`)"
+        command = {INTERVENTIONS_FILE: INTERVENTIONS_COMMAND,
+                   LONG_INTERVENTIONS_FILE: f"{INTERVENTIONS_COMMAND}_T128"}  # fmt: skip
+        source += "; ablations " + " and ".join(
+            f"`analyses/results/{f}` (`{command[f]}`)" for f, _ in found
+        )
     else:
         source += f"; the ablations are not recorded (`{INTERVENTIONS_COMMAND}`)"
     return t, source
