@@ -105,11 +105,14 @@ PROFILES = {
                           target_accuracy=0.99, extra_items=(("min_accuracy", 0.95),)),
     # the offset fixes on the real systems (phase_sweep --profile systems): the 2-layer grid
     # fixes, at that profile's recipe, one profile per system ("systems_nsa", ...)
-    **{f"systems_{design}": _profile(4000, (0, 1, 2), strides=(16,) if design == "hca" else (4,),
-                                     heads=(2,), test_sequences=2048, target_accuracy=0.99,
-                                     fixes=("aligned", "staggered_head", "random_offset"),
-                                     designs=(design,), extra_items=(("min_accuracy", 0.95),))
-       for design in ("nsa", "dsa", "csa", "hca", "partition")},
+    **{f"systems_{design}{suffix}": _profile(
+           4000, (0, 1, 2), strides=(16,) if design == "hca" else (4,), heads=(2,),
+           seq_lens=(seq_len,), test_sequences=2048, target_accuracy=0.99,
+           fixes=("aligned", "staggered_head", "random_offset"), designs=(design,),
+           extra_items=(("min_accuracy", 0.95),))
+       for design in ("nsa", "dsa", "csa", "hca", "partition")
+       # the same at T = 128 (phase_sweep --profile systems_T128): "systems_partition_T128"
+       for suffix, seq_len in (("", 64), ("_T128", 128))},
 }  # fmt: skip
 
 
