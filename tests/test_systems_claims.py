@@ -65,7 +65,7 @@ def test_recorded_fixes_runs_are_listed(tmp_path):
                               accuracy_diff=0.0, meets_goal=False)]}  # fmt: skip
     (tmp_path / "fixes_systems_csa.json").write_text(json.dumps(fx))
     text = claim_systems(tmp_path)
-    assert "Offset fixes on `csa`" in text
+    assert "Offset fixes on `csa` at T = 64" in text and "T = 128 (" not in text
     assert "staggered_head: gap 0.007 -> 0.001, cut 90% [-45%, 165%]" in text
     assert text.count("staggered_head") == 1  # the far-target row is not listed
     # a baseline without a gap has no cut (JSON null where the run recorded NaN)
@@ -73,6 +73,10 @@ def test_recorded_fixes_runs_are_listed(tmp_path):
                                reduction_hi=None)  # fmt: skip
     (tmp_path / "fixes_systems_csa.json").write_text(json.dumps(fx))
     assert "cut n/a (no baseline gap to cut), accuracy -0.001" in claim_systems(tmp_path)
+    (tmp_path / "fixes_systems_csa_T128.json").write_text(json.dumps(fx))
+    text = claim_systems(tmp_path)
+    assert ("Offset fixes on `csa` at T = 128 (`analyses/results/fixes_systems_csa_T128.json`, "
+            "`phasemech run fixes --profile systems_csa_T128`)") in text  # fmt: skip
 
 
 def _rotary(csa_gap: tuple[float, float, float]) -> dict:

@@ -116,23 +116,26 @@ def _cut(r: dict[str, Any]) -> str:
 
 def _fixes_lines(results: Path) -> list[str]:
     """The offset fixes on each system whose fixes run is recorded (``fixes_systems_<design>
-    .json``, ``phasemech run fixes --profile systems_<design>``): the gap cut per fix."""
+    [_T128].json``, ``phasemech run fixes --profile systems_<design>[_T128]``): the gap cut per
+    fix, at T = 64 and at T = 128."""
     lines = []
     for design in MECHANISM:
-        fx = _load(results / f"fixes_systems_{design}.json")
-        if fx is None:
-            continue
-        rows = [r for r in fx.get("comparison", []) if r["targets"] == "all"]
-        cells = [
-            f"{r['fix']}: gap {_fmt(r['gap_baseline'])} -> {_fmt(r['gap_other'])}, cut "
-            f"{_cut(r)}, accuracy {r['accuracy_diff']:+.3f} "
-            f"({'meets the goal' if r['meets_goal'] else 'does not meet the goal'})"
-            for r in rows
-        ]
-        lines.append(
-            f"- Offset fixes on `{design}` (`analyses/results/fixes_systems_{design}.json`, "
-            f"`phasemech run fixes --profile systems_{design}`): " + "; ".join(cells) + "."
-        )
+        for suffix, context in (("", "T = 64"), ("_T128", "T = 128")):
+            profile = f"systems_{design}{suffix}"
+            fx = _load(results / f"fixes_{profile}.json")
+            if fx is None:
+                continue
+            rows = [r for r in fx.get("comparison", []) if r["targets"] == "all"]
+            cells = [
+                f"{r['fix']}: gap {_fmt(r['gap_baseline'])} -> {_fmt(r['gap_other'])}, cut "
+                f"{_cut(r)}, accuracy {r['accuracy_diff']:+.3f} "
+                f"({'meets the goal' if r['meets_goal'] else 'does not meet the goal'})"
+                for r in rows
+            ]
+            lines.append(
+                f"- Offset fixes on `{design}` at {context} (`analyses/results/fixes_{profile}"
+                f".json`, `phasemech run fixes --profile {profile}`): " + "; ".join(cells) + "."
+            )
     return ["", *lines] if lines else []
 
 
