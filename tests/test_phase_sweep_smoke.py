@@ -100,3 +100,17 @@ def test_recorded_profiles_keep_their_job_keys():
     assert keys == ["459b87352ff692f5", "510a7071ff1dc72d", "9378acd838cc7360",
                     "a29dc2485e52e007", "a5d067c999c8d884", "b4a08368d5cee6a6",
                     "b85689543cb00d79"]  # fmt: skip
+
+
+def test_the_systems_fixes_profiles_at_t128():
+    """``fixes --profile systems_<design>_T128`` trains at T = 128; the T = 64 profiles keep
+    their recorded job keys (their cache)."""
+    from phasemech.experiments.fixes import PROFILES as FIXES
+    from phasemech.experiments.fixes import train_jobs
+
+    long = train_jobs(FIXES["systems_partition_T128"])
+    assert {j.train.task.seq_len for j in long} == {128} and len(long) == 9
+    assert sorted(j.key for j in train_jobs(FIXES["systems_partition"])) == [
+        "12517235a9302db3", "15739d70bfed471c", "1d0e7add6e6ee17a", "513938ed972c780a",
+        "5d2f75c93cc29629", "8d8d674074e2c64a", "cc675afc81e43282", "ce08f899867b447c",
+        "dff644b3704d94a8"]  # fmt: skip
