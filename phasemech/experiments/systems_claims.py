@@ -102,8 +102,22 @@ def systems_table(sweep: dict[str, Any], interventions: dict[str, Any] | None) -
     return out.drop(columns="order").reset_index(drop=True)
 
 
-def _gap_cell(r: Any) -> str:
-    return f"{_fmt(r.debiased_gap)} [{_fmt(r.debiased_lo)}, {_fmt(r.debiased_hi)}]"
+def _gap_cell(r: Any, prefix: str = "debiased") -> str:
+    """``gap [lo, hi]`` of a table row (``prefix``: ``debiased``, or ``dense`` for its control)."""
+    gap, lo, hi = (getattr(r, f"{prefix}_{k}") for k in ("gap", "lo", "hi"))
+    return f"{_fmt(gap)} [{_fmt(lo)}, {_fmt(hi)}]"
+
+
+def _result_cells(r: Any) -> str:
+    """A setting's cells from its converged seeds on (shared by the systems' and the variants'
+    tables): seeds, accuracy, gap, dense gap, the rule's answer, steps, the weak phase's unit."""
+    conv = bool(r.converged)
+    return (
+        f"| {r.converged} of {r.seeds} | {_fmt(r.accuracy) if conv else '-'} "
+        f"| {_gap_cell(r) if conv else 'none converged: no gap'} | {_gap_cell(r, 'dense')} "
+        f"| {'yes' if r.has_gap else 'no'} | {r.steps if isinstance(r.steps, str) else '-'} "
+        f"| {r.server if isinstance(r.server, str) else '-'} |"
+    )
 
 
 def _cut(r: dict[str, Any]) -> str:
@@ -161,15 +175,7 @@ def _ci_order(a: Any, b: Any, other: str) -> str:
 
 
 def _variant_row(variant: str, r: Any) -> str:
-    conv = bool(r.converged)
-    return (
-        f"| {variant} | {r.design} | {r.stride} | {r.converged} of {r.seeds} "
-        f"| {_fmt(r.accuracy) if conv else '-'} "
-        f"| {_gap_cell(r) if conv else 'none converged: no gap'} "
-        f"| {_fmt(r.dense_gap)} [{_fmt(r.dense_lo)}, {_fmt(r.dense_hi)}] "
-        f"| {'yes' if r.has_gap else 'no'} | {r.steps if isinstance(r.steps, str) else '-'} "
-        f"| {r.server if isinstance(r.server, str) else '-'} |"
-    )
+    return f"| {variant} | {r.design} | {r.stride} " + _result_cells(r)
 
 
 def _contrasts(tables: dict[str, pd.DataFrame], main: pd.DataFrame) -> list[str]:
@@ -285,15 +291,9 @@ def claim_systems(results: Path) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in t.itertuples():
-        conv = bool(r.converged)
-        gap = _gap_cell(r)
-        dense = f"{_fmt(r.dense_gap)} [{_fmt(r.dense_lo)}, {_fmt(r.dense_hi)}]"
         out.append(
             f"| {r.design} | {MECHANISM.get(r.design, 'dense control')} | {r.stride} | {r.heads} "
-            f"| {r.seq_len} | {r.converged} of {r.seeds} | {_fmt(r.accuracy) if conv else '-'} "
-            f"| {gap if conv else 'none converged: no gap'} | {dense} "
-            f"| {'yes' if r.has_gap else 'no'} | {r.steps if isinstance(r.steps, str) else '-'} "
-            f"| {r.server if isinstance(r.server, str) else '-'} |"
+            f"| {r.seq_len} " + _result_cells(r)
         )
     out += [
         "",
