@@ -41,7 +41,8 @@ def _device(device: str) -> torch.device:
 
 def _fail(err: Exception | str) -> typer.Exit:
     """Print ``err`` as one line and return the exit to raise (status 1)."""
-    console.print(f"[red]error:[/] {escape(str(err))}", highlight=False)
+    # soft_wrap: one line, whatever the terminal width (the terminal wraps it for display)
+    console.print(f"[red]error:[/] {escape(str(err))}", highlight=False, soft_wrap=True)
     return typer.Exit(1)
 
 

@@ -25,7 +25,8 @@ from typing import Any
 from phasemech.core.config import TRAINED_DESIGNS
 from phasemech.core.device import check_device_name
 from phasemech.experiments.jobs import Job
-from phasemech.experiments.launcher import Failure, _connect, launch, read_cached
+from phasemech.experiments.launcher import Failure, launch, read_cached
+from phasemech.experiments.ray_connect import ray_connected
 
 
 @dataclass(frozen=True)
@@ -118,22 +119,18 @@ class ExperimentRun:
 
 @contextlib.contextmanager
 def ray_session(address: str | None, num_cpus: int | None) -> Iterator[Callable[[], None]]:
-    """One Ray session for several launches (starting Ray costs seconds), started on the first
-    call of the yielded ``ensure()`` only (a fully cached experiment starts none), and shut
-    down after if this session started it."""
+    """One Ray session for several launches (starting Ray costs seconds), started or joined on
+    the first call of the yielded ``ensure()`` only (a fully cached experiment starts none),
+    and shut down or left after if this session started or joined it."""
     import ray
 
-    started = [False]
+    with contextlib.ExitStack() as stack:
 
-    def ensure() -> None:
-        if not ray.is_initialized():
-            started[0] = _connect(address, num_cpus)
+        def ensure() -> None:
+            if not ray.is_initialized():
+                stack.enter_context(ray_connected(address, num_cpus))
 
-    try:
         yield ensure
-    finally:
-        if started[0]:
-            ray.shutdown()
 
 
 def run_experiment(

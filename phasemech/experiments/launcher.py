@@ -3,8 +3,9 @@
 With no ``address`` the launcher starts an embedded local Ray (``ray.init(num_cpus=...)``, no
 dashboard) and shuts it down afterwards, so a user starts nothing; ``address`` joins a running
 Ray cluster (``ray start --head`` on one machine, ``ray start --address=HEAD`` on the others),
-which is how an experiment outgrows one machine. Each job holds ``cpus_per_job`` CPUs (and
-torch uses that many threads) and ``gpus_per_job`` GPUs.
+which is how an experiment outgrows one machine, and leaves it when done. Authentication and
+the checks before joining are :mod:`phasemech.experiments.ray_connect`'s. Each job holds
+``cpus_per_job`` CPUs (and torch uses that many threads) and ``gpus_per_job`` GPUs.
 
 A results folder holds ``<key>.json`` per finished job (``{"key", "config", "result"}``, written
 atomically by the launcher as each job returns) and ``work/<key>/``, the job's own folder
@@ -20,9 +21,7 @@ back through Ray, so the cache is complete either way.
 from __future__ import annotations
 
 import json
-import os
 import re
-import socket
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -36,6 +35,7 @@ from phasemech.core.device import check_device_name
 from phasemech.core.io import json_safe, write_json_atomic
 from phasemech.core.progress import progress_bar
 from phasemech.experiments.jobs import Job
+from phasemech.experiments.ray_connect import ray_connected
 
 WORK_DIR = "work"
 ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours its tracebacks
@@ -141,43 +141,6 @@ class _Board:
         return dict(self.rows)
 
 
-def _reachable(address: str, timeout: float = 5.0) -> None:
-    """Fail fast on a ``HOST:PORT`` nobody listens on (Ray itself retries for minutes)."""
-    host, _, port = address.removeprefix("ray://").rpartition(":")
-    if not host or not port.isdigit():
-        return  # "auto" and other forms: Ray resolves them
-    try:
-        socket.create_connection((host, int(port)), timeout=timeout).close()
-    except OSError as err:
-        raise ConnectionError(
-            f"could not join the Ray cluster at {address!r}: {err.strerror or err} (start one "
-            "with `ray start --head`, or leave --address out for a local Ray)"
-        ) from err
-
-
-def _connect(address: str | None, num_cpus: int | None) -> bool:
-    """Join ``address`` or start an embedded local Ray; True if we started it."""
-    import ray
-
-    if ray.is_initialized():
-        return False
-    if address is not None:
-        _reachable(address)
-        try:
-            ray.init(address=address, log_to_driver=False)
-        except Exception as err:  # Ray raises several types for an unreachable cluster
-            raise ConnectionError(f"could not join the Ray cluster at {address!r}: {err}") from err
-        return False
-    ray.init(
-        num_cpus=num_cpus or os.cpu_count(),
-        include_dashboard=False,
-        log_to_driver=False,
-        # results are small JSON: a small object store keeps the embedded Ray light
-        object_store_memory=200 * 1024**2,
-    )
-    return True
-
-
 def launch(
     jobs: Sequence[Job],
     results: str | Path,
@@ -221,8 +184,7 @@ def _run_all(todo, results, out, address, num_cpus, resources, progress):
     import ray
 
     cpus_per_job, gpus_per_job, device = resources
-    started = _connect(address, num_cpus)
-    try:
+    with ray_connected(address, num_cpus):
         task = ray.remote(num_cpus=cpus_per_job, num_gpus=gpus_per_job, max_retries=0)(_run_job)
         board = ray.remote(num_cpus=0)(_Board).remote() if progress else None
         pending = {
@@ -239,9 +201,6 @@ def _run_all(todo, results, out, address, num_cpus, resources, progress):
                     job = pending.pop(done[0])
                     _collect(ray, done[0], job, results, out)
                     rows.finish(job, failed=job.key not in out.results)
-    finally:
-        if started:
-            ray.shutdown()
 
 
 def _collect(ray, ref, job: Job, results: Path, out: Launch) -> None:
