@@ -58,6 +58,7 @@ def ray_connected(address: str | None, num_cpus: int | None) -> Iterator[bool]:
     if ray.is_initialized():
         yield False
         return
+    check_mode()
     bootstrap, env = (None, _embedded_env()) if address is None else check_cluster(address)
     with _environment(env):
         if bootstrap is None:
@@ -68,6 +69,17 @@ def ray_connected(address: str | None, num_cpus: int | None) -> Iterator[bool]:
             yield True
         finally:
             ray.shutdown()
+
+
+def check_mode() -> None:
+    """A ``RAY_AUTH_MODE`` the user set must be one Ray knows (Ray reads any other value as
+    ``disabled``, silently)."""
+    mode = os.environ.get(MODE)
+    if mode is not None and mode.lower() not in ("disabled", "token"):
+        raise ValueError(
+            f"{MODE}={mode!r} is not a Ray authentication mode: allowed 'disabled', 'token', "
+            "or unset (phasemech then chooses)"
+        )
 
 
 def _init_embedded(num_cpus: int | None) -> None:
@@ -107,7 +119,7 @@ def token_source() -> str | None:
     if TOKEN_PATH in os.environ:
         path = os.environ[TOKEN_PATH]
         if not _readable_token(path):
-            raise ConnectionError(
+            raise ValueError(
                 f"{TOKEN_PATH}={path!r} names no readable token file: point it at the "
                 f"cluster's token ({GET_TOKEN}) or unset it"
             )
@@ -154,6 +166,7 @@ def check_cluster(address: str) -> tuple[str, dict[str, str | None]]:
     """The cluster's ``HOST:PORT`` (``auto`` resolved as Ray resolves it) and the environment
     to join it in, once it answers, accepts this process and runs its Ray and Python; else a
     one-line ``ConnectionError`` naming the address, the cause and what to do."""
+    source = token_source()  # first: a bad RAY_AUTH_TOKEN_PATH is this machine's fault
     bootstrap = _resolve(address)
     host, _, port = bootstrap.removeprefix("ray://").rpartition(":")
     if not host or not port.isdigit():
@@ -166,26 +179,34 @@ def check_cluster(address: str) -> tuple[str, dict[str, str | None]]:
             head + f"{err.strerror or err} (start one with `ray start --head`, or leave "
             "--address out for a local Ray)"
         ) from err
-    if os.environ.get(MODE, "").lower() == "token" and token_source() is None:
+    if bootstrap.startswith("ray://"):  # Ray Client speaks its own protocol: no GCS call
+        unset = MODE not in os.environ and source is not None
+        return bootstrap, {MODE: "token"} if unset else {}
+    env, metadata = _authenticate(bootstrap, head, source)
+    refusal = version_refusal(metadata)
+    if refusal is not None:
+        raise ConnectionError(head + refusal)
+    return bootstrap, env
+
+
+def _authenticate(bootstrap: str, head: str, source: str | None) -> tuple[dict, dict]:
+    """The mode that the cluster at ``bootstrap`` accepts (the user's, else none, else token
+    with the token from ``source``) and the cluster's metadata, read in that mode."""
+    chosen = os.environ.get(MODE)
+    if chosen is not None and chosen.lower() == "token" and source is None:
         # checked here: Ray aborts the whole process on token mode without a token
         raise ConnectionError(
             head + f"{MODE}=token is set but no token is configured: put the cluster's token "
             f"({GET_TOKEN}) in {WHERE}"
         )
-    if bootstrap.startswith("ray://"):  # Ray Client speaks its own protocol: no GCS call
-        chosen = MODE in os.environ or token_source() is None
-        return bootstrap, {} if chosen else {MODE: "token"}
-    env: dict[str, str | None] = {} if MODE in os.environ else {MODE: "disabled"}
+    env: dict[str, str | None] = {} if chosen is not None else {MODE: "disabled"}
     metadata = _probe(bootstrap, env, head)
-    if metadata is None and not (MODE in os.environ or token_source() is None):
+    if metadata is None and chosen is None and source is not None:
         env = {MODE: "token"}  # the cluster asked for a token and this user has one
         metadata = _probe(bootstrap, env, head)
     if metadata is None:
-        raise ConnectionError(head + auth_refusal(env.get(MODE) or os.environ[MODE]))
-    refusal = version_refusal(metadata)
-    if refusal is not None:
-        raise ConnectionError(head + refusal)
-    return bootstrap, env
+        raise ConnectionError(head + auth_refusal(env.get(MODE) or chosen, source))
+    return env, metadata
 
 
 def _resolve(address: str) -> str:
@@ -242,10 +263,9 @@ def _probe(bootstrap: str, env: dict[str, str | None], head: str) -> dict | None
     raise ConnectionError(head + f"{first} (is it the port `ray start --head` printed?)")
 
 
-def auth_refusal(mode: str) -> str:
-    """Why the cluster refused a driver in authentication ``mode`` (what RAY_AUTH_MODE was
-    for the call), and what to set."""
-    source = token_source()
+def auth_refusal(mode: str, source: str | None) -> str:
+    """Why the cluster refused a driver in authentication ``mode`` (RAY_AUTH_MODE for the
+    call) with the token from ``source`` (None: none configured), and what to set."""
     if mode.lower() == "token" and source is not None:
         return (
             f"it refused the token from {source}: use the cluster's token ({GET_TOKEN}) in {WHERE}"
@@ -299,4 +319,11 @@ def _quiet_stderr() -> Iterator[None]:
         os.close(saved)
 
 
-__all__ = ["auth_refusal", "check_cluster", "ray_connected", "token_source", "version_refusal"]
+__all__ = [
+    "auth_refusal",
+    "check_cluster",
+    "check_mode",
+    "ray_connected",
+    "token_source",
+    "version_refusal",
+]

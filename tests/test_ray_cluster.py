@@ -1,0 +1,264 @@
+"""The launcher on a real Ray cluster, made as a user makes one: ``ray start`` (Ray 2.60 turns
+token authentication on where a token is configured), a head and a worker node on this
+machine, in a temporary ``RAY_TMPDIR`` and ``HOME``. The tiny sweep through ``--address``
+(the CLI, the token from the default file) and through ``auto`` (in process, the token from
+``RAY_AUTH_TOKEN``) gives the embedded run's numbers; every refusal is one line raised before
+``ray.init``. Only the nodes these tests start are stopped (their own process groups)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from phasemech.experiments import (  # noqa: E402
+    Job,
+    experiment,
+    launch,
+    ray_connect,
+    run_experiment,
+)
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
+ROOT = Path(__file__).resolve().parents[1]
+RAY = str(Path(sys.executable).parent / "ray")
+AUTH_VARS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS")
+
+
+@dataclass(frozen=True)
+class DoubleJob(Job):
+    kind: ClassVar[str] = "double"
+    value: int
+
+    def run(self, workdir: Path) -> dict:
+        return {"double": 2 * self.value}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Node:
+    """One ``ray start --block`` in a process group of its own, logging to a file."""
+
+    def __init__(self, args: list[str], env: dict, log: Path) -> None:
+        self.log = log
+        with open(log, "w") as out:
+            self.proc = subprocess.Popen(
+                [RAY, "start", "--num-cpus", "1", "--block", *args],
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def wait_started(self, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while "Ray runtime started" not in self.log.read_text():
+            assert self.proc.poll() is None, self.log.read_text()[-2000:]
+            assert time.monotonic() < deadline, "ray start did not finish in time"
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        """SIGTERM ``ray start --block`` (it stops its node's processes), then kill what is
+        left of its process group: this node's processes and no others."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass  # the group is already empty
+
+    def running(self) -> list[int]:
+        """The live (not zombie) processes of this node's group."""
+        pids = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue  # gone meanwhile
+            if int(fields[2]) == self.proc.pid and fields[0] != "Z":
+                pids.append(int(stat.parent.name))
+        return pids
+
+
+def user_env(home: Path, tmp: Path, **extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in AUTH_VARS}
+    return {**env, "HOME": str(home), "RAY_TMPDIR": str(tmp), **extra}
+
+
+@pytest.fixture(scope="module")
+def token_cluster():
+    """A head and a worker node started with the ray CLI, token authentication on."""
+    root = Path(tempfile.mkdtemp(prefix="pm-ray-", dir="/tmp"))  # short: Ray's socket paths
+    home, tmp = root / "home", root / "tmp"
+    home.mkdir()
+    tmp.mkdir()
+    env = user_env(home, tmp)
+    # the user's token, where Ray keeps it (~/.ray/auth_token); ray start then turns auth on
+    subprocess.run([RAY, "get-auth-token", "--generate"], env=env, check=True, capture_output=True)
+    token = (home / ".ray" / "auth_token").read_text().strip()
+    port = free_port()
+    nodes = [Node(["--head", "--port", str(port), "--include-dashboard=false"], env, root / "h")]
+    try:
+        nodes[0].wait_started()
+        # a worker node joins in token mode (Ray's CLI picks the token up only when told)
+        worker_env = {**env, "RAY_AUTH_MODE": "token"}
+        nodes.append(Node(["--address", f"127.0.0.1:{port}"], worker_env, root / "w"))
+        nodes[1].wait_started()
+        yield {"root": root, "home": home, "tmp": tmp, "port": port, "token": token}
+    finally:
+        for node in reversed(nodes):
+            node.stop()
+        shutil.rmtree(root, ignore_errors=True)
+    assert not [pid for node in nodes for pid in node.running()]  # nothing of ours left
+
+
+@pytest.fixture(scope="module")
+def embedded_sweep(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("embedded")
+    run = run_experiment(experiment("phase_sweep"), "tiny", folder, num_cpus=2, progress=False)
+    assert not run.failures and run.ran == 4
+    return job_results(run.folder)
+
+
+def job_results(folder: Path) -> dict:
+    """Every job's result in a run folder, timings left out."""
+    out = {}
+    for path in sorted((folder / "jobs").glob("*.json")):
+        result = json.loads(path.read_text())["result"]
+        out[path.stem] = {k: v for k, v in result.items() if "seconds" not in k}
+    return out
+
+
+@pytest.fixture
+def no_auth_env(monkeypatch, tmp_path):
+    """This process as a user with no Ray authentication configured (an empty HOME)."""
+    for name in AUTH_VARS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    return tmp_path
+
+
+def test_cli_joins_a_token_cluster_by_address(token_cluster, embedded_sweep, tmp_path):
+    c = token_cluster
+    env = user_env(c["home"], c["tmp"])  # a user's shell: the token in ~/.ray, no mode set
+    cmd = [sys.executable, "-m", "phasemech.cli", "run", "phase_sweep", "--profile", "tiny"]
+    address = f"127.0.0.1:{c['port']}"
+    done = subprocess.run(
+        [*cmd, "--runs", str(tmp_path), "--address", address],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "4 jobs run" in done.stdout
+    assert "InvalidAuthToken" not in done.stderr and "Token authentication" not in done.stderr
+    assert job_results(tmp_path / "phase_sweep_tiny") == embedded_sweep
+
+
+def test_auto_joins_with_the_token_from_the_environment(
+    token_cluster, embedded_sweep, no_auth_env, monkeypatch, tmp_path
+):
+    monkeypatch.setenv("RAY_TMPDIR", str(token_cluster["tmp"]))  # where `auto` looks
+    monkeypatch.setenv("RAY_AUTH_TOKEN", token_cluster["token"])
+    with ray_connect.ray_connected("auto", None) as joined:
+        nodes = [n for n in ray.nodes() if n["Alive"]]
+    assert joined and len(nodes) == 2 and not ray.is_initialized()
+    run = run_experiment(
+        experiment("phase_sweep"), "tiny", tmp_path, address="auto", progress=False
+    )
+    assert not run.failures and run.ran == 4 and not ray.is_initialized()
+    assert job_results(run.folder) == embedded_sweep
+    assert "RAY_AUTH_MODE" not in os.environ  # the process environment is restored
+
+
+def refusal(address: str, monkeypatch, tmp_path: Path) -> str:
+    """The one-line error joining ``address``, raised before ``ray.init`` is reached."""
+
+    def no_init(*args, **kwargs):
+        raise AssertionError("ray.init was called: the refusal came too late")
+
+    monkeypatch.setattr(ray, "init", no_init)
+    with pytest.raises(ConnectionError) as info:
+        launch([DoubleJob(1)], tmp_path, address=address, progress=False)
+    message = str(info.value)
+    assert "\n" not in message and address in message
+    return message
+
+
+def test_refusals_say_why_and_what_to_set(token_cluster, no_auth_env, monkeypatch, tmp_path):
+    address = f"127.0.0.1:{token_cluster['port']}"
+    refused = lambda: refusal(address, monkeypatch, tmp_path)  # noqa: E731
+    assert "no token is configured here" in refused()
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "0" * 64)
+    assert "refused the token from RAY_AUTH_TOKEN" in refused()
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    assert "RAY_AUTH_MODE=disabled is set" in refused()
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    monkeypatch.delenv("RAY_AUTH_TOKEN")
+    assert "RAY_AUTH_MODE=token is set but no token" in refused()
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(no_auth_env / "missing"))
+    with pytest.raises(ValueError, match="RAY_AUTH_TOKEN_PATH=.*missing' names no readable"):
+        launch([DoubleJob(1)], tmp_path, address=address, progress=False)
+    monkeypatch.delenv("RAY_AUTH_TOKEN_PATH")
+    monkeypatch.setenv("RAY_AUTH_TOKEN", token_cluster["token"])
+    old = {"ray_version": "2.0.0", "python_version": "3.8.0"}
+    monkeypatch.setattr(ray_connect, "_probe", lambda *a: old)
+    assert "the cluster runs Ray 2.0.0 on Python 3.8.0" in refused()
+    assert os.environ["RAY_AUTH_MODE"] == "token"  # the user's choice stays as it was
+
+
+def test_a_port_that_is_not_ray_is_refused_in_seconds(no_auth_env, monkeypatch, tmp_path):
+    with socket.socket() as server:  # accepts, then never answers
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        held = []
+        threading.Thread(target=lambda: held.append(server.accept()), daemon=True).start()
+        address = f"127.0.0.1:{server.getsockname()[1]}"
+        assert "does not answer as a Ray GCS" in refusal(address, monkeypatch, tmp_path)
+    monkeypatch.setenv("RAY_AUTH_MODE", "on")
+    with pytest.raises(ValueError, match="RAY_AUTH_MODE='on' is not a Ray authentication mode"):
+        launch([DoubleJob(1)], tmp_path, address=address, progress=False)
+
+
+def test_a_cluster_without_auth_is_joined_without_the_token(no_auth_env, tmp_path):
+    """A driver in token mode would refuse the calls of such a cluster's workers: the token
+    configured here must not be sent to a cluster that did not ask for it."""
+    root = Path(tempfile.mkdtemp(prefix="pm-ray-", dir="/tmp"))
+    (no_auth_env / ".ray").mkdir()
+    (no_auth_env / ".ray" / "auth_token").write_text("f" * 64)  # configured, not asked for
+    port = free_port()
+    env = user_env(no_auth_env, root, RAY_AUTH_MODE="disabled")
+    head = Node(["--head", "--port", str(port), "--include-dashboard=false"], env, root / "h")
+    try:
+        head.wait_started()
+        # with progress: its board is an actor, the first thing a driver in token mode breaks
+        out = launch([DoubleJob(3)], tmp_path / "out", address=f"127.0.0.1:{port}")
+    finally:
+        head.stop()
+        shutil.rmtree(root, ignore_errors=True)
+    assert not out.failures and out.results[DoubleJob(3).key]["double"] == 6
+    assert not head.running()
