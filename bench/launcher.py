@@ -24,11 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-import ray
 import ray.cloudpickle
 
 from phasemech.core.io import write_json_atomic
 from phasemech.experiments import Job, launch
+from phasemech.experiments.ray_connect import ray_connected
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers can't import bench/
 
@@ -50,22 +50,21 @@ def main() -> None:
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="phasemech-launcher-bench-"))
     t0 = time.perf_counter()
-    ray.init(num_cpus=args.cpus, include_dashboard=False, log_to_driver=False)
-    launch([NoopJob(-1)], root / "warm", progress=False)
-    startup = time.perf_counter() - t0
-    single = []
-    for i in range(args.jobs):
-        t = time.perf_counter()
-        launch([NoopJob(i)], root / "single", progress=False)
-        single.append(time.perf_counter() - t)
-    batched = []
-    for rep in ("cold", "warm"):  # cold: Ray starts more workers for the queue (torch imports)
-        batch = [NoopJob(i, rep) for i in range(args.jobs)]
-        t = time.perf_counter()
-        out = launch(batch, root / "batch", progress=False)
-        batched.append((time.perf_counter() - t) / args.jobs)
-        assert len(out.ran) == args.jobs and not out.failures
-    ray.shutdown()
+    with ray_connected(None, args.cpus):  # the launcher's own embedded Ray
+        launch([NoopJob(-1)], root / "warm", progress=False)
+        startup = time.perf_counter() - t0
+        single = []
+        for i in range(args.jobs):
+            t = time.perf_counter()
+            launch([NoopJob(i)], root / "single", progress=False)
+            single.append(time.perf_counter() - t)
+        batched = []
+        for rep in ("cold", "warm"):  # cold: Ray starts more workers for the queue (torch imports)
+            batch = [NoopJob(i, rep) for i in range(args.jobs)]
+            t = time.perf_counter()
+            out = launch(batch, root / "batch", progress=False)
+            batched.append((time.perf_counter() - t) / args.jobs)
+            assert len(out.ran) == args.jobs and not out.failures
     inline = []
     for job in batch:
         t = time.perf_counter()
