@@ -65,6 +65,7 @@ def test_launch_caches_results_and_reports_failures(tmp_path, monkeypatch, capfd
     monkeypatch.setenv("HOME", str(home))
     for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")  # the embedded Ray never joins this
     out = launch(jobs, tmp_path, num_cpus=2, progress=False)
     # the embedded Ray chose token auth with a session token: nothing said, nothing written
     said = capfd.readouterr().err + caplog.text  # Ray logs through logging, or to stderr

@@ -7,6 +7,7 @@ machine, in a temporary ``RAY_TMPDIR`` and ``HOME``. The tiny sweep through ``--
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -89,8 +90,15 @@ class Node:
         except ProcessLookupError:
             pass  # the group is already empty
 
-    def running(self) -> list[int]:
-        """The live (not zombie) processes of this node's group."""
+    def running(self, wait: float = 10.0) -> list[int]:
+        """The live (not zombie) processes of this node's group, once none is left or after
+        ``wait`` seconds (a killed process takes a moment to go)."""
+        deadline = time.monotonic() + wait
+        while (pids := self._group()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return pids
+
+    def _group(self) -> list[int]:
         pids = []
         for stat in Path("/proc").glob("[0-9]*/stat"):
             try:
@@ -100,6 +108,16 @@ class Node:
             if int(fields[2]) == self.proc.pid and fields[0] != "Z":
                 pids.append(int(stat.parent.name))
         return pids
+
+
+def head_args(port: int) -> list[str]:
+    """A head on ``port``, its other fixed-by-default ports free ones: two heads (or a user's
+    own) can run side by side. The Ray Client server (10001) runs only with ``ray[client]``."""
+    args = ["--head", "--port", str(port), "--include-dashboard=false"]
+    args += ["--dashboard-agent-listen-port", str(free_port())]
+    if importlib.util.find_spec("grpc") is not None:
+        args += ["--ray-client-server-port", str(free_port())]
+    return args
 
 
 def user_env(home: Path, tmp: Path, **extra) -> dict:
@@ -119,7 +137,7 @@ def token_cluster():
     subprocess.run([RAY, "get-auth-token", "--generate"], env=env, check=True, capture_output=True)
     token = (home / ".ray" / "auth_token").read_text().strip()
     port = free_port()
-    nodes = [Node(["--head", "--port", str(port), "--include-dashboard=false"], env, root / "h")]
+    nodes = [Node(head_args(port), env, root / "h")]
     try:
         nodes[0].wait_started()
         # a worker node joins in token mode (Ray's CLI picks the token up only when told)
@@ -195,8 +213,9 @@ def test_auto_joins_with_the_token_from_the_environment(
     assert "RAY_AUTH_MODE" not in os.environ  # the process environment is restored
 
 
-def refusal(address: str, monkeypatch, tmp_path: Path) -> str:
-    """The one-line error joining ``address``, raised before ``ray.init`` is reached."""
+def refusal(address: str, monkeypatch, tmp_path: Path, capfd) -> str:
+    """The one-line error joining ``address``, raised before ``ray.init`` is reached, with
+    nothing else said (Ray's client logs each refusal: the probe's child keeps them)."""
 
     def no_init(*args, **kwargs):
         raise AssertionError("ray.init was called: the refusal came too late")
@@ -206,12 +225,16 @@ def refusal(address: str, monkeypatch, tmp_path: Path) -> str:
         launch([DoubleJob(1)], tmp_path, address=address, progress=False)
     message = str(info.value)
     assert "\n" not in message and address in message
+    assert capfd.readouterr().err == ""
     return message
 
 
-def test_refusals_say_why_and_what_to_set(token_cluster, no_auth_env, monkeypatch, tmp_path):
+def test_refusals_say_why_and_what_to_set(token_cluster, no_auth_env, monkeypatch, tmp_path, capfd):
     address = f"127.0.0.1:{token_cluster['port']}"
-    refused = lambda: refusal(address, monkeypatch, tmp_path)  # noqa: E731
+
+    def refused() -> str:
+        return refusal(address, monkeypatch, tmp_path, capfd)
+
     assert "no token is configured here" in refused()
     monkeypatch.setenv("RAY_AUTH_TOKEN", "0" * 64)
     assert "refused the token from RAY_AUTH_TOKEN" in refused()
@@ -226,19 +249,22 @@ def test_refusals_say_why_and_what_to_set(token_cluster, no_auth_env, monkeypatc
     monkeypatch.delenv("RAY_AUTH_TOKEN_PATH")
     monkeypatch.setenv("RAY_AUTH_TOKEN", token_cluster["token"])
     old = {"ray_version": "2.0.0", "python_version": "3.8.0"}
-    monkeypatch.setattr(ray_connect, "_probe", lambda *a: old)
+    monkeypatch.setattr(ray_connect, "_probe", lambda *a: (ray_connect.KEEP, old))
     assert "the cluster runs Ray 2.0.0 on Python 3.8.0" in refused()
     assert os.environ["RAY_AUTH_MODE"] == "token"  # the user's choice stays as it was
 
 
-def test_a_port_that_is_not_ray_is_refused_in_seconds(no_auth_env, monkeypatch, tmp_path):
+def test_a_port_that_is_not_ray_is_refused_in_seconds(no_auth_env, monkeypatch, tmp_path, capfd):
     with socket.socket() as server:  # accepts, then never answers
         server.bind(("127.0.0.1", 0))
         server.listen()
         held = []
         threading.Thread(target=lambda: held.append(server.accept()), daemon=True).start()
         address = f"127.0.0.1:{server.getsockname()[1]}"
-        assert "does not answer as a Ray GCS" in refusal(address, monkeypatch, tmp_path)
+        assert "does not answer as a Ray GCS" in refusal(address, monkeypatch, tmp_path, capfd)
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")  # what `auto` reads first, as Ray does
+    assert "Connection refused" in refusal("auto", monkeypatch, tmp_path, capfd)
+    monkeypatch.delenv("RAY_ADDRESS")
     monkeypatch.setenv("RAY_AUTH_MODE", "on")
     with pytest.raises(ValueError, match="RAY_AUTH_MODE='on' is not a Ray authentication mode"):
         launch([DoubleJob(1)], tmp_path, address=address, progress=False)
@@ -252,7 +278,7 @@ def test_a_cluster_without_auth_is_joined_without_the_token(no_auth_env, tmp_pat
     (no_auth_env / ".ray" / "auth_token").write_text("f" * 64)  # configured, not asked for
     port = free_port()
     env = user_env(no_auth_env, root, RAY_AUTH_MODE="disabled")
-    head = Node(["--head", "--port", str(port), "--include-dashboard=false"], env, root / "h")
+    head = Node(head_args(port), env, root / "h")
     try:
         head.wait_started()
         # with progress: its board is an actor, the first thing a driver in token mode breaks

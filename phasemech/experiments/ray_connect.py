@@ -4,22 +4,23 @@ Ray 2.60 ships token authentication: ``ray start --head`` turns it on wherever a
 configured (``ray get-auth-token --generate`` and every ``ray.init()`` that starts a local
 Ray write one to ``~/.ray/auth_token``), while a driver that joins by an explicit address
 sends its token only under ``RAY_AUTH_MODE=token``, and the modes must agree both ways (a
-driver in token mode also refuses the calls of an unauthenticated cluster's workers). This
+driver in token mode joins an unauthenticated cluster, but its actors die unstarted). This
 module chooses the mode so that the user does not have to, and refuses a cluster in seconds
 with one line that says why.
 
 Joining ``address`` (``HOST:PORT``, ``auto`` or ``ray://...``), before ``ray.init`` (which
 retries a refusing cluster for ~25 s, printing a warning a second):
 
-* a TCP connect, then one GCS call (2 s at most) that also reads the cluster's Ray and
-  Python versions;
+* a TCP connect, then a GCS call in a child process (~1 s; 8 s at most) that also reads
+  the cluster's Ray and Python versions;
 * the mode the user chose (``RAY_AUTH_MODE``) stands. Unset, the call goes first without a
   token; if the cluster asks for one and a token is configured for this user
   (``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH`` or ``~/.ray/auth_token``), again in token
   mode, the mode the driver then joins in;
 * each refusal is a ``ConnectionError`` of one line: unreachable, not answering as Ray,
   authentication (what to set), version mismatch. A ``ray://`` (Ray Client) address gets
-  the TCP check, and token mode where a token is configured.
+  only the TCP check (Ray Client reports the rest), and token mode where a token is
+  configured.
 
 The embedded Ray takes token authentication with a token made for this session: it lives in
 the environment of the processes the session starts, is never written to disk, and nothing
@@ -35,13 +36,16 @@ import json
 import os
 import secrets
 import socket
-import threading
+import subprocess
+import sys
 from collections.abc import Iterator
 
 MODE = "RAY_AUTH_MODE"
 TOKEN = "RAY_AUTH_TOKEN"
 TOKEN_PATH = "RAY_AUTH_TOKEN_PATH"
-PROBE_SECONDS = 2.0  # a GCS answers in milliseconds; a port that is not Ray never does
+PROBE_SECONDS = 8.0  # the child's deadline: ~1 s to import Ray, a GCS answers in milliseconds
+CALL_SECONDS = 2  # one GCS call's own limit
+KEEP = "-"  # a probe mode: the RAY_AUTH_MODE the user set
 GET_TOKEN = "`ray get-auth-token` on the head prints it"
 WHERE = f"{TOKEN}, a file named by {TOKEN_PATH}, or ~/.ray/auth_token"
 
@@ -86,6 +90,7 @@ def _init_embedded(num_cpus: int | None) -> None:
     import ray
 
     ray.init(
+        address="local",  # a new Ray, whatever RAY_ADDRESS or a `ray start` node here says
         num_cpus=num_cpus or os.cpu_count(),
         include_dashboard=False,
         log_to_driver=False,
@@ -114,7 +119,7 @@ def _embedded_env() -> dict[str, str | None]:
 def token_source() -> str | None:
     """Where this user's Ray token comes from (Ray's own order), or None: none configured.
     A ``RAY_AUTH_TOKEN_PATH`` naming a missing or empty file is an error, not a fallback."""
-    if os.environ.get(TOKEN, "").strip():
+    if os.environ.get(TOKEN):  # Ray takes any non-empty value
         return TOKEN
     if TOKEN_PATH in os.environ:
         path = os.environ[TOKEN_PATH]
@@ -139,7 +144,8 @@ def _readable_token(path: str) -> bool:
 @contextlib.contextmanager
 def _environment(changes: dict[str, str | None]) -> Iterator[None]:
     """Set (or, for None, remove) environment variables for the block, then restore them.
-    Ray reads its mode and token once per process: both caches are refreshed each way."""
+    Ray reads its mode and token once per process: both caches are refreshed each way, even
+    with no change (the environment may have changed since Ray last read it)."""
     saved = {name: os.environ.get(name) for name in changes}
     _apply(changes)
     try:
@@ -149,8 +155,6 @@ def _environment(changes: dict[str, str | None]) -> Iterator[None]:
 
 
 def _apply(values: dict[str, str | None]) -> None:
-    if not values:
-        return
     for name, value in values.items():
         if value is None:
             os.environ.pop(name, None)
@@ -166,7 +170,9 @@ def check_cluster(address: str) -> tuple[str, dict[str, str | None]]:
     """The cluster's ``HOST:PORT`` (``auto`` resolved as Ray resolves it) and the environment
     to join it in, once it answers, accepts this process and runs its Ray and Python; else a
     one-line ``ConnectionError`` naming the address, the cause and what to do."""
-    source = token_source()  # first: a bad RAY_AUTH_TOKEN_PATH is this machine's fault
+    # first: a bad RAY_AUTH_TOKEN_PATH is this machine's fault (unread under mode disabled)
+    disabled = os.environ.get(MODE, "").lower() == "disabled"
+    source = None if disabled else token_source()
     bootstrap = _resolve(address)
     host, _, port = bootstrap.removeprefix("ray://").rpartition(":")
     if not host or not port.isdigit():
@@ -199,19 +205,22 @@ def _authenticate(bootstrap: str, head: str, source: str | None) -> tuple[dict, 
             head + f"{MODE}=token is set but no token is configured: put the cluster's token "
             f"({GET_TOKEN}) in {WHERE}"
         )
-    env: dict[str, str | None] = {} if chosen is not None else {MODE: "disabled"}
-    metadata = _probe(bootstrap, env, head)
-    if metadata is None and chosen is None and source is not None:
-        env = {MODE: "token"}  # the cluster asked for a token and this user has one
-        metadata = _probe(bootstrap, env, head)
+    if chosen is not None:
+        modes = [KEEP]
+    else:  # no token first: the token goes only to a cluster that asks for one
+        modes = ["disabled"] if source is None else ["disabled", "token"]
+    mode, metadata = _probe(bootstrap, modes, head)
     if metadata is None:
-        raise ConnectionError(head + auth_refusal(env.get(MODE) or chosen, source))
-    return env, metadata
+        raise ConnectionError(head + auth_refusal(chosen or modes[-1], source))
+    return ({} if mode == KEEP else {MODE: mode}), metadata
 
 
 def _resolve(address: str) -> str:
+    """``auto`` as ``ray.init`` reads it: RAY_ADDRESS as given, else a node on this machine."""
     if address != "auto":
         return address
+    if os.environ.get("RAY_ADDRESS"):
+        return os.environ["RAY_ADDRESS"]
     from ray._private.services import canonicalize_bootstrap_address
 
     try:
@@ -226,41 +235,53 @@ def _resolve(address: str) -> str:
     return found
 
 
-def _probe(bootstrap: str, env: dict[str, str | None], head: str) -> dict | None:
-    """One GCS round trip under ``env``: the cluster's metadata, or None where the cluster
-    refused the credentials. Runs in a thread: Ray's client waits ~12 s on a port that is
-    not a Ray GCS."""
-    from ray._common.usage.usage_constants import CLUSTER_METADATA_KEY
-    from ray._private.ray_constants import KV_NAMESPACE_CLUSTER
-    from ray._raylet import InnerGcsClient
-    from ray.exceptions import AuthenticationError
-
-    box: dict = {}
-
-    def call() -> None:
-        try:
-            client = InnerGcsClient.standalone(bootstrap, None, int(PROBE_SECONDS * 1000))
-            raw = client.internal_kv_get(CLUSTER_METADATA_KEY, KV_NAMESPACE_CLUSTER, 2000)
-            box["metadata"] = json.loads(raw) if raw else {}
-        except Exception as err:  # Ray raises RpcError, AuthenticationError, ...
-            box["error"] = err
-
-    with _environment(env), _quiet_stderr():  # Ray's client logs a refusal before raising
-        thread = threading.Thread(target=call, daemon=True)
-        thread.start()
-        thread.join(PROBE_SECONDS + 1.0)
-    if "metadata" in box:
-        return box["metadata"]
-    err = box.get("error")
-    if err is None:
+def _probe(bootstrap: str, modes: list[str], head: str) -> tuple[str, dict | None]:
+    """The first of ``modes`` (RAY_AUTH_MODE values; KEEP: the user's) in which the GCS at
+    ``bootstrap`` answers, and the cluster's metadata; ``(last mode, None)`` where it refused
+    every one. Run in a child process (this file as a script, ~1 s): Ray's client logs each
+    refusal, waits ~12 s on a port that is not a GCS and caches its mode for the process;
+    the child takes all three with it, and is killed at the deadline."""
+    # -P: this file's folder (the experiments' modules) must not shadow what Ray imports
+    cmd = [sys.executable, "-P", __file__, bootstrap, *modes]
+    try:
+        child = subprocess.run(cmd, capture_output=True, text=True, timeout=PROBE_SECONDS)
+        reply = json.loads(child.stdout.strip().splitlines()[-1])
+    except subprocess.TimeoutExpired:
         raise ConnectionError(
             head + f"{bootstrap} accepts connections but does not answer as a Ray GCS within "
             f"{PROBE_SECONDS:.0f} s (is it the port `ray start --head` printed?)"
-        )
-    if isinstance(err, AuthenticationError) or "Unauthenticated" in str(err):
-        return None
-    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    raise ConnectionError(head + f"{first} (is it the port `ray start --head` printed?)")
+        ) from None
+    except (IndexError, json.JSONDecodeError):
+        last = (child.stderr.strip().splitlines() or ["no reply"])[-1]
+        raise ConnectionError(head + f"the check of {bootstrap} failed: {last}") from None
+    if "error" in reply:
+        hint = "(is it the port `ray start --head` printed?)"
+        raise ConnectionError(head + f"{reply['error']} {hint}")
+    return reply["mode"], reply.get("metadata")
+
+
+def _probe_child(bootstrap: str, modes: list[str]) -> dict:
+    """The child's side of :func:`_probe`: one GCS call per mode, in order."""
+    from ray._common.usage.usage_constants import CLUSTER_METADATA_KEY
+    from ray._private.ray_constants import KV_NAMESPACE_CLUSTER
+    from ray._raylet import AuthenticationTokenLoader, Config, InnerGcsClient
+    from ray.exceptions import AuthenticationError
+
+    for mode in modes:
+        if mode != KEEP:
+            os.environ[MODE] = mode
+        Config.initialize("")
+        AuthenticationTokenLoader.instance().reset_cache()
+        try:
+            client = InnerGcsClient.standalone(bootstrap, None, CALL_SECONDS * 1000)
+            raw = client.internal_kv_get(CLUSTER_METADATA_KEY, KV_NAMESPACE_CLUSTER, CALL_SECONDS)
+        except Exception as err:  # Ray raises RpcError, AuthenticationError, ...
+            if isinstance(err, AuthenticationError) or "Unauthenticated" in str(err):
+                continue
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            return {"error": first}
+        return {"mode": mode, "metadata": json.loads(raw) if raw else {}}
+    return {"mode": modes[-1], "metadata": None}
 
 
 def auth_refusal(mode: str, source: str | None) -> str:
@@ -302,23 +323,6 @@ def version_refusal(metadata: dict) -> str | None:
     return None
 
 
-@contextlib.contextmanager
-def _quiet_stderr() -> Iterator[None]:
-    """Send file descriptor 2 to /dev/null for the block (Ray's C++ logs go there)."""
-    try:
-        saved = os.dup(2)
-    except OSError:  # no stderr to quiet
-        yield
-        return
-    try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-
-
 __all__ = [
     "auth_refusal",
     "check_cluster",
@@ -327,3 +331,6 @@ __all__ = [
     "token_source",
     "version_refusal",
 ]
+
+if __name__ == "__main__":  # the probe's child: python ray_connect.py HOST:PORT MODE...
+    print(json.dumps(_probe_child(sys.argv[1], sys.argv[2:])))
