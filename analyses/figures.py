@@ -508,7 +508,11 @@ def main(
         exp.profile(profile)
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err
-    done = run_experiment(exp, profile, runs, address=address, num_cpus=num_cpus)
+    try:
+        done = run_experiment(exp, profile, runs, address=address, num_cpus=num_cpus)
+    except (ConnectionError, ValueError) as err:  # a cluster that refused: one line, exit 1
+        console.print(f"error: {err}", highlight=False, markup=False, soft_wrap=True)
+        raise typer.Exit(1) from err
     console.print(f"figures ({profile}): {done.ran} jobs run, {done.cached} cached")
     for failure in done.failures:
         console.print(f"[red]failed[/] {failure.label}:\n{failure.error}", highlight=False)
