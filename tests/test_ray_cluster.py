@@ -271,7 +271,7 @@ def test_a_port_that_is_not_ray_is_refused_in_seconds(no_auth_env, monkeypatch, 
 
 
 def test_a_cluster_without_auth_is_joined_without_the_token(no_auth_env, tmp_path):
-    """A driver in token mode would refuse the calls of such a cluster's workers: the token
+    """A driver in token mode joins such a cluster, but its actors die unstarted: the token
     configured here must not be sent to a cluster that did not ask for it."""
     root = Path(tempfile.mkdtemp(prefix="pm-ray-", dir="/tmp"))
     (no_auth_env / ".ray").mkdir()

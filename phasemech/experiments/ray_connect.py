@@ -47,6 +47,7 @@ PROBE_SECONDS = 8.0  # the child's deadline: ~1 s to import Ray, a GCS answers i
 CALL_SECONDS = 2  # one GCS call's own limit
 KEEP = "-"  # a probe mode: the RAY_AUTH_MODE the user set
 GET_TOKEN = "`ray get-auth-token` on the head prints it"
+PORT_HINT = "(is it the port `ray start --head` printed?)"
 WHERE = f"{TOKEN}, a file named by {TOKEN_PATH}, or ~/.ray/auth_token"
 
 
@@ -105,8 +106,14 @@ def _join(address: str, bootstrap: str) -> None:
     try:
         ray.init(address=bootstrap, log_to_driver=False)
     except Exception as err:  # what the checks could not foresee, still in one line
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ConnectionError(f"could not join the Ray cluster at {address!r}: {first}") from err
+        msg = _first_line(err)
+        raise ConnectionError(f"could not join the Ray cluster at {address!r}: {msg}") from err
+
+
+def _first_line(err: Exception) -> str:
+    """An exception in one line: Ray's messages run to several, with advice on each."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
 
 
 def _embedded_env() -> dict[str, str | None]:
@@ -249,14 +256,13 @@ def _probe(bootstrap: str, modes: list[str], head: str) -> tuple[str, dict | Non
     except subprocess.TimeoutExpired:
         raise ConnectionError(
             head + f"{bootstrap} accepts connections but does not answer as a Ray GCS within "
-            f"{PROBE_SECONDS:.0f} s (is it the port `ray start --head` printed?)"
+            f"{PROBE_SECONDS:.0f} s {PORT_HINT}"
         ) from None
     except (IndexError, json.JSONDecodeError):
         last = (child.stderr.strip().splitlines() or ["no reply"])[-1]
         raise ConnectionError(head + f"the check of {bootstrap} failed: {last}") from None
     if "error" in reply:
-        hint = "(is it the port `ray start --head` printed?)"
-        raise ConnectionError(head + f"{reply['error']} {hint}")
+        raise ConnectionError(head + f"{reply['error']} {PORT_HINT}")
     return reply["mode"], reply.get("metadata")
 
 
@@ -278,8 +284,7 @@ def _probe_child(bootstrap: str, modes: list[str]) -> dict:
         except Exception as err:  # Ray raises RpcError, AuthenticationError, ...
             if isinstance(err, AuthenticationError) or "Unauthenticated" in str(err):
                 continue
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            return {"error": first}
+            return {"error": _first_line(err)}
         return {"mode": mode, "metadata": json.loads(raw) if raw else {}}
     return {"mode": modes[-1], "metadata": None}
 
