@@ -274,10 +274,13 @@ class CompressedAttentionMixin(RowsMixin):
         # a training step rebuilds the same geometry every forward: keep the last one while
         # the offsets and length repeat (no padding mask; random offsets simply miss)
         cached = getattr(self, "_geo_cache", None)
+        # a geometry built under inference mode cannot enter a graph (attribution patching)
+        inference = torch.is_inference_mode_enabled()
         if (
             key_valid is None
             and cached is not None
             and cached[0] == seq
+            and cached[3] == inference
             and cached[1].shape == offsets.shape
             and cached[1].device == offsets.device
             and torch.equal(cached[1], offsets)
@@ -294,7 +297,7 @@ class CompressedAttentionMixin(RowsMixin):
             c.block_scope,
         )
         if key_valid is None:
-            self._geo_cache = (seq, offsets.clone(), geo)
+            self._geo_cache = (seq, offsets.clone(), geo, inference)
         return geo
 
     def attend(

@@ -1,4 +1,5 @@
-"""``phasemech audit``: the per-phase retrieval audit of compression designs on a real model."""
+"""``phasemech audit`` and ``phasemech explain``: the per-phase retrieval audit of compression
+designs on a real model, and the causal explanation of its weak phase."""
 
 from __future__ import annotations
 
@@ -98,3 +99,61 @@ def audit(
         raise _fail(err) from err
     console.print((out / "summary.md").read_text(), markup=False, highlight=False)
     console.print(f"wrote {out} ({summary['wall_s']:.0f} s); open {out / 'audit.html'}")
+
+
+def _phases(value: str | None) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    got = _ints(value, "--contrast-phases")
+    if len(got) != 2:
+        msg = f"{value!r}: expected two phases CLEAN,CORRUPT"
+        raise typer.BadParameter(msg, param_hint="--contrast-phases")
+    return got[0], got[1]
+
+
+@app.command()
+def explain(
+    design: Annotated[str, typer.Option(help="route, quest, kpool, evict (or mean, partition)")],
+    out: Annotated[Path, typer.Option("-o", "--out", help="the folder to write")],
+    model: Annotated[str, typer.Option(help="as for audit")] = "smollm2-135m",
+    stride: Annotated[int, typer.Option(min=1, help="d: tokens per block")] = 4,
+    top_k: Annotated[int, typer.Option(min=1, help="blocks kept per query")] = 1,
+    window: Annotated[int, typer.Option(min=0, help="raw window W (tokens)")] = 16,
+    layers: Annotated[str | None, typer.Option(help="compressed layers, e.g. 2-29")] = None,
+    obs_window: Annotated[int | None, typer.Option(help="evict's observation queries")] = None,
+    regime: Annotated[str, typer.Option(help="decode (default) or trained")] = "decode",
+    context: Annotated[int, typer.Option(min=64, help="prompt length in tokens")] = 1024,
+    task: Annotated[str, typer.Option(help="passkey, multikey or kv")] = "passkey",
+    contents: Annotated[int, typer.Option(min=1, help="contents (x stride prompts)")] = 50,
+    contrast_phases: Annotated[
+        str | None, typer.Option(help="CLEAN,CORRUPT phases to patch (default: best, worst)")
+    ] = None,
+    analyses: Annotated[
+        str, typer.Option(help="comma-list of selection, oracle, ablation, patching")
+    ] = "selection,oracle,ablation,patching",
+    top_heads: Annotated[int, typer.Option(min=1, help="heads the head-oracle forces")] = 10,
+    seed: int = 0,
+    address: Annotated[str | None, typer.Option(help="join this Ray cluster")] = None,
+    num_cpus: Annotated[int | None, typer.Option(min=1, help="embedded Ray's CPUs")] = None,
+    device: DeviceOpt = "cpu",
+) -> None:
+    """Which selections, layers and heads make a design's weak phase weak, on the audit's
+    prompts: needle selection, oracle forcing, head ablation and patching across phases."""
+    from phasemech.experiments.explain import ExplainConfig
+    from phasemech.experiments.explain_tables import run_explain
+
+    _device(device)
+    try:
+        cfg = ExplainConfig(
+            design=design.strip(), model=model, stride=stride, window=window, top_k=top_k,
+            layers=None if layers is None else _ints(layers, "--layers"),
+            obs_window=obs_window, regime=regime, context=context, task=task,
+            contents=contents, seed=seed, contrast_phases=_phases(contrast_phases),
+            analyses=tuple(a.strip() for a in analyses.split(",") if a.strip()),
+            top_heads=top_heads,
+        )  # fmt: skip
+        summary = run_explain(cfg, out, address=address, num_cpus=num_cpus, device=device)
+    except (ValueError, ConnectionError, FileNotFoundError, RuntimeError) as err:
+        raise _fail(err) from err
+    console.print((out / "summary.md").read_text(), markup=False, highlight=False)
+    console.print(f"wrote {out} ({summary['wall_s']:.0f} s)")

@@ -6,6 +6,7 @@ Axes: ``layer``, ``pos``, ``head``, ``batch`` (pairs), ``key``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,9 +46,12 @@ def attribution_patch(
     metric: str = "logit_diff",
     batch_size: int = 128,
     progress: bool = False,
+    source: Callable[[str, Tensor], Tensor] | None = None,
 ) -> Attribution:
     """Attribution patching (AtP): one forward and one backward per batch of pairs estimate the
-    effect of patching every (layer, position, head) output."""
+    effect of patching every (layer, position, head) output. ``source(hook_name, corrupted_z)``
+    replaces the clean run's ``z`` (as in :func:`~phasemech.interventions.patching_fast.
+    patch_heads`)."""
     _check_model(model, contrast, metric)
     contrast = contrast.to(model_device(model))  # built on the CPU; the model may sit on a GPU
     model.eval()
@@ -56,6 +60,8 @@ def attribution_patch(
     z_names = [f"blocks.{lay}.attn.hook_z" for lay in range(n_layers)]
     with torch.no_grad():  # not inference_mode: these tensors meet autograd below
         runs = _baseline(model, contrast, metric, z_names)
+    if source is not None:
+        runs.src.update({n: source(n, runs.corr[n]) for n in z_names})
     values = np.zeros((n_layers, seq, n_heads, batch))
     saturation = np.zeros(batch)
     # the last layer's attention at the answer (its saturation); nsa has three patterns and no

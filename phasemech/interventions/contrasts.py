@@ -15,7 +15,8 @@ of one pair), ``vocab``.
 
 **Metric** per pair, read at the answer position only: ``logit_diff`` (answer minus foil logit;
 the foil is the corrupted value, or for ``grid``/``content`` the corrupted run's best wrong
-token), ``logprob`` or ``prob`` of the answer.
+token), ``logprob`` or ``prob`` of the answer, ``margin`` (answer minus the best other logit:
+positive iff the answer is the greedy token, the lab's ablation ``logit_diff``).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from phasemech.data.tasks import targets_frame, task_of, to_tensors
 CONTRASTS = ("grid", "content", "answer")
 
 
-METRICS = ("logit_diff", "logprob", "prob")
+METRICS = ("logit_diff", "logprob", "prob", "margin")
 
 
 @dataclass(frozen=True)
@@ -237,6 +238,8 @@ def metric_values(
 ) -> Float[Tensor, "copy"]:
     """The per-pair metric from answer-position logits."""
     right = logits.gather(-1, answer[:, None])[:, 0]
+    if metric == "margin":
+        return right - logits.scatter(-1, answer[:, None], float("-inf")).amax(-1)
     if metric == "logit_diff":
         return right - logits.gather(-1, foil[:, None])[:, 0]
     lp = logits.log_softmax(-1).gather(-1, answer[:, None])[:, 0]

@@ -17,11 +17,16 @@ much faster:
 
 Where the delta trick does not hold (parallel attention and MLP, post-norm blocks) it falls
 back to the hook-based ``patch_sites(site="z")``.
+
+``source=`` replaces what a patch copies in (the clean run's ``z``) by any activation of the
+same shape: zeros or a mean make the same engine an ablation (:data:`zero_source`,
+:func:`mean_source`), and a clean run computed elsewhere (another prompt's prefill,
+:mod:`phasemech.interventions.prompts`) makes it a cross-prompt patch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,6 +92,8 @@ def _rows_ok(model: HookedTransformer) -> bool:
     ):
         return False
     if any(isinstance(m, HookPoint) and m.has_hooks() for m in block.modules()):
+        return False
+    if getattr(model, "bound_prefill", None) is not None:  # its keys sit in a KV cache
         return False
     if isinstance(block.attn, CompressedAttentionMixin):
         return True
@@ -237,16 +244,21 @@ def patch_heads(
     layers: Iterable[int] | None = None,
     max_copies: int = 1024,
     progress: bool = False,
+    source: Callable[[str, Tensor], Tensor] | None = None,
 ) -> PatchResult:
     """Patch each head's output (``hook_z``) from the clean into the corrupted run, at all
     positions or one position at a time. Exact; equal to TransformerLens'
     ``get_act_patch_attn_head_out_all_pos`` / ``_by_pos`` on the same pairs, and to the
-    hook-based ``patch_sites(site="z")`` it falls back to where the delta trick does not hold."""
+    hook-based ``patch_sites(site="z")`` it falls back to where the delta trick does not hold.
+    ``source(hook_name, corrupted_z)``: what each patch copies in instead of the clean ``z``
+    (same shape); the result's ``clean`` is then still the clean run's metric."""
     _check_model(model, contrast, metric)
     layers = _check_layers(model, layers)
     if isinstance(max_copies, bool) or not isinstance(max_copies, int) or max_copies < 1:
         raise ValueError(f"max_copies={max_copies!r} is invalid: expected an int >= 1")
     if not _fast_block(model):
+        if source is not None:
+            raise ValueError("source= needs blocks whose head outputs add to the residual")
         kw = dict(metric=metric, by_pos=by_pos, layers=layers, progress=progress)
         return patch_sites(model, contrast, site="z", max_copies=max_copies, **kw)
     contrast = contrast.to(model_device(model))  # built on the CPU; the model may sit on a GPU
@@ -254,6 +266,9 @@ def patch_heads(
     mid = "hook_resid_post" if model.cfg.attn_only else "hook_resid_mid"
     names = [f"blocks.{x}.{h}" for x in layers for h in ("attn.hook_z", mid, "hook_resid_post")]
     runs = _baseline(model, contrast, metric, list(dict.fromkeys(names)))
+    if source is not None:
+        for name in (f"blocks.{x}.attn.hook_z" for x in layers):
+            runs.src[name] = source(name, runs.corr[name])
     batch, seq = contrast.corrupted_tokens.shape
     values = np.full((model.cfg.n_layers, seq if by_pos else 1, model.cfg.n_heads, batch), np.nan)
     values[list(layers)] = runs.corrupted.double().cpu().numpy()  # "no change" until overwritten
@@ -269,4 +284,19 @@ def patch_heads(
     return _result("z", by_pos, metric, contrast, values, runs, layers, n_run)
 
 
-__all__ = ["patch_heads"]
+def zero_source(name: str, z: Tensor) -> Tensor:
+    """Zero ablation through :func:`patch_heads`: every head's output replaced by 0."""
+    return torch.zeros_like(z)
+
+
+def mean_source(means: dict[str, Float[Tensor, "head d_head"]]) -> Callable:
+    """Mean ablation through :func:`patch_heads`: each head's output replaced by its mean
+    (``means[hook_name]``, one vector per head, at every position)."""
+
+    def source(name: str, z: Tensor) -> Tensor:
+        return means[name].to(z.device, z.dtype).expand_as(z).clone()
+
+    return source
+
+
+__all__ = ["mean_source", "patch_heads", "zero_source"]

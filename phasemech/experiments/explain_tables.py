@@ -1,0 +1,331 @@
+"""``run_explain``: the three steps of :mod:`phasemech.experiments.explain` through the launcher,
+and their tables.
+
+Axes: ``prompt``, ``pair``, ``layer``, ``head``, ``phase``, ``replicate`` (bootstrap draws).
+
+Tables under ``OUT`` (tidy parquet, one row per what the name says):
+
+* ``prompts.parquet``: per prompt, the null's and the design's answer (``correct``,
+  ``first_correct``, ``margin``);
+* ``selection.parquet``: per (prompt, layer, head), the needle block's ``selected``, ``rank``,
+  ``margin`` (:func:`~phasemech.interventions.oracle.needle_selection`); ``selection_recall.
+  parquet``: its mean per (layer, phase);
+* ``oracle.parquet``: per (scope, form, rows, phase), accuracy with the needle's block forced,
+  its cluster-bootstrap 95% interval (contents resampled), the unforced accuracy and the
+  null's, how many kept picks were changed and displaced (``displaced_sink``: the share of
+  displaced picks that were the sink's block) and ``broken`` (prompts the design answered that
+  the forcing broke); ``oracle_prompts.parquet``: every copy;
+* ``ablation.parquet``: the lab's effects table (:class:`~phasemech.interventions.
+  ablation_result.AblationResult`; ``accuracy`` and ``logit_diff`` = the margin at the first
+  answer token; ``logprob`` is not computed) and ``ablation_specialization.parquet`` (its
+  specialisation index and permutation test, :func:`~phasemech.interventions.specialization.
+  specialization`);
+* ``patching.parquet``: per (site, layer, head), the normalised effect (0 = corrupted, 1 =
+  clean; ratio of pair means) with a bootstrap interval over pairs; sites ``head`` (exact),
+  ``resid`` (a layer's residual stream), ``atp`` (attribution patching's estimate of ``head``);
+  ``patching_pairs.parquet``: per pair, clean and corrupted metrics.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from phasemech.core.io import atomic_write
+from phasemech.experiments.explain import (
+    ExplainConfig,
+    check_explain,
+    contrast_phases,
+    explain_jobs,
+)
+
+
+def _launch(ensure, jobs, out: Path, progress: bool, device: str) -> list[dict[str, Any]]:
+    from phasemech.experiments.launcher import launch, read_cached
+
+    if any(read_cached(out / "jobs", j) is None for j in jobs):
+        ensure()
+    done = launch(jobs, out / "jobs", progress=progress, device=device)
+    if done.failures:
+        f = done.failures[0]
+        raise RuntimeError(f"{len(done.failures)} explain jobs failed; first: {f.label}\n{f.error}")
+    return [done.results[j.key] for j in jobs]
+
+
+def _prompts(results: list[dict]) -> list[dict]:
+    return [p for r in results for p in r["prompts"]]
+
+
+def prompts_frame(observed: list[dict]) -> pd.DataFrame:
+    rows = []
+    for p in observed:
+        row = dict(p["prompt"])
+        for who in ("null", "design"):
+            row |= {f"{who}_{k}": v for k, v in p[who].items()}
+        rows.append(row)
+    return pd.DataFrame(rows).sort_values("prompt_id", ignore_index=True)
+
+
+def _long(observed: list[dict], key: str) -> pd.DataFrame:
+    rows = [dict(p["prompt"], **r) for p in observed for r in p.get(key, [])]
+    return pd.DataFrame(rows)
+
+
+def _boot_mean(
+    values: np.ndarray, clusters: np.ndarray, n_boot: int, seed: int
+) -> tuple[float, float]:
+    """Percentile 95% interval of a mean, resampling clusters (contents)."""
+    if not n_boot or len(values) == 0:
+        return float("nan"), float("nan")
+    ids, inv = np.unique(clusters, return_inverse=True)
+    sums, counts = np.bincount(inv, values), np.bincount(inv)
+    w = np.random.default_rng(seed).multinomial(len(ids), np.full(len(ids), 1 / len(ids)), n_boot)
+    boot = (w @ sums) / np.maximum(w @ counts, 1)
+    lo, hi = np.quantile(boot, [0.025, 0.975])
+    return float(lo), float(hi)
+
+
+def oracle_summary(df: pd.DataFrame, prompts: pd.DataFrame, n_boot: int, seed: int) -> pd.DataFrame:
+    """Accuracy per (scope, form, rows, phase) under forcing, beside the unforced and the null."""
+    base = prompts.set_index("prompt_id")
+    df = df.join(base[["design_correct", "null_correct"]], on="prompt_id")
+    rows = []
+    keys = ["scope", "form", "rows", "phase"]
+    for key, g in df.groupby(keys, sort=False):
+        lo, hi = _boot_mean(g.correct.to_numpy(float), g.group_id.to_numpy(), n_boot, seed)
+        displaced = g.displaced.sum()
+        rows.append(
+            dict(
+                zip(keys, key, strict=True),
+                accuracy=g.correct.mean(),
+                ci_low=lo,
+                ci_high=hi,
+                unforced=g.design_correct.mean(),
+                null=g.null_correct.mean(),
+                n=len(g),
+                forced=g.forced.mean(),
+                displaced=g.displaced.mean(),
+                displaced_sink=g.displaced_sink.sum() / displaced if displaced else np.nan,
+                broken=int((g.design_correct & ~g.correct.astype(bool)).sum()),
+            )
+        )
+    return pd.DataFrame(rows)
+
+
+def ablation_tables(
+    inter: list[dict],
+    cfg: ExplainConfig,
+    n_layers: int,
+    n_heads: int,
+    n_boot: int,
+    seed: int,
+    n_perm: int,
+):
+    """The lab's effects table and specialisation test from the per-prompt ablations."""
+    from phasemech.interventions.ablation_plan import METRICS, _Run
+    from phasemech.interventions.ablation_result import _effects, _targets_frame
+    from phasemech.interventions.specialization import specialization
+
+    items = sorted((p for p in inter if "ablation" in p), key=lambda p: p["prompt"]["prompt_id"])
+    if not items:
+        return None, None
+    frame = pd.DataFrame([p["prompt"] for p in items]).rename(columns={"prompt_id": "seq_id"})
+    frame["target"] = 0
+    modes = [m for m in ("zero", "mean") if m in items[0]["ablation"]]
+    runs = [_Run("head", m, i, h) for m in modes for i in range(n_layers) for h in range(n_heads)]
+
+    def stack(margins: np.ndarray) -> np.ndarray:  # [.., target] -> [.., metric, target]
+        return np.stack([(margins > 0).astype(float), np.full_like(margins, np.nan), margins], -2)
+
+    base = stack(np.array([p["ablation"]["base"] for p in items]))
+    abl = np.array(
+        [[np.ravel(p["ablation"][m]) for p in items] for m in modes]
+    )  # [mode, target, L*H]
+    ablated = stack(abl.transpose(0, 2, 1).reshape(len(runs), len(items)))
+    assert list(METRICS) == ["accuracy", "logprob", "logit_diff"]
+    effects = _effects(runs, frame, base, ablated, cfg.stride, n_boot, seed)
+    targets = _targets_frame(runs, frame, base, ablated, cfg.stride, 0)
+    spec = pd.concat(
+        [
+            specialization(targets, metric=m, n_perm=n_perm, seed=seed, stride=cfg.stride)
+            for m in ("accuracy", "logit_diff")
+        ],
+        ignore_index=True,
+    )
+    return effects[effects.metric != "logprob"].reset_index(drop=True), spec
+
+
+def patching_table(pairs: list[dict], n_boot: int, seed: int) -> pd.DataFrame:
+    """Normalised effect per (site, layer, head) with a bootstrap interval over pairs."""
+    clean = np.array([p["clean"] for p in pairs])
+    corr = np.array([p["corrupted"] for p in pairs])
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, len(pairs), (n_boot, len(pairs))) if n_boot else None
+    rows = []
+    for site in ("heads", "resid", "atp"):
+        if site not in pairs[0]:
+            continue
+        vals = np.array([np.reshape(p[site], (len(p[site]), -1)) for p in pairs])  # [pair, L, H]
+        delta = vals - corr[:, None, None] if site != "atp" else vals
+        den = (clean - corr).mean()
+        eff = delta.mean(0) / den
+        lo = hi = np.full(eff.shape, np.nan)
+        if idx is not None:
+            boot = delta[idx].mean(1) / (clean - corr)[idx].mean(1)[:, None, None]
+            lo, hi = np.quantile(boot, [0.025, 0.975], axis=0)
+        for (layer, head), e in np.ndenumerate(eff):
+            rows.append(
+                dict(
+                    site={"heads": "head"}.get(site, site),
+                    layer=layer,
+                    head=head if site != "resid" else -1,
+                    effect=e,
+                    ci_low=lo[layer, head],
+                    ci_high=hi[layer, head],
+                    raw=delta[:, layer, head].mean(),
+                    n_pairs=len(pairs),
+                )
+            )
+    return pd.DataFrame(rows)
+
+
+def _write(out: Path, name: str, df: pd.DataFrame | None) -> None:
+    if df is not None and len(df):
+        atomic_write(out / f"{name}.parquet", lambda tmp: df.to_parquet(tmp))
+
+
+def _pairs(
+    cfg: ExplainConfig, prompts: pd.DataFrame
+) -> tuple[tuple[int, int], list[tuple[int, int]]]:
+    acc = prompts.groupby("phase").design_correct.mean().reindex(range(cfg.stride)).to_numpy()
+    strong, weak = contrast_phases(cfg, acc)
+    by = prompts.set_index(["group_id", "phase"])
+    pairs = []
+    for g in sorted(prompts.group_id.unique()):
+        if (
+            (g, strong) in by.index
+            and (g, weak) in by.index
+            and bool(by.loc[(g, strong), "design_first_correct"])
+        ):
+            pairs.append(
+                (int(by.loc[(g, strong), "prompt_id"]), int(by.loc[(g, weak), "prompt_id"]))
+            )
+    if not pairs:
+        raise ValueError(
+            f"{cfg.setting}: no content is answered right at phase {strong} (the clean side): "
+            "nothing to patch from; pass --contrast-phases with a phase the design answers"
+        )
+    return (strong, weak), pairs
+
+
+def run_explain(
+    cfg: ExplainConfig,
+    out: str | Path,
+    *,
+    address: str | None = None,
+    num_cpus: int | None = None,
+    device: str = "cpu",
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Run (or finish from the cache) the explanation ``cfg`` into ``out``; returns the summary."""
+    from phasemech.experiments.experiment import ray_session
+    from phasemech.experiments.explain_report import write_report
+
+    source = check_explain(cfg)
+    out, t0 = Path(out), time.perf_counter()
+    ids = list(range(cfg.contents * cfg.stride))
+    with ray_session(address, num_cpus) as ensure:
+        step = [_launch(ensure, explain_jobs(cfg, "observe", ids), out, progress, device)]
+        observed = _prompts(step[0])
+        prompts = prompts_frame(observed)
+        contrast, pairs = (
+            ((None, None), []) if "patching" not in cfg.analyses else _pairs(cfg, prompts)
+        )
+        means = None
+        if "ablation" in cfg.analyses:
+            sums = sum(np.array(p["z_sums"]) for p in observed)
+            means = (sums / sum(p["z_rows"] for p in observed)).tolist()
+        abl_ids = ids if "ablation" in cfg.analyses else []
+        if abl_ids or pairs:
+            step.append(
+                _launch(
+                    ensure,
+                    explain_jobs(cfg, "intervene", abl_ids, pairs, means=means),
+                    out,
+                    progress,
+                    device,
+                )
+            )
+        inter = [r for res in step[1:] for r in res]
+        pair_rows = [p for r in inter for p in r["pairs"]]
+        patch = patching_table(pair_rows, cfg.n_boot, cfg.seed) if pair_rows else None
+        heads: list[dict] = []
+        if "oracle" in cfg.analyses and patch is not None:
+            top = patch[patch.site == "head"].nlargest(cfg.top_heads, "effect")
+            units = [(int(r.layer), int(r.head)) for r in top.itertuples()]
+            heads = _prompts(
+                _launch(ensure, explain_jobs(cfg, "heads", ids, units=units), out, progress, device)
+            )
+    tables = _tables(cfg, observed, inter, heads, patch, pair_rows, source)
+    for name, df in tables.items():
+        _write(out, name, df)
+    worker_s = sum(r["seconds"] for res in step for r in res)
+    meta = dict(
+        contrast_phases=contrast,
+        n_pairs=len(pairs),
+        wall_s=time.perf_counter() - t0,
+        worker_s=worker_s,
+        model=source.spec,
+        n_layers=source.n_layers,
+        n_heads=source.n_heads,
+    )
+    return write_report(cfg, tables, meta, out)
+
+
+def _tables(
+    cfg, observed, inter, heads, patch, pair_rows, source
+) -> dict[str, pd.DataFrame | None]:
+    prompts = prompts_frame(observed)
+    t: dict[str, pd.DataFrame | None] = {"prompts": prompts}
+    if "selection" in cfg.analyses:
+        sel = _long(observed, "selection")
+        t["selection"] = sel
+        t["selection_recall"] = sel.groupby(["layer", "phase"], as_index=False).agg(
+            recall=("selected", "mean"),
+            rank=("rank", "median"),
+            margin=("margin", "median"),
+            n=("selected", "size"),
+        )
+    if "oracle" in cfg.analyses:
+        orc = pd.concat([_long(observed, "oracle"), _long(heads, "oracle")], ignore_index=True)
+        t["oracle_prompts"] = orc
+        t["oracle"] = oracle_summary(orc, prompts, cfg.n_boot, cfg.seed)
+    if "ablation" in cfg.analyses:
+        prompts_inter = [p for r in inter for p in r["prompts"]]
+        t["ablation"], t["ablation_specialization"] = ablation_tables(
+            prompts_inter, cfg, source.n_layers, source.n_heads, cfg.n_boot, cfg.seed, cfg.n_perm
+        )
+    if patch is not None:
+        t["patching"] = patch
+        t["patching_pairs"] = pd.DataFrame(
+            [
+                dict(
+                    group_id=p["clean_prompt"]["group_id"],
+                    depth=p["clean_prompt"]["depth"],
+                    clean_prompt=p["clean_prompt"]["prompt_id"],
+                    corrupted_prompt=p["corrupted_prompt"]["prompt_id"],
+                    clean=p["clean"],
+                    corrupted=p["corrupted"],
+                    foil=p["foil"],
+                )
+                for p in pair_rows
+            ]
+        )
+    return t
+
+
+__all__ = ["ablation_tables", "oracle_summary", "patching_table", "prompts_frame", "run_explain"]

@@ -1,0 +1,222 @@
+"""``phasemech explain``: the lab's engines on real-model prompts (the adapter), the selection
+oracle, and the experiment end to end. Tiny rotary GQA models, and SmolLM2 at a short context
+for the pipeline."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from conftest import make_hooked, tokens
+
+from phasemech import CompressionConfig, PhaseTransformer
+from phasemech.interventions.oracle import Force, force_needle, needle_selection
+from phasemech.interventions.patching_fast import patch_heads, zero_source
+from phasemech.interventions.prompt_patching import ablate_prompt, patch_pair
+from phasemech.interventions.prompts import bound, prompt_run, score, self_contrast
+from phasemech.model.decode import read_rows
+
+torch.set_num_threads(1)
+
+
+def _batch(shift: int = 1, seq: int = 48, answer_start: int = 44, needle: int = 10):
+    """Two prompts of one content, the second moved right by ``shift`` tokens (a prefix)."""
+    x = tokens(1, seq, seed=1)[0]
+    rows, seqs = [], []
+    for k in (0, shift):
+        seqs.append(torch.cat([x[:k], x]))
+        rows.append(
+            dict(
+                prompt_id=len(rows),
+                group_id=0,
+                prefix=k,
+                depth=0.3,
+                needle_pos=needle + k,
+                phase=(needle + k) % 4,
+                question_start=answer_start - 8 + k,
+                answer_start=answer_start + k,
+            )
+        )
+    width = max(len(s) for s in seqs)
+    toks = torch.zeros(2, width, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        toks[i, : len(s)] = s
+    answer = torch.stack([x[answer_start : answer_start + 3]] * 2)
+    return SimpleNamespace(tokens=toks, answer=answer, frame=pd.DataFrame(rows))
+
+
+def _models(design="route", **kw):
+    tl = make_hooked(rotary=True, gqa=True, n_layers=3, attn_only=False)
+    comp = CompressionConfig(design, **(dict(stride=4, window=3, top_k=1) | kw))
+    return tl, PhaseTransformer.from_hooked(tl, comp).eval()
+
+
+def _margin(logits: torch.Tensor, answer: int) -> float:
+    logits = logits.detach()
+    other = logits.clone()
+    other[answer] = -torch.inf
+    return float(logits[answer] - other.max())
+
+
+def test_bound_prefill_zero_ablation_equals_hooked_reads():
+    """Zero ablation through patch_heads (delta trick, copies over a bound prefill) equals
+    the decode read with the head's output zeroed by a hook."""
+    tl, model = _models()
+    run = prompt_run(tl, _batch(), 0, "decode")
+    with bound(model, run):
+        res = patch_heads(model, self_contrast(run, 4), metric="margin", source=zero_source)
+    for layer in range(3):
+        for h in range(model.cfg.n_heads):
+
+            def zero(z, hook, h=h):
+                z = z.clone()
+                z[:, :, h] = 0
+                return z
+
+            with torch.inference_mode(), model.hooks([(f"blocks.{layer}.attn.hook_z", zero)]):
+                resid = read_rows(model, run.cache, run.tokens)
+            want = _margin(model.unembed(model.ln_final(resid))[0, run.row], int(run.answer[0]))
+            assert res.values[layer, 0, h, 0] == pytest.approx(want, abs=1e-4)
+    assert score(model, run)["margin"] == pytest.approx(float(res.corrupted[0]), abs=1e-5)
+
+
+def test_head_patching_without_compression_equals_transformer_lens():
+    """With compression off (a plain model, trained regime, prompts of equal length) the
+    adapter's head patching equals TransformerLens' get_act_patch_attn_head_out_all_pos."""
+    from transformer_lens.patching import get_act_patch_attn_head_out_all_pos
+
+    tl, _ = _models()
+    batch = _batch(shift=0)
+    batch.tokens[1, 20] = (batch.tokens[1, 20] + 7) % tl.cfg.d_vocab  # corrupt a mid token
+    clean, corrupt = (prompt_run(tl, batch, i, "trained") for i in (0, 1))
+    got = patch_pair(tl, clean, corrupt, 4, atp=False)
+    answer, foil = int(corrupt.answer[0]), got["foil"]
+
+    def metric(logits):
+        row = logits[0, corrupt.row]
+        return row[answer] - row[foil]
+
+    with torch.inference_mode():
+        _, cache = tl.run_with_cache(clean.tokens)
+        want = get_act_patch_attn_head_out_all_pos(tl, corrupt.tokens, cache, metric)
+    np.testing.assert_allclose(np.array(got["heads"]), want.numpy(), atol=1e-4)
+    with torch.inference_mode():
+        assert got["clean"] == pytest.approx(float(metric(tl(clean.tokens))), abs=1e-4)
+    # the whole residual entering layer 0 is the clean run: patching it restores the clean metric
+    assert got["resid"][0] == pytest.approx(got["clean"], abs=1e-4)
+
+
+@pytest.mark.parametrize("regime", ["decode", "trained"])
+def test_forcing_a_kept_block_changes_nothing(regime):
+    """Forcing the needle's block where the design already keeps it (one answer token: one
+    answer row) adds or displaces nothing and leaves the answer as it was."""
+    tl, model = _models(top_k=6)
+    batch = _batch()
+    batch.answer = batch.answer[:, :1]
+    run = prompt_run(tl, batch, 0, regime)
+    sel = needle_selection(model, run)
+    kept = sel[sel.selected]
+    assert 0 < len(kept) < len(sel) and (kept["rank"] <= 6).all()
+    units = tuple(zip(kept.layer.tolist(), kept["head"].tolist(), strict=True))
+    forces = [Force("add", "answer", (), "none")] + [
+        Force(f, "answer", units, "kept") for f in ("add", "replace")
+    ]
+    got = force_needle(model, run, forces)
+    assert (got.forced == 0).all() and (got.displaced == 0).all()
+    np.testing.assert_allclose(got.margin, got.margin[0], atol=1e-6)
+    others = tuple(
+        (i, h) for i, h in zip(sel.layer, sel["head"], strict=True) if (i, h) not in units
+    )
+    assert int(force_needle(model, run, [Force("add", "answer", others)]).forced[0]) > 0
+
+
+def test_forcing_every_candidate_is_dense_attention():
+    """Decode regime: every candidate of route kept at every row = the dense model's read."""
+    tl, model = _models()
+    run = prompt_run(tl, _batch(), 0, "decode")
+    units = tuple((i, h) for i in range(3) for h in range(model.cfg.n_heads))
+    got = force_needle(model, run, [Force("every", "after", units, "all")])
+    with torch.inference_mode(), bound(tl, run):
+        dense = tl(run.tokens)[0, run.row]
+    assert got.margin[0] == pytest.approx(_margin(dense, int(run.answer[0])), abs=1e-4)
+    assert score(model, run)["margin"] != pytest.approx(got.margin[0], abs=1e-3)  # it bites
+
+
+def test_replace_keeps_the_budget_and_reaches_the_needle():
+    """``replace`` puts the needle's block in place of one pick: the kept count is unchanged
+    and the needle's block is then read at the answer row."""
+    tl, model = _models()
+    run = prompt_run(tl, _batch(), 0, "decode")
+    base = needle_selection(model, run)
+    assert not base.selected.all()  # top-1 misses the needle somewhere
+    kept: dict = {}
+
+    def grab(mask, hook):
+        kept[hook.name] = mask[0, :, run.row].clone()
+
+    units = tuple((i, h) for i in range(3) for h in range(model.cfg.n_heads))
+    names = [(f"blocks.{i}.attn.hook_route_selected", grab) for i in range(3)]
+    with model.hooks(fwd_hooks=names):  # runs after force's hook: sees the forced sets
+        got = force_needle(model, run, [Force("replace", "answer", units, "all")])
+    assert int(got.displaced[0]) == int(got.forced[0]) > 0
+    for i in range(3):
+        assert (
+            kept[f"blocks.{i}.attn.hook_route_selected"].sum(-1)
+            == torch.tensor(base[base.layer == i].kept.tolist())
+        ).all()
+
+
+def test_ablation_and_patching_rows_are_complete():
+    tl, model = _models()
+    batch = _batch()
+    a, b = (prompt_run(tl, batch, i, "decode") for i in (0, 1))
+    abl = ablate_prompt(model, a, 4, torch.zeros(3, model.cfg.n_heads, model.cfg.d_head))
+    # mean ablation with zero means is zero ablation
+    np.testing.assert_allclose(abl["zero"], abl["mean"], atol=1e-6)
+    got = patch_pair(model, a, b, 4)
+    assert np.array(got["heads"]).shape == np.array(got["atp"]).shape == (3, model.cfg.n_heads)
+    assert len(got["resid"]) == 3 and got["resid"][0] == pytest.approx(got["corrupted"], abs=1e-5)
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(design="mean", analyses=("selection",)), "selects no blocks"),
+        (dict(contrast_phases=(1, 1)), "contrast_phases"),
+        (dict(contrast_phases=(0, 4)), "contrast_phases"),
+        (dict(analyses=("probes",)), "analyses"),
+        (dict(top_heads=0), "top_heads"),
+        (dict(design="nsa"), "designs"),
+    ],
+)
+def test_config_refuses_bad_input(kw, match):
+    from phasemech.experiments.explain import ExplainConfig
+
+    with pytest.raises(ValueError, match=match) as err:
+        ExplainConfig(**kw)
+    assert "\n" not in str(err.value)
+
+
+def test_no_gap_and_no_clean_prompt_are_refused():
+    from phasemech.experiments.explain import ExplainConfig, contrast_phases
+    from phasemech.experiments.explain_tables import _pairs
+
+    cfg = ExplainConfig()
+    with pytest.raises(ValueError, match="no gap"):
+        contrast_phases(cfg, np.array([0.5, 0.5, 0.5, 0.5]))
+    assert contrast_phases(cfg, np.array([0.7, 0.3, 0.6, 0.75])) == (3, 1)
+    prompts = pd.DataFrame(
+        dict(
+            prompt_id=range(4),
+            group_id=0,
+            phase=range(4),
+            design_correct=[False, False, True, True],
+            design_first_correct=[True, True, True, False],
+        )
+    )
+    prompts.loc[2, "design_correct"] = False
+    with pytest.raises(ValueError, match="no content is answered right at phase 3"):
+        _pairs(cfg, prompts)
