@@ -220,3 +220,51 @@ def test_no_gap_and_no_clean_prompt_are_refused():
     prompts.loc[2, "design_correct"] = False
     with pytest.raises(ValueError, match="no content is answered right at phase 3"):
         _pairs(cfg, prompts)
+
+
+def test_explain_end_to_end_and_cached_rerun(tmp_path):
+    """SmolLM2 at a short context, one content (the pipeline, not the findings): every table,
+    the summary, and a rerun that reads every job from the cache."""
+    from phasemech.experiments.explain import ExplainConfig
+    from phasemech.experiments.explain_tables import run_explain
+
+    cfg = ExplainConfig(design="route", top_k=1, layers=tuple(range(2, 30)), context=128,
+                        contents=1, contrast_phases=(0, 1), per_layer_oracle=False,
+                        top_heads=2, n_boot=20, n_perm=20)  # fmt: skip
+    out = tmp_path / "explain"
+    summary = run_explain(cfg, out, num_cpus=1, progress=False)
+    sel = pd.read_parquet(out / "selection.parquet")
+    assert len(sel) == 4 * 28 * 9 and set(sel.phase) == {0, 1, 2, 3}
+    orc = pd.read_parquet(out / "oracle.parquet")
+    assert set(orc.scope) == {"none", "all", "top heads"} and orc.accuracy.between(0, 1).all()
+    patch = pd.read_parquet(out / "patching.parquet")
+    assert set(patch.site) == {"head", "resid", "atp"} and (patch.n_pairs == 1).all()
+    assert summary["n_pairs"] == 1 and list(summary["contrast_phases"]) == [0, 1]
+    assert "route_d4_w16_k1" in (out / "summary.md").read_text()
+    jobs = {p: p.stat().st_mtime_ns for p in (out / "jobs").glob("*.json")}
+    again = run_explain(cfg, out, num_cpus=1, progress=False)
+    assert {p: p.stat().st_mtime_ns for p in (out / "jobs").glob("*.json")} == jobs
+    assert again["accuracy_by_phase"] == summary["accuracy_by_phase"]
+
+
+def test_ablation_tables_are_the_labs_effects_and_specialization():
+    """Per-prompt margins become the lab's effects (accuracy = margin > 0) and its
+    specialisation test; a head that only hurts phase 2 is found serving phase 2."""
+    from phasemech.experiments.explain import ExplainConfig
+    from phasemech.experiments.explain_tables import ablation_tables
+
+    rng = np.random.default_rng(0)
+    items = []
+    for g in range(12):
+        for phase in range(4):
+            zero = rng.normal(1.0, 0.1, (2, 3))
+            zero[1, 2] = -1.0 if phase == 2 else 1.0  # layer 1, head 2 serves phase 2
+            meta = dict(prompt_id=4 * g + phase, group_id=g, prefix=phase, depth=0.5,
+                        needle_pos=100 + phase, phase=phase)  # fmt: skip
+            items.append({"prompt": meta, "ablation": {"base": 1.0, "zero": zero.tolist()}})
+    effects, spec = ablation_tables(items, ExplainConfig(), 2, 3, 50, 0, 200)
+    assert len(effects) == 1 * 6 * 2 * 4 and set(effects["mode"]) == {"zero"}
+    acc = effects[(effects.metric == "accuracy") & (effects.layer == 1) & (effects.unit == 2)]
+    assert acc.set_index("phase").effect.to_dict() == {0: 0.0, 1: 0.0, 2: -1.0, 3: 0.0}
+    top = spec[spec.metric == "accuracy"].sort_values("rank").iloc[0]
+    assert (top.layer, top.unit, top.served_phase) == (1, 2, 2) and top.p_perm < 0.05

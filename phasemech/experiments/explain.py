@@ -11,8 +11,10 @@ jobs cached under ``OUT/jobs`` (a rerun computes nothing, a killed one resumes):
 
 1. ``observe`` (every prompt): the answer under the null and the design, the needle's
    selection in every selecting layer and head (:func:`~phasemech.interventions.oracle.
-   needle_selection`), the oracle forcing the needle's block in every layer and in each layer
-   alone (:func:`~phasemech.interventions.oracle.force_needle`), and each head's mean output;
+   needle_selection`), the oracle forcing the needle's block in every layer (four forms: add
+   or replace, at the answer rows or every row after the needle) and in each layer alone (add
+   and replace at every row after the needle; :func:`~phasemech.interventions.oracle.
+   force_needle`), and each head's mean output;
 2. ``intervene``: zero and mean ablation of every head on every prompt, and on each content's
    (strong, weak) pair the exact patching of every head and every layer's residual, and
    attribution patching of every head (:mod:`phasemech.interventions.prompt_patching`). The
@@ -165,10 +167,10 @@ def _forces(cfg: ExplainConfig, model, units: tuple = (), label: str = "") -> li
     out = [Force("add", "answer", (), "none")]
     every = tuple((i, h) for i in layers for h in range(n_heads))
     out += [Force(f, r, every, "all") for f, r in forms]
-    if cfg.oracle_per_layer:
+    if cfg.oracle_per_layer:  # every row after the needle: what a layer's selection can reach
         for i in layers:
             one = tuple((i, h) for h in range(n_heads))
-            out += [Force(f, r, one, f"layer {i}") for f, r in forms]
+            out += [Force(f, "after", one, f"layer {i}") for f in ("add", "replace")]
     return out
 
 
@@ -262,11 +264,11 @@ def explain_jobs(
     """``step``'s jobs: a few prompts (or pairs) each, so a worker loads the model once and
     several workers share the step."""
     cfg = dataclasses.replace(cfg, n_boot=0, n_perm=0)
-    size = max(1, -(-len(prompts) // 8))
+    size = max(1, min(4, -(-len(prompts) // 8)))  # small: a killed run loses little
     jobs = [ExplainJob(cfg, step, p, **kw) for p in _chunks(prompts, size)]
     jobs += [
         ExplainJob(cfg, step, (), pairs=tuple(map(tuple, p)), **kw)
-        for p in _chunks(list(pairs), max(1, -(-len(pairs) // 8)))
+        for p in _chunks(list(pairs), max(1, min(4, -(-len(pairs) // 8))))
     ]
     return jobs
 

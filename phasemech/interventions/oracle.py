@@ -161,6 +161,11 @@ def _forcing_hooks(model, run: PromptRun, forces: Sequence[Force], log: dict) ->
     n, h = len(forces), model.cfg.n_heads
     dev = run.tokens.device
     seen: dict[int, dict[str, Tensor]] = {}
+    units = torch.zeros(n, model.cfg.n_layers, h, dtype=torch.bool)  # [copy, layer, head]
+    for c, f in enumerate(forces):
+        if f.units:
+            units[(c, *zip(*f.units, strict=True))] = True
+    units = units.to(dev)
     every = torch.tensor([f.form == "every" for f in forces], device=dev)[:, None, None]
     replace = torch.tensor([f.form == "replace" for f in forces], device=dev)[:, None, None]
 
@@ -170,11 +175,7 @@ def _forcing_hooks(model, run: PromptRun, forces: Sequence[Force], log: dict) ->
     def force(mask: Tensor, hook) -> Tensor:
         layer = int(hook.name.split(".")[1])
         gate, offsets = seen[layer]["hook_route_scores"], seen[layer]["hook_grid_offset"]
-        units = torch.zeros(n, h, dtype=torch.bool, device=dev)
-        for c, f in enumerate(forces):
-            for lay, head in f.units:
-                units[c, head] |= lay == layer
-        where = units[:, :, None] & _row_mask(forces, run, mask.shape[2], dev)[:, None]
+        where = units[:, layer, :, None] & _row_mask(forces, run, mask.shape[2], dev)[:, None]
         cand = gate.isfinite()
         out = mask | (where[..., None] & cand & every[..., None])
         j = block_of(_targets(run, mask.shape[2]), offsets, model.blocks[layer].attn.stride, h)

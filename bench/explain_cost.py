@@ -1,0 +1,85 @@
+"""What ``phasemech explain`` costs per prompt and per pair, part by part, on one thread.
+
+Usage: ``python bench/explain_cost.py [--design route] [--top-k 1] [--context 1024]
+[--pairs 2]``. Prints the time of a prefill, of the observe step (selection, oracle copies,
+head means), of zero + mean ablation of every head, and of a pair's exact head patching,
+residual patching and attribution patching, then the projected cost of exact head patching
+on 100 pairs on 2 cores (each pair: two prefills and the head patching). Writes
+``bench/results/explain_cost.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+
+def _timed(fn, *args, **kw) -> tuple[float, object]:
+    t0 = time.perf_counter()
+    out = fn(*args, **kw)
+    return time.perf_counter() - t0, out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--design", default="route")
+    ap.add_argument("--top-k", type=int, default=1)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--pairs", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+
+    from phasemech.experiments.explain import ExplainConfig, _forces, _models, _observe, _run
+    from phasemech.interventions.attribution import attribution_patch
+    from phasemech.interventions.patching_fast import patch_heads
+    from phasemech.interventions.prompt_patching import _resid_patch, ablate_prompt
+    from phasemech.interventions.prompts import bound, clean_run, cross_source, self_contrast
+
+    cfg = ExplainConfig(design=args.design, top_k=args.top_k, layers=tuple(range(2, 30)),
+                        context=args.context, contents=max(1, args.pairs))  # fmt: skip
+    base, model, batch = _models(cfg)
+    n = model.cfg.n_layers
+    names = [f"blocks.{i}.attn.hook_z" for i in range(n)]
+    names += [f"blocks.{i}.hook_resid_pre" for i in range(n)]
+    rows: dict[str, list[float]] = {k: [] for k in ("prefill", "observe", "ablation", "heads",
+                                                    "resid", "atp")}  # fmt: skip
+    for g in range(args.pairs):
+        clean_i, corrupt_i = 4 * g, 4 * g + 1
+        t, obs = _timed(_observe, cfg, clean_i, base, model, batch)
+        rows["observe"].append(t)
+        t, clean = _timed(_run, base, model, batch, clean_i, "decode")
+        rows["prefill"].append(t)
+        corrupt = _run(base, model, batch, corrupt_i, "decode")
+        means = torch.tensor(obs["z_sums"]) / obs["z_rows"]
+        rows["ablation"].append(_timed(ablate_prompt, model, clean, cfg.stride, means)[0])
+        cl = clean_run(model, clean, names)
+        c = self_contrast(corrupt, cfg.stride)
+        with bound(model, corrupt), torch.inference_mode():
+            t, res = _timed(patch_heads, model, c, source=cross_source(cl))
+        rows["heads"].append(t)
+        foil = int(res.pairs["foil"].iloc[0])
+        answer = int(corrupt.answer[0])
+        rows["resid"].append(_timed(_resid_patch, model, cl, corrupt, answer, foil)[0])
+        with bound(model, corrupt):
+            rows["atp"].append(_timed(attribution_patch, model, c, source=cross_source(cl))[0])
+    mean = {k: sum(v) / len(v) for k, v in rows.items()}
+    per_pair = 2 * mean["prefill"] + mean["heads"]
+    report = dict(model="smollm2-135m", design=args.design, top_k=args.top_k,
+                  context=args.context, regime="decode", layers="2-29", threads=1,
+                  oracle_copies=len(_forces(cfg, model)), pairs_measured=args.pairs,
+                  seconds=mean, heads_100_pairs_2_cores_min=100 * per_pair / 2 / 60)  # fmt: skip
+    for k, v in mean.items():
+        print(f"{k:>9}: {v:6.2f} s")
+    print(f"exact head patching, 100 pairs on 2 cores (projected): "
+          f"{report['heads_100_pairs_2_cores_min']:.1f} min")  # fmt: skip
+    out = Path(__file__).parent / "results" / "explain_cost.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
