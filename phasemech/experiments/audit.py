@@ -337,21 +337,13 @@ def run_audit(
     """Run (or finish from the cache) the audit ``a`` into ``out``: tables, ``summary.md``,
     ``summary.json`` and ``audit.html``. Returns the summary."""
     from phasemech.experiments.audit_report import write_report
-    from phasemech.experiments.experiment import ray_session
-    from phasemech.experiments.launcher import launch, read_cached
+    from phasemech.experiments.experiment import launch_results, ray_session
 
     source = check_audit(a)
     out = Path(out)
-    jobs = audit_jobs(a)
     t0 = time.perf_counter()
     with ray_session(address, num_cpus) as ensure:
-        if any(read_cached(out / "jobs", j) is None for j in jobs):
-            ensure()
-        done = launch(jobs, out / "jobs", progress=progress, device=device)
-    if done.failures:
-        f = done.failures[0]
-        raise RuntimeError(f"{len(done.failures)} audit jobs failed; first: {f.label}\n{f.error}")
-    results = [done.results[j.key] for j in jobs]
+        results = launch_results(ensure, audit_jobs(a), out, "audit", progress, device)
     targets = pd.DataFrame([r for res in results for r in res["targets"]])
     heads = pd.DataFrame([h for res in results for h in res["heads"]])
     worker_s = sum(res["seconds"] for res in results)

@@ -133,6 +133,21 @@ def ray_session(address: str | None, num_cpus: int | None) -> Iterator[Callable[
         yield ensure
 
 
+def launch_results(
+    ensure: Callable[[], None], jobs: list, out: Path, what: str, progress: bool, device: str
+) -> list[dict]:
+    """Inside a :func:`ray_session`: run ``jobs`` (cached under ``out/jobs``; Ray starts only
+    if one is missing) and return their results in order; any failure raises one
+    ``RuntimeError`` naming the first (``what``: the kind of job, for the message)."""
+    if any(read_cached(out / "jobs", j) is None for j in jobs):
+        ensure()
+    done = launch(jobs, out / "jobs", progress=progress, device=device)
+    if done.failures:
+        f = done.failures[0]
+        raise RuntimeError(f"{len(done.failures)} {what} jobs failed; first: {f.label}\n{f.error}")
+    return [done.results[j.key] for j in jobs]
+
+
 def run_experiment(
     exp: Experiment,
     profile: str,
@@ -173,4 +188,12 @@ def run_experiment(
     return out
 
 
-__all__ = ["Done", "Experiment", "ExperimentRun", "Profile", "ray_session", "run_experiment"]
+__all__ = [
+    "Done",
+    "Experiment",
+    "ExperimentRun",
+    "Profile",
+    "launch_results",
+    "ray_session",
+    "run_experiment",
+]

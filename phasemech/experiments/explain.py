@@ -44,7 +44,6 @@ from phasemech.experiments.jobs import Job, job_device, payload, report_progress
 ANALYSES = ("selection", "oracle", "ablation", "patching")
 #: designs whose selection the selection and oracle analyses read
 SELECTING = ("route", "quest", "kpool", "evict")
-STEPS = ("observe", "intervene", "heads")
 
 
 @dataclass(frozen=True)
@@ -254,7 +253,10 @@ class ExplainJob(Job):
 
 
 # ------------------------------------------------------------------------------ driver side
-def _chunks(items: list, size: int) -> list[tuple]:
+def _chunks(items: list) -> list[tuple]:
+    """At least 8 chunks where there are items enough, of at most 4 (a killed run loses
+    little; the workers share a step)."""
+    size = max(1, min(4, -(-len(items) // 8)))
     return [tuple(items[i : i + size]) for i in range(0, len(items), size)]
 
 
@@ -264,13 +266,9 @@ def explain_jobs(
     """``step``'s jobs: a few prompts (or pairs) each, so a worker loads the model once and
     several workers share the step."""
     cfg = dataclasses.replace(cfg, n_boot=0, n_perm=0)
-    size = max(1, min(4, -(-len(prompts) // 8)))  # small: a killed run loses little
-    jobs = [ExplainJob(cfg, step, p, **kw) for p in _chunks(prompts, size)]
-    jobs += [
-        ExplainJob(cfg, step, (), pairs=tuple(map(tuple, p)), **kw)
-        for p in _chunks(list(pairs), max(1, min(4, -(-len(pairs) // 8))))
-    ]
-    return jobs
+    jobs = [ExplainJob(cfg, step, p, **kw) for p in _chunks(prompts)]
+    pairs = [tuple(p) for p in pairs]
+    return jobs + [ExplainJob(cfg, step, (), pairs=p, **kw) for p in _chunks(pairs)]
 
 
 def check_explain(cfg: ExplainConfig):

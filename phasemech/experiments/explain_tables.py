@@ -44,18 +44,6 @@ from phasemech.experiments.explain import (
 )
 
 
-def _launch(ensure, jobs, out: Path, progress: bool, device: str) -> list[dict[str, Any]]:
-    from phasemech.experiments.launcher import launch, read_cached
-
-    if any(read_cached(out / "jobs", j) is None for j in jobs):
-        ensure()
-    done = launch(jobs, out / "jobs", progress=progress, device=device)
-    if done.failures:
-        f = done.failures[0]
-        raise RuntimeError(f"{len(done.failures)} explain jobs failed; first: {f.label}\n{f.error}")
-    return [done.results[j.key] for j in jobs]
-
-
 def _prompts(results: list[dict]) -> list[dict]:
     return [p for r in results for p in r["prompts"]]
 
@@ -75,45 +63,32 @@ def _long(observed: list[dict], key: str) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _boot_mean(
-    values: np.ndarray, clusters: np.ndarray, n_boot: int, seed: int
-) -> tuple[float, float]:
-    """Percentile 95% interval of a mean, resampling clusters (contents)."""
-    if not n_boot or len(values) == 0:
-        return float("nan"), float("nan")
-    ids, inv = np.unique(clusters, return_inverse=True)
-    sums, counts = np.bincount(inv, values), np.bincount(inv)
-    w = np.random.default_rng(seed).multinomial(len(ids), np.full(len(ids), 1 / len(ids)), n_boot)
-    boot = (w @ sums) / np.maximum(w @ counts, 1)
-    lo, hi = np.quantile(boot, [0.025, 0.975])
-    return float(lo), float(hi)
-
-
 def oracle_summary(df: pd.DataFrame, prompts: pd.DataFrame, n_boot: int, seed: int) -> pd.DataFrame:
-    """Accuracy per (scope, form, rows, phase) under forcing, beside the unforced and the null."""
-    base = prompts.set_index("prompt_id")
-    df = df.join(base[["design_correct", "null_correct"]], on="prompt_id")
-    rows = []
-    keys = ["scope", "form", "rows", "phase"]
-    for key, g in df.groupby(keys, sort=False):
-        lo, hi = _boot_mean(g.correct.to_numpy(float), g.group_id.to_numpy(), n_boot, seed)
-        displaced = g.displaced.sum()
-        rows.append(
-            dict(
-                zip(keys, key, strict=True),
-                accuracy=g.correct.mean(),
-                ci_low=lo,
-                ci_high=hi,
-                unforced=g.design_correct.mean(),
-                null=g.null_correct.mean(),
-                n=len(g),
-                forced=g.forced.mean(),
-                displaced=g.displaced.mean(),
-                displaced_sink=g.displaced_sink.sum() / displaced if displaced else np.nan,
-                broken=int((g.design_correct & ~g.correct.astype(bool)).sum()),
-            )
+    """Accuracy per (scope, form, rows, phase) under forcing, beside the unforced and the null;
+    intervals from :func:`~phasemech.measure.stats.intervals.per_phase` (contents resampled)."""
+    from phasemech.measure.stats.intervals import per_phase
+
+    base = prompts.set_index("prompt_id")[["design_correct", "null_correct"]]
+    df = df.join(base, on="prompt_id").assign(seq_id=lambda x: x.group_id)
+    d = int(prompts.phase.max()) + 1
+    out = []
+    for (scope, form, rows), g in df.groupby(["scope", "form", "rows"], sort=False):
+        acc = per_phase(g, d, n_boot=n_boot, seed=seed).set_index("phase")
+        by = g.groupby("phase")
+        broken = g.design_correct & ~g.correct.astype(bool)
+        frame = pd.DataFrame(dict(
+            accuracy=acc.accuracy, ci_low=acc.boot_lo, ci_high=acc.boot_hi,
+            unforced=by.design_correct.mean(), null=by.null_correct.mean(), n=acc.n,
+            forced=by.forced.mean(), displaced=by.displaced.mean(),
+            displaced_sink=by.displaced_sink.sum() / by.displaced.sum().replace(0, np.nan),
+            broken=broken.groupby(g.phase).sum(),
+        ))  # fmt: skip
+        out.append(
+            frame.rename_axis("phase").reset_index().assign(scope=scope, form=form, rows=rows)
         )
-    return pd.DataFrame(rows)
+    table = pd.concat(out, ignore_index=True)
+    keys = ["scope", "form", "rows", "phase"]
+    return table[keys + [c for c in table.columns if c not in keys]]
 
 
 def ablation_tables(
@@ -139,14 +114,15 @@ def ablation_tables(
     runs = [_Run("head", m, i, h) for m in modes for i in range(n_layers) for h in range(n_heads)]
 
     def stack(margins: np.ndarray) -> np.ndarray:  # [.., target] -> [.., metric, target]
-        return np.stack([(margins > 0).astype(float), np.full_like(margins, np.nan), margins], -2)
+        # accuracy is the margin's sign; logprob is not computed (NaN, dropped below)
+        by = {"accuracy": (margins > 0).astype(float), "logit_diff": margins}
+        return np.stack([by.get(m, np.full_like(margins, np.nan)) for m in METRICS], -2)
 
     base = stack(np.array([p["ablation"]["base"] for p in items]))
     abl = np.array(
         [[np.ravel(p["ablation"][m]) for p in items] for m in modes]
     )  # [mode, target, L*H]
     ablated = stack(abl.transpose(0, 2, 1).reshape(len(runs), len(items)))
-    assert list(METRICS) == ["accuracy", "logprob", "logit_diff"]
     effects = _effects(runs, frame, base, ablated, cfg.stride, n_boot, seed)
     targets = _targets_frame(runs, frame, base, ablated, cfg.stride, 0)
     spec = pd.concat(
@@ -165,13 +141,13 @@ def patching_table(pairs: list[dict], n_boot: int, seed: int) -> pd.DataFrame:
     corr = np.array([p["corrupted"] for p in pairs])
     rng = np.random.default_rng(seed)
     idx = rng.integers(0, len(pairs), (n_boot, len(pairs))) if n_boot else None
+    den = (clean - corr).mean()
     rows = []
     for site in ("heads", "resid", "atp"):
         if site not in pairs[0]:
             continue
         vals = np.array([np.reshape(p[site], (len(p[site]), -1)) for p in pairs])  # [pair, L, H]
         delta = vals - corr[:, None, None] if site != "atp" else vals
-        den = (clean - corr).mean()
         eff = delta.mean(0) / den
         lo = hi = np.full(eff.shape, np.nan)
         if idx is not None:
@@ -232,53 +208,47 @@ def run_explain(
     progress: bool = True,
 ) -> dict[str, Any]:
     """Run (or finish from the cache) the explanation ``cfg`` into ``out``; returns the summary."""
-    from phasemech.experiments.experiment import ray_session
+    from phasemech.experiments.experiment import launch_results, ray_session
     from phasemech.experiments.explain_report import write_report
 
     source = check_explain(cfg)
     out, t0 = Path(out), time.perf_counter()
     ids = list(range(cfg.contents * cfg.stride))
+
+    def launch(ensure, step: str, prompts: list, pairs: list = (), **kw) -> list[dict]:
+        jobs = explain_jobs(cfg, step, prompts, pairs, **kw)
+        return launch_results(ensure, jobs, out, "explain", progress, device)
+
     with ray_session(address, num_cpus) as ensure:
-        step = [_launch(ensure, explain_jobs(cfg, "observe", ids), out, progress, device)]
-        observed = _prompts(step[0])
+        steps = [launch(ensure, "observe", ids)]
+        observed = _prompts(steps[0])
         prompts = prompts_frame(observed)
-        contrast, pairs = (
-            ((None, None), []) if "patching" not in cfg.analyses else _pairs(cfg, prompts)
-        )
-        means = None
+        contrast, pairs = (None, None), []
+        if "patching" in cfg.analyses:
+            contrast, pairs = _pairs(cfg, prompts)
+        means, abl_ids = None, []
         if "ablation" in cfg.analyses:
             sums = sum(np.array(p["z_sums"]) for p in observed)
             means = (sums / sum(p["z_rows"] for p in observed)).tolist()
-        abl_ids = ids if "ablation" in cfg.analyses else []
+            abl_ids = ids
         if abl_ids or pairs:
-            step.append(
-                _launch(
-                    ensure,
-                    explain_jobs(cfg, "intervene", abl_ids, pairs, means=means),
-                    out,
-                    progress,
-                    device,
-                )
-            )
-        inter = [r for res in step[1:] for r in res]
+            steps.append(launch(ensure, "intervene", abl_ids, pairs, means=means))
+        inter = [r for res in steps[1:] for r in res]
         pair_rows = [p for r in inter for p in r["pairs"]]
         patch = patching_table(pair_rows, cfg.n_boot, cfg.seed) if pair_rows else None
         heads: list[dict] = []
         if "oracle" in cfg.analyses and patch is not None:
             top = patch[patch.site == "head"].nlargest(cfg.top_heads, "effect")
             units = [(int(r.layer), int(r.head)) for r in top.itertuples()]
-            heads = _prompts(
-                _launch(ensure, explain_jobs(cfg, "heads", ids, units=units), out, progress, device)
-            )
-    tables = _tables(cfg, observed, inter, heads, patch, pair_rows, source)
+            heads = _prompts(launch(ensure, "heads", ids, units=units))
+    tables = _tables(cfg, prompts, observed, inter, heads, patch, pair_rows, source)
     for name, df in tables.items():
         _write(out, name, df)
-    worker_s = sum(r["seconds"] for res in step for r in res)
     meta = dict(
         contrast_phases=contrast,
         n_pairs=len(pairs),
         wall_s=time.perf_counter() - t0,
-        worker_s=worker_s,
+        worker_s=sum(r["seconds"] for res in steps for r in res),
         model=source.spec,
         n_layers=source.n_layers,
         n_heads=source.n_heads,
@@ -287,9 +257,8 @@ def run_explain(
 
 
 def _tables(
-    cfg, observed, inter, heads, patch, pair_rows, source
+    cfg, prompts, observed, inter, heads, patch, pair_rows, source
 ) -> dict[str, pd.DataFrame | None]:
-    prompts = prompts_frame(observed)
     t: dict[str, pd.DataFrame | None] = {"prompts": prompts}
     if "selection" in cfg.analyses:
         sel = _long(observed, "selection")
