@@ -178,6 +178,7 @@ def test_ablation_and_patching_rows_are_complete():
     np.testing.assert_allclose(abl["zero"], abl["mean"], atol=1e-6)
     got = patch_pair(model, a, b, 4)
     assert np.array(got["heads"]).shape == np.array(got["atp"]).shape == (3, model.cfg.n_heads)
+    assert len(got["selection"]) == 3 and np.isfinite(got["selection_all"])
     assert len(got["resid"]) == 3 and got["resid"][0] == pytest.approx(got["corrupted"], abs=1e-5)
 
 
@@ -238,7 +239,12 @@ def test_explain_end_to_end_and_cached_rerun(tmp_path):
     orc = pd.read_parquet(out / "oracle.parquet")
     assert set(orc.scope) == {"none", "all", "top heads"} and orc.accuracy.between(0, 1).all()
     patch = pd.read_parquet(out / "patching.parquet")
-    assert set(patch.site) == {"head", "resid", "atp"} and (patch.n_pairs == 1).all()
+    assert set(patch.site) == {"head", "resid", "selection", "atp"}
+    assert (patch.n_pairs == 1).all()
+    sel_site = patch[patch.site == "selection"]
+    assert sorted(sel_site.layer) == [-1, *range(2, 30)] and sel_site.kept.between(1, 3).all()
+    att = pd.read_parquet(out / "head_attention.parquet")
+    assert len(att) == 2 * 30 * 9 * 4 and att.mass.between(0, 1).all()
     assert summary["n_pairs"] == 1 and list(summary["contrast_phases"]) == [0, 1]
     assert "route_d4_w16_k1" in (out / "summary.md").read_text()
     jobs = {p: p.stat().st_mtime_ns for p in (out / "jobs").glob("*.json")}
@@ -268,3 +274,37 @@ def test_ablation_tables_are_the_labs_effects_and_specialization():
     assert acc.set_index("phase").effect.to_dict() == {0: 0.0, 1: 0.0, 2: -1.0, 3: 0.0}
     top = spec[spec.metric == "accuracy"].sort_values("rank").iloc[0]
     assert (top.layer, top.unit, top.served_phase) == (1, 2, 2) and top.p_perm < 0.05
+
+
+def test_copying_a_prompts_own_selection_changes_nothing():
+    """The selection site with clean = corrupted (same prompt) is the unpatched run in every
+    copy; the per-layer sites are filled for the selecting layers only."""
+    from phasemech.interventions.oracle import copy_selection
+
+    tl, model = _models()
+    run = prompt_run(tl, _batch(), 1, "decode")
+    labels, logits, kept = copy_selection(model, run, run)
+    assert labels == ["layer 0", "layer 1", "layer 2", "all"]
+    with torch.inference_mode(), bound(model, run):
+        want = model(run.tokens)[0, run.row]
+    for lg in logits:
+        torch.testing.assert_close(lg, want.float(), atol=1e-5, rtol=1e-5)
+    assert (kept > 1).all()  # the forced own block and the top-1 pick, at least
+
+
+def test_a_copied_pick_covers_every_token_the_clean_query_read():
+    """Grids do not line up across phases: clean block 2 (tokens 4-7, offset 0) moved right by
+    one token is corrupted blocks 2 and 3; the sink's block keeps token 0's block."""
+    from phasemech.interventions.oracle import _mapped, _token_map
+
+    clean = SimpleNamespace(meta={"prefix": 0})
+    corrupt = SimpleNamespace(meta={"prefix": 1})
+    kept = torch.zeros(2, 3, 6, dtype=torch.bool)  # [head, row, block]
+    kept[0, 2, 2] = True  # head 0, last row: tokens 4..7 -> 5..8
+    kept[1, 1, 1] = True  # head 1: block 1 holds tokens 0..3 -> 0, 2, 3, 4
+    zero = torch.zeros(1, dtype=torch.long)
+    out, has = _mapped(kept, zero, zero, _token_map(clean, corrupt), 4, (4, 7))
+    assert has.tolist() == [False, True, True, True]  # rows aligned from the end
+    assert out[0, 3].nonzero().flatten().tolist() == [2, 3]
+    assert out[1, 2].nonzero().flatten().tolist() == [1, 2]
+    assert out.sum() == 4

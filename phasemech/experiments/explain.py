@@ -24,6 +24,10 @@ jobs cached under ``OUT/jobs`` (a rerun computes nothing, a killed one resumes):
 3. ``heads``: the oracle again, in the ``top_heads`` heads that matter most (largest exact
    patching effect).
 
+Beside step 2 runs ``attend`` (every prompt): each head's attention from the row predicting
+the first answer token onto the needle's first answer token, under the null and the design
+(as the audit reads it: ``hook_pattern``, or ``hook_token_pattern`` on compressed layers).
+
 :mod:`phasemech.experiments.explain_tables` turns the results into the tables and the page.
 """
 
@@ -173,6 +177,24 @@ def _forces(cfg: ExplainConfig, model, units: tuple = (), label: str = "") -> li
     return out
 
 
+def _attend(run, base, model) -> list[dict[str, Any]]:
+    """Per (setting, layer, head): attention from the answer row onto the needle."""
+    import torch
+
+    from phasemech.experiments.audit_score import _attention_hooks
+    from phasemech.interventions.prompts import bound
+
+    rows = []
+    for who, m in (("null", base), ("design", model)):
+        store: dict = {}
+        with torch.inference_mode(), bound(m, run):
+            with m.hooks(fwd_hooks=_attention_hooks(m, run.row, run.needle, store)):
+                m(run.tokens, stop_at_layer=m.cfg.n_layers)
+        rows += [dict(setting=who, layer=layer, head=h, mass=float(x))
+                 for layer, mass in sorted(store.items()) for h, x in enumerate(mass)]  # fmt: skip
+    return rows
+
+
 def _observe(cfg: ExplainConfig, i: int, base, model, batch) -> dict[str, Any]:
     from phasemech.interventions.oracle import force_needle, needle_selection
     from phasemech.interventions.prompt_patching import z_sums
@@ -196,7 +218,7 @@ def _observe(cfg: ExplainConfig, i: int, base, model, batch) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class ExplainJob(Job):
-    """One step for some prompts (``observe``, ``heads``) or prompts and pairs
+    """One step for some prompts (``observe``, ``attend``, ``heads``) or prompts and pairs
     (``intervene``). Payloads (the mean ablation's means, the oracle's heads) follow from the
     earlier steps of the same config, so they are not part of the key."""
 
@@ -232,6 +254,8 @@ class ExplainJob(Job):
         if self.step == "observe":
             return _observe(self.cfg, i, base, model, batch)
         run = _run(base, model, batch, i, self.cfg.regime)
+        if self.step == "attend":
+            return {"prompt": run.meta, "attention": _attend(run, base, model)}
         if self.step == "heads":
             units = tuple(tuple(u) for u in self.units)
             forces = _forces(self.cfg, model, units, "top heads")

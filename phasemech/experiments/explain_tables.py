@@ -1,4 +1,4 @@
-"""``run_explain``: the three steps of :mod:`phasemech.experiments.explain` through the launcher,
+"""``run_explain``: the steps of :mod:`phasemech.experiments.explain` through the launcher,
 and their tables.
 
 Axes: ``prompt``, ``pair``, ``layer``, ``head``, ``phase``, ``replicate`` (bootstrap draws).
@@ -20,9 +20,14 @@ Tables under ``OUT`` (tidy parquet, one row per what the name says):
   answer token; ``logprob`` is not computed) and ``ablation_specialization.parquet`` (its
   specialisation index and permutation test, :func:`~phasemech.interventions.specialization.
   specialization`);
+* ``attention.parquet``: per (prompt, setting, layer, head), attention from the answer row
+  onto the needle under the null and the design; ``head_attention.parquet``: its mean per
+  (setting, layer, head, phase);
 * ``patching.parquet``: per (site, layer, head), the normalised effect (0 = corrupted, 1 =
   clean; ratio of pair means) with a bootstrap interval over pairs; sites ``head`` (exact),
-  ``resid`` (a layer's residual stream), ``atp`` (attribution patching's estimate of ``head``);
+  ``resid`` (a layer's residual stream), ``selection`` (a selecting layer's kept sets from the
+  clean prompt; ``layer = -1``: every selecting layer; ``kept``: blocks then read per query and
+  head), ``atp`` (attribution patching's estimate of ``head``);
   ``patching_pairs.parquet``: per pair, clean and corrupted metrics.
 """
 
@@ -38,6 +43,7 @@ import pandas as pd
 from phasemech.core.io import atomic_write
 from phasemech.experiments.explain import (
     ExplainConfig,
+    ExplainJob,
     check_explain,
     contrast_phases,
     explain_jobs,
@@ -135,38 +141,61 @@ def ablation_tables(
     return effects[effects.metric != "logprob"].reset_index(drop=True), spec
 
 
+def _site_values(pairs: list[dict], site: str) -> np.ndarray:
+    """``[pair, layer, head]`` of a site (one head column for the per-layer sites), with a
+    last layer row ``{site}_all`` (every layer at once) where the pairs have one."""
+    vals = [np.reshape(p[site], (len(p[site]), -1)) for p in pairs]
+    if f"{site}_all" in pairs[0]:
+        vals = [np.vstack([v, [[p[f"{site}_all"]]]]) for v, p in zip(vals, pairs, strict=True)]
+    return np.array(vals, dtype=float)
+
+
 def patching_table(pairs: list[dict], n_boot: int, seed: int) -> pd.DataFrame:
-    """Normalised effect per (site, layer, head) with a bootstrap interval over pairs."""
+    """Normalised effect per (site, layer, head) with a bootstrap interval over pairs; the
+    ``selection`` site's ``layer = -1`` row is every selecting layer at once."""
     clean = np.array([p["clean"] for p in pairs])
     corr = np.array([p["corrupted"] for p in pairs])
     rng = np.random.default_rng(seed)
     idx = rng.integers(0, len(pairs), (n_boot, len(pairs))) if n_boot else None
     den = (clean - corr).mean()
     rows = []
-    for site in ("heads", "resid", "atp"):
+    for site in ("heads", "resid", "selection", "atp"):
         if site not in pairs[0]:
             continue
-        vals = np.array([np.reshape(p[site], (len(p[site]), -1)) for p in pairs])  # [pair, L, H]
+        vals = _site_values(pairs, site)  # [pair, L(+1), H]
         delta = vals - corr[:, None, None] if site != "atp" else vals
         eff = delta.mean(0) / den
         lo = hi = np.full(eff.shape, np.nan)
         if idx is not None:
             boot = delta[idx].mean(1) / (clean - corr)[idx].mean(1)[:, None, None]
             lo, hi = np.quantile(boot, [0.025, 0.975], axis=0)
+        kept = _site_values(pairs, "selection_kept").mean(0) if site == "selection" else None
         for (layer, head), e in np.ndenumerate(eff):
+            if np.isnan(e):  # a layer that selects nothing
+                continue
+            all_layers = site == "selection" and layer == eff.shape[0] - 1
             rows.append(
                 dict(
                     site={"heads": "head"}.get(site, site),
-                    layer=layer,
-                    head=head if site != "resid" else -1,
+                    layer=-1 if all_layers else layer,
+                    head=head if site in ("heads", "atp") else -1,
                     effect=e,
                     ci_low=lo[layer, head],
                     ci_high=hi[layer, head],
                     raw=delta[:, layer, head].mean(),
+                    kept=np.nan if kept is None else kept[layer, head],
                     n_pairs=len(pairs),
                 )
             )
     return pd.DataFrame(rows)
+
+
+def attention_tables(attended: list[dict]) -> dict[str, pd.DataFrame]:
+    """``attention`` (per prompt, setting, layer, head) and ``head_attention`` (its mean per
+    setting, layer, head and phase: the audit's ``head_phase``)."""
+    att = _long(attended, "attention")
+    head = att.groupby(["setting", "layer", "head", "phase"], as_index=False).mass.mean()
+    return {"attention": att, "head_attention": head}
 
 
 def _write(out: Path, name: str, df: pd.DataFrame | None) -> None:
@@ -214,14 +243,19 @@ def run_explain(
     source = check_explain(cfg)
     out, t0 = Path(out), time.perf_counter()
     ids = list(range(cfg.contents * cfg.stride))
+    done: list[tuple[ExplainJob, dict]] = []
 
-    def launch(ensure, step: str, prompts: list, pairs: list = (), **kw) -> list[dict]:
-        jobs = explain_jobs(cfg, step, prompts, pairs, **kw)
-        return launch_results(ensure, jobs, out, "explain", progress, device)
+    def launch(ensure, jobs: list) -> dict[str, list[dict]]:
+        """The jobs' results by step (several steps may share one launch)."""
+        res = launch_results(ensure, jobs, out, "explain", progress, device)
+        done.extend(zip(jobs, res, strict=True))
+        by: dict[str, list[dict]] = {}
+        for job, r in zip(jobs, res, strict=True):
+            by.setdefault(job.step, []).append(r)
+        return by
 
     with ray_session(address, num_cpus) as ensure:
-        steps = [launch(ensure, "observe", ids)]
-        observed = _prompts(steps[0])
+        observed = _prompts(launch(ensure, explain_jobs(cfg, "observe", ids))["observe"])
         prompts = prompts_frame(observed)
         contrast, pairs = (None, None), []
         if "patching" in cfg.analyses:
@@ -231,24 +265,28 @@ def run_explain(
             sums = sum(np.array(p["z_sums"]) for p in observed)
             means = (sums / sum(p["z_rows"] for p in observed)).tolist()
             abl_ids = ids
+        # attend and intervene share one launch: the workers stay busy
+        jobs = explain_jobs(cfg, "attend", ids)
         if abl_ids or pairs:
-            steps.append(launch(ensure, "intervene", abl_ids, pairs, means=means))
-        inter = [r for res in steps[1:] for r in res]
+            jobs += explain_jobs(cfg, "intervene", abl_ids, pairs, means=means)
+        by = launch(ensure, jobs)
+        attended, inter = _prompts(by["attend"]), by.get("intervene", [])
         pair_rows = [p for r in inter for p in r["pairs"]]
         patch = patching_table(pair_rows, cfg.n_boot, cfg.seed) if pair_rows else None
         heads: list[dict] = []
         if "oracle" in cfg.analyses and patch is not None:
             top = patch[patch.site == "head"].nlargest(cfg.top_heads, "effect")
             units = [(int(r.layer), int(r.head)) for r in top.itertuples()]
-            heads = _prompts(launch(ensure, "heads", ids, units=units))
+            heads = _prompts(launch(ensure, explain_jobs(cfg, "heads", ids, units=units))["heads"])
     tables = _tables(cfg, prompts, observed, inter, heads, patch, pair_rows, source)
+    tables |= attention_tables(attended)
     for name, df in tables.items():
         _write(out, name, df)
     meta = dict(
         contrast_phases=contrast,
         n_pairs=len(pairs),
         wall_s=time.perf_counter() - t0,
-        worker_s=sum(r["seconds"] for res in steps for r in res),
+        worker_s=sum(r["seconds"] for _, r in done),
         model=source.spec,
         n_layers=source.n_layers,
         n_heads=source.n_heads,

@@ -22,11 +22,16 @@ i d + o - 1]``, so token ``t`` sits in block ``floor((t - o) / d) + 1``.
   row after the needle, in a chosen set of (layer, head) units; ``every`` keeps every
   candidate (dense attention, a check). Each copy reports the answer's correctness and what
   the forced picks displaced (how many were the sink's block, the block holding token 0).
+* :func:`copy_selection`: the patching site "a layer's selection": the clean prompt's kept
+  sets (the same content at another phase) copied into the corrupted prompt, one layer per
+  copy (and one copy with every layer). The grids do not line up across phases (a clean block
+  straddles two corrupted blocks), so a copied pick keeps every corrupted block that holds one
+  of its tokens: the corrupted query reads at least every token the clean query read.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import pandas as pd
@@ -243,11 +248,118 @@ def _verdicts(
     )
 
 
+def _token_map(clean: PromptRun, corrupt: PromptRun) -> Callable[[Tensor], Tensor]:
+    """Clean positions to corrupted ones (-1: none). A prompt is ``PREFIX[:k] + body``: the
+    shift prefix's tokens keep their place, everything after it moves by the prefix difference;
+    token 0 stays token 0 (the attention sink is a place, whatever token holds it)."""
+    kc, kx = int(clean.meta["prefix"]), int(corrupt.meta["prefix"])
+
+    def move(t: Tensor) -> Tensor:
+        out = torch.where((t >= kc) & (t > 0), t + (kx - kc), t)
+        return torch.where((t < 0) | ((t < kc) & (t >= kx) & (t > 0)), -1, out)
+
+    return move
+
+
+@torch.inference_mode()
+def _kept(model, run: PromptRun) -> dict[int, tuple[Tensor, Tensor]]:
+    """Per selecting layer: the kept set ``[head, row, block]`` and the offsets ``[kv_head]``."""
+    store: dict[tuple[int, str], Tensor] = {}
+
+    def grab(x: Tensor, hook) -> None:
+        store[int(hook.name.split(".")[1]), hook.name.rsplit(".", 1)[-1]] = x[0]
+
+    layers = selecting_layers(model)
+    hooks = [(f"blocks.{i}.attn.{n}", grab) for i in layers
+             for n in ("hook_grid_offset", "hook_route_selected")]  # fmt: skip
+    with bound(model, run), model.hooks(fwd_hooks=hooks):
+        model(run.tokens, stop_at_layer=model.cfg.n_layers)
+    return {i: (store[i, "hook_route_selected"], store[i, "hook_grid_offset"]) for i in layers}
+
+
+def _mapped(
+    kept: Bool[Tensor, "head row block"],
+    o_clean: Int[Tensor, "kv_head"],
+    o_corrupt: Int[Tensor, "kv_head"],
+    move: Callable[[Tensor], Tensor],
+    stride: int,
+    shape: tuple[int, int],
+) -> tuple[Bool[Tensor, "head row block"], Bool[Tensor, "row"]]:
+    """The clean kept set in the corrupted geometry (``shape``: its rows and blocks): every
+    corrupted block holding a token of a kept clean block; rows aligned from the end, and which
+    corrupted rows have a clean counterpart."""
+    h, rc, nb = kept.shape
+    rows, nbx = shape
+    rep = h // o_clean.shape[0]
+    oc, ox = (o.repeat_interleave(rep)[:, None] for o in (o_clean, o_corrupt))  # [head, 1]
+    j = torch.arange(nb, device=kept.device)[None]
+    hits = torch.zeros(h, rc, nbx, dtype=torch.int32, device=kept.device)
+    for u in range(stride):  # block j holds tokens (j - 1) d + o + u
+        tok = (j - 1) * stride + oc + u
+        mt = move(tok)
+        b = torch.div(mt - ox, stride, rounding_mode="floor") + 1
+        ok = (tok >= 0) & (mt >= 0) & (b >= 0) & (b < nbx)
+        src = (kept & ok[:, None]).to(torch.int32)
+        hits.scatter_add_(-1, b.clamp(0, nbx - 1)[:, None].expand(h, rc, nb), src)
+    n = min(rc, rows)
+    out = torch.zeros(h, rows, nbx, dtype=torch.bool, device=kept.device)
+    out[:, rows - n :] = hits[:, rc - n :] > 0
+    has = torch.zeros(rows, dtype=torch.bool, device=kept.device)
+    has[rows - n :] = True
+    return out, has
+
+
+@torch.inference_mode()
+def copy_selection(
+    model, clean: PromptRun, corrupt: PromptRun
+) -> tuple[list[str], Float[Tensor, "copy vocab"], Float[Tensor, "copy"]]:
+    """The corrupted prompt with the clean prompt's selection, in each selecting layer alone
+    and then in all of them: ``(labels, logits at the first answer row, kept)`` per copy
+    (labels ``"layer 7"``, ..., ``"all"``; ``kept``: blocks kept per query and head in the
+    patched layers, the corrupted run's own count being the unpatched copies' baseline)."""
+    layers = selecting_layers(model)
+    clean_kept, n = _kept(model, clean), len(layers) + 1
+    move = _token_map(clean, corrupt)
+    seen: dict[int, Tensor] = {}
+    kept_sum = torch.zeros(n, dtype=torch.float64)
+
+    def keep(x: Tensor, hook) -> None:
+        seen[int(hook.name.split(".")[1])] = x
+
+    def patch(mask: Tensor, hook) -> Tensor:
+        layer = int(hook.name.split(".")[1])
+        k, oc = clean_kept[layer]
+        stride = model.blocks[layer].attn.stride
+        new, has = _mapped(k, oc, seen[layer][0], move, stride, tuple(mask.shape[2:]))
+        cand = torch.isfinite(seen[f"{layer}s"])  # [copy, head, row, block]
+        on = torch.zeros(n, dtype=torch.bool, device=mask.device)
+        on[[layers.index(layer), n - 1]] = True
+        out = (mask & ~cand) | (new[None] & cand)
+        out = torch.where(on[:, None, None, None] & has[None, None, :, None], out, mask)
+        kept_sum[on.cpu()] += out[on].sum(-1).double().mean((-1, -2)).cpu()
+        return out
+
+    def gate(x: Tensor, hook) -> None:
+        seen[f"{hook.name.split('.')[1]}s"] = x
+
+    hooks = []
+    for i in layers:
+        p = f"blocks.{i}.attn."
+        hooks += [(p + "hook_grid_offset", keep), (p + "hook_route_scores", gate),
+                  (p + "hook_route_selected", patch)]  # fmt: skip
+    with bound(model, corrupt), model.hooks(fwd_hooks=hooks):
+        resid = model(corrupt.tokens.expand(n, -1), stop_at_layer=model.cfg.n_layers)
+    logits = model.unembed(model.ln_final(resid[:, corrupt.row])).float()
+    kept_sum[-1] /= len(layers)
+    return [f"layer {i}" for i in layers] + ["all"], logits, kept_sum
+
+
 __all__ = [
     "FORMS",
     "ROWS",
     "Force",
     "block_of",
+    "copy_selection",
     "force_needle",
     "needle_selection",
     "selecting_layers",

@@ -13,8 +13,9 @@ patch:
 * :func:`patch_pair`: a clean prompt (the content at its strong phase) into a corrupted one
   (the same content at its weak phase): every head's output (``patch_heads``), every layer's
   residual stream, and attribution patching over all heads
-  (:func:`~phasemech.interventions.attribution.attribution_patch`); the metric is the answer's
-  logit difference against the corrupted run's best wrong token.
+  (:func:`~phasemech.interventions.attribution.attribution_patch`), and for a selecting design
+  each layer's selection (:func:`~phasemech.interventions.oracle.copy_selection`); the metric
+  is the answer's logit difference against the corrupted run's best wrong token.
 * :func:`z_sums`: per-head sums of ``hook_z`` over a run's rows (the mean ablation's means).
 """
 
@@ -27,8 +28,10 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from phasemech.attention.selection import SelectingAttention
 from phasemech.interventions.attribution import attribution_patch
 from phasemech.interventions.contrasts import metric_values
+from phasemech.interventions.oracle import copy_selection
 from phasemech.interventions.patching_fast import mean_source, patch_heads, zero_source
 from phasemech.interventions.prompts import (
     PromptRun,
@@ -95,13 +98,28 @@ def _metric(logits: Tensor, answer: int, foil: int) -> float:
     return float(metric_values(logits.float().cpu(), ans, fo, "logit_diff")[0])
 
 
+def _selection_patch(model, clean, corrupt: PromptRun, answer: int, foil: int) -> dict[str, Any]:
+    """The metric with the clean selection in each selecting layer (NaN elsewhere), in all of
+    them (``selection_all``), and the blocks kept per query and head under each copy."""
+    labels, logits, kept = copy_selection(model, clean, corrupt)
+    got = [_metric(lg[None], answer, foil) for lg in logits]
+    per_layer = [float("nan")] * model.cfg.n_layers
+    kept_layer = list(per_layer)
+    for label, v, k in zip(labels[:-1], got[:-1], kept[:-1].tolist(), strict=True):
+        layer = int(label.split()[1])
+        per_layer[layer], kept_layer[layer] = v, k
+    return dict(selection=per_layer, selection_all=got[-1], selection_kept=kept_layer,
+                selection_kept_all=float(kept[-1]))  # fmt: skip
+
+
 def patch_pair(
     model, clean: PromptRun, corrupt: PromptRun, stride: int, atp: bool = True
 ) -> dict[str, Any]:
     """The clean prompt patched into the corrupted one (same content, other phase): ``clean``,
     ``corrupted`` (metrics of the two runs), ``foil``, ``heads`` ``[layer, head]`` (exact),
-    ``resid`` ``[layer]`` and, with ``atp``, ``atp`` ``[layer, head]`` (first-order estimates
-    of the head patches, summed over rows)."""
+    ``resid`` ``[layer]``, for a selecting design ``selection`` ``[layer]`` (NaN in layers that
+    select nothing) and ``selection_all``, and, with ``atp``, ``atp`` ``[layer, head]``
+    (first-order estimates of the head patches, summed over rows)."""
     n = model.cfg.n_layers
     names = [_z(i) for i in range(n)] + [f"blocks.{i}.hook_resid_pre" for i in range(n)]
     cl = clean_run(model, clean, names)
@@ -117,6 +135,8 @@ def patch_pair(
         "heads": res.values[:, 0, :, 0].tolist(),
         "resid": _resid_patch(model, cl, corrupt, answer, foil),
     }
+    if any(isinstance(b.attn, SelectingAttention) for b in model.blocks):
+        out |= _selection_patch(model, clean, corrupt, answer, foil)
     if atp:
         with bound(model, corrupt):
             est = attribution_patch(model, c, metric="logit_diff", source=cross_source(cl))
