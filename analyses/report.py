@@ -33,6 +33,7 @@ from phasemech.experiments.converged_claims import (
     interventions_claim_lines,
     merge_summaries,
 )
+from phasemech.experiments.explain_claims import real_model_lines
 from phasemech.experiments.sweep import PROFILES as SWEEP_PROFILE_DEFS
 from phasemech.experiments.systems_claims import claim_systems
 from phasemech.experiments.theory_trained import D_HEAD
@@ -316,9 +317,14 @@ def claim_specialisation(src: Sources) -> str:
     else:
         cmd = "phasemech run interventions --profile converged"
         out.append("- " + _missing("analyses/results/interventions_converged.json", cmd))
+    real, real_verdict = real_model_lines(src.results)
     out += [
         "",
         f"Verdict (rule: {rule}): " + verdict + ".",
+        "",
+        *real,
+        "",
+        real_verdict,
         "",
         _fig(src, "ablation_effects", "patching_grid", "specialization", "head_phase_attention"),
     ]

@@ -72,6 +72,43 @@ def _oracle_lines(t: dict) -> list[str]:
     return lines
 
 
+def atp_check(patch: pd.DataFrame | None, top: int = 20) -> dict[str, Any] | None:
+    """Attribution patching checked against exact patching on its ``top`` heads (largest
+    |estimate|): their correlation, the largest gap, and how many are also among the exact
+    top ``top``."""
+    if patch is None or not {"atp", "head"} <= set(patch.site):
+        return None
+    atp = patch[patch.site == "atp"].set_index(["layer", "head"]).effect
+    exact = patch[patch.site == "head"].set_index(["layer", "head"]).effect
+    picked = atp.abs().nlargest(top).index
+    a, e = atp.loc[picked].to_numpy(), exact.loc[picked].to_numpy()
+    best = set(exact.abs().nlargest(top).index)
+    r = float(np.corrcoef(a, e)[0, 1]) if len(a) > 2 and a.std() > 0 and e.std() > 0 else None
+    return dict(n=len(picked), pearson_r=r, max_abs_gap=float(np.abs(a - e).max()),
+                overlap=sum(k in best for k in picked))  # fmt: skip
+
+
+def _layer_lines(t: dict, top: int = 5) -> list[str]:
+    """The layers whose residual stream or selection, patched from the clean phase, restore
+    the most."""
+    p = t.get("patching")
+    if p is None:
+        return []
+    lines = ["", "## Layers by patching (1 = restored)", "", "| site | top layers (effect) |",
+             "|---|---|"]  # fmt: skip
+    for site in ("resid", "selection"):
+        g = p[(p.site == site) & (p.layer >= 0)].nlargest(top, "effect")
+        if g.empty:
+            continue
+        best = ", ".join(f"{r.layer} ({r.effect:.2f})" for r in g.itertuples())
+        every = p[(p.site == site) & (p.layer < 0)]
+        if len(every):
+            r = every.iloc[0]
+            best += f"; every selecting layer: {r.effect:.2f} [{r.ci_low:.2f}, {r.ci_high:.2f}]"
+        lines.append(f"| {site} | {best} |")
+    return lines
+
+
 def _head_lines(t: dict, top: int = 10) -> list[str]:
     lines = []
     p = t.get("patching")
@@ -89,6 +126,13 @@ def _head_lines(t: dict, top: int = 10) -> list[str]:
             est = atp.get((r.layer, r.head), np.nan)
             ci = f"[{r.ci_low:.3f}, {r.ci_high:.3f}]"
             lines.append(f"| {r.layer}.{r.head} | {r.effect:.3f} {ci} | {est:.3f} |")
+        chk = atp_check(p)
+        r = "-" if chk["pearson_r"] is None else f"{chk['pearson_r']:.2f}"
+        lines += [
+            "",
+            f"AtP check on its top {chk['n']} heads: r = {r} with exact patching, largest gap "
+            f"{chk['max_abs_gap']:.3f}, {chk['overlap']} of them in the exact top {chk['n']}.",
+        ]
     s = t.get("ablation_specialization")
     if s is not None:
         z = s[(s.metric == "logit_diff") & (s["mode"] == "zero")].nsmallest(top, "overall")
@@ -107,6 +151,56 @@ def _head_lines(t: dict, top: int = 10) -> list[str]:
     return lines
 
 
+def _records(df: pd.DataFrame, cols: list[str]) -> list[dict[str, Any]]:
+    return [{k: _num(v) for k, v in r.items()} for r in df[cols].to_dict("records")]
+
+
+def _num(v: Any) -> Any:
+    if isinstance(v, np.generic):
+        v = v.item()
+    return None if isinstance(v, float) and np.isnan(v) else v
+
+
+def findings(t: dict, n_layers: int, top: int = 10) -> dict[str, Any]:
+    """What the claims report reads: selection recall by layer band and phase, the oracle by
+    phase (every selecting layer; the best single layers), the top heads by exact patching and
+    by zero ablation, the phase-dependent heads (accuracy effect: Holm p < 0.05 and a per-phase
+    range >= 10 points, the lab's rule) and the layers by selection patching."""
+    out: dict[str, Any] = {}
+    rec = t.get("selection_recall")
+    if rec is not None:
+        out["selection_bands"] = [
+            dict(layers=f"{lo}-{hi}", recall_by_phase=band.groupby("phase").recall.mean().tolist())
+            for lo, hi in _bands(n_layers)
+            if not (band := rec[(rec.layer >= lo) & (rec.layer <= hi)]).empty
+        ]
+    o = t.get("oracle")
+    if o is not None:
+        out["oracle"] = [
+            dict(scope=k[0], form=k[1], rows=k[2], **{c: g.sort_values("phase")[c].tolist()
+                 for c in ("accuracy", "ci_low", "ci_high", "unforced", "null")},
+                 displaced_sink=_num(g.displaced_sink.mean()))
+            for k, g in o[~o.scope.str.startswith("layer ")].groupby(["scope", "form", "rows"],
+                                                                      sort=False)
+        ]  # fmt: skip
+    p = t.get("patching")
+    if p is not None:
+        heads = p[p.site == "head"].nlargest(top, "effect")
+        out["top_patching"] = _records(heads, ["layer", "head", "effect", "ci_low", "ci_high"])
+        sel = p[p.site == "selection"].sort_values("effect", ascending=False)
+        out["selection_patching"] = _records(sel, ["layer", "effect", "ci_low", "ci_high", "kept"])
+    s = t.get("ablation_specialization")
+    if s is not None:
+        acc = s[(s.metric == "accuracy") & (s["mode"] == "zero")]
+        dep = acc[(acc.p_holm < 0.05) & (acc.phase_range >= 0.10)]
+        cols = ["layer", "unit", "overall", "phase_range", "served_phase", "si", "p_holm"]
+        out["phase_dependent_heads"] = _records(dep.sort_values("p_holm"), cols)
+        out["n_heads_tested"] = len(acc)
+        z = s[(s.metric == "logit_diff") & (s["mode"] == "zero")].nsmallest(top, "overall")
+        out["top_ablation"] = _records(z, cols)
+    return out
+
+
 def write_report(
     cfg, tables: dict[str, pd.DataFrame | None], meta: dict[str, Any], out: Path
 ) -> dict[str, Any]:
@@ -119,6 +213,8 @@ def write_report(
         accuracy_by_phase=acc,
         null_by_phase=null,
         n_prompts=len(prompts),
+        atp_check=atp_check(tables.get("patching")),
+        findings=findings(tables, meta["n_layers"]),
         **meta,
     )
     head = (
@@ -134,7 +230,10 @@ def write_report(
     if not any(acc):
         lines.append("The design answers no prompt: no component can be credited with it.")
     lines += (
-        _selection_lines(tables, meta["n_layers"]) + _oracle_lines(tables) + _head_lines(tables)
+        _selection_lines(tables, meta["n_layers"])
+        + _oracle_lines(tables)
+        + _layer_lines(tables)
+        + _head_lines(tables)
     )
     lines += ["", f"Wall time {meta['wall_s']:.0f} s; worker time {meta['worker_s']:.0f} s."]
     out.mkdir(parents=True, exist_ok=True)
@@ -143,4 +242,4 @@ def write_report(
     return summary
 
 
-__all__ = ["write_report"]
+__all__ = ["atp_check", "findings", "write_report"]

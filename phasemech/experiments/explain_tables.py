@@ -239,6 +239,7 @@ def run_explain(
     """Run (or finish from the cache) the explanation ``cfg`` into ``out``; returns the summary."""
     from phasemech.experiments.experiment import launch_results, ray_session
     from phasemech.experiments.explain_report import write_report
+    from phasemech.viz.explain import write_explain_html
 
     source = check_explain(cfg)
     out, t0 = Path(out), time.perf_counter()
@@ -291,7 +292,9 @@ def run_explain(
         n_layers=source.n_layers,
         n_heads=source.n_heads,
     )
-    return write_report(cfg, tables, meta, out)
+    summary = write_report(cfg, tables, meta, out)
+    write_explain_html(out / "explain.html", tables, summary)
+    return summary
 
 
 def _tables(

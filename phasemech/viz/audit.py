@@ -364,23 +364,28 @@ def render_audit(
     return _page(str(summary["title"]), data)
 
 
-def _page(title: str, data: dict[str, Any]) -> str:
+def _page(title: str, data: dict[str, Any], assets: Path = _ASSETS, name: str = "audit") -> str:
+    """``{name}.html`` of ``assets`` with the title, style (this module's ``audit.css``, then
+    ``{name}.css`` where the page has one), plotly.js, ``data`` and ``{name}.js`` inlined."""
     text = json.dumps(json_safe(data), allow_nan=False)
     # "<" as \u003c: no "</script>" or "<!--" inside a string can end or confuse the script
     # element (JSON reads \u003c back as "<")
     text = text.replace("<", "\\u003c")
     from plotly.offline import get_plotlyjs
 
+    style, extra = (_ASSETS / "audit.css").read_text(), assets / f"{name}.css"
+    if extra != _ASSETS / "audit.css" and extra.exists():
+        style += extra.read_text()
     parts = {
         "TITLE": _html_escape(title),
-        "STYLE": (_ASSETS / "audit.css").read_text(),
+        "STYLE": style,
         "PLOTLYJS": get_plotlyjs(),
         "DATA": text,
-        "SCRIPT": (_ASSETS / "audit.js").read_text(),
+        "SCRIPT": (assets / f"{name}.js").read_text(),
     }
     # one pass: a placeholder inside an inserted part (a title, plotly.js) is left alone
     return re.sub(
-        r"\{\{([A-Z]+)\}\}", lambda m: parts[m.group(1)], (_ASSETS / "audit.html").read_text()
+        r"\{\{([A-Z]+)\}\}", lambda m: parts[m.group(1)], (assets / f"{name}.html").read_text()
     )
 
 

@@ -1,0 +1,82 @@
+"""The explanation's summary findings and the claims report's real-model part of section 3."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pandas as pd
+from test_explain_html import _tables
+
+from phasemech.experiments.explain_claims import real_model_lines
+from phasemech.experiments.explain_report import atp_check, findings
+
+
+def _spec() -> pd.DataFrame:
+    rows = []
+    for metric in ("accuracy", "logit_diff"):
+        for layer in range(3):
+            for unit in range(2):
+                dep = (layer, unit) == (2, 0)
+                stats = (-0.3, 0.5, 0.4, 0.001, 0.006) if dep else (-0.01, 0.05, 0.02, 0.6, 1.0)
+                keys = ("overall", "si", "phase_range", "p_perm", "p_holm")
+                rows.append(
+                    dict(
+                        metric=metric,
+                        mode="zero",
+                        layer=layer,
+                        unit=unit,
+                        served_phase=1,
+                        **dict(zip(keys, stats, strict=True)),
+                    )
+                )
+    return pd.DataFrame(rows)
+
+
+def _summary(f: dict) -> dict:
+    return dict(config=dict(setting="route_d4_w16_k1", regime="decode", context=1024,
+                            contents=50, stride=4), model="smollm2-135m", n_prompts=200,
+                accuracy_by_phase=[0.7, 0.3, 0.6, 0.8], null_by_phase=[1.0] * 4,
+                contrast_phases=[3, 1], n_pairs=40, findings=f)  # fmt: skip
+
+
+def test_findings_and_the_real_model_claim(tmp_path):
+    t = _tables() | {"ablation_specialization": _spec()}
+    t["oracle"]["null"] = 1.0
+    t["oracle"]["displaced_sink"] = 0.25
+    f = findings(t, n_layers=3)
+    assert [b["layers"] for b in f["selection_bands"]] == ["0-0", "1-1", "2-2"]
+    assert f["top_patching"][0] == dict(layer=2, head=1, effect=0.9, ci_low=0.8, ci_high=1.0)
+    assert [h["layer"] for h in f["phase_dependent_heads"]] == [2] and f["n_heads_tested"] == 6
+    assert f["selection_patching"][0]["layer"] in range(-1, 3)
+    assert {(o["scope"], o["form"], o["rows"]) for o in f["oracle"]} == {
+        ("none", "add", "answer"),
+        ("all", "add", "answer"),
+        ("all", "replace", "after"),
+    }
+    lines, verdict = real_model_lines(tmp_path)
+    assert "Open" in verdict and "not measured yet" in lines[0]
+    # record a run: its numbers and the verdict follow
+    f["oracle"].append(dict(f["oracle"][1], form="replace", accuracy=[1.0, 0.9, 1.0, 1.0]))
+    (tmp_path / "explain_route.json").write_text(json.dumps(_summary(f)))
+    lines, verdict = real_model_lines(tmp_path)
+    text = "\n".join(lines)
+    assert "0.70 / 0.30 / 0.60 / 0.80" in text and "1.00 / 0.90 / 1.00 / 1.00" in text
+    assert "25% of the displaced picks" in text and "L2H1 0.90" in text
+    assert "1 of 6 heads phase-dependent (L2H0 serves phase 1)" in text
+    assert "**Supported** in `route_d4_w16_k1` (decode, 1 heads)" in verdict
+    f["phase_dependent_heads"] = []
+    (tmp_path / "explain_route.json").write_text(json.dumps(_summary(f)))
+    assert "**Not supported**" in real_model_lines(tmp_path)[1]
+
+
+def test_atp_check_compares_with_the_exact_result():
+    p = _tables()["patching"]
+    chk = atp_check(p, top=3)
+    atp = p[p.site == "atp"].set_index(["layer", "head"]).effect
+    exact = p[p.site == "head"].set_index(["layer", "head"]).effect
+    picked = atp.abs().nlargest(3).index
+    assert chk["n"] == 3
+    assert chk["max_abs_gap"] == np.abs(atp[picked] - exact[picked]).max()
+    assert chk["overlap"] == len(set(picked) & set(exact.abs().nlargest(3).index))
+    assert atp_check(p[p.site != "atp"]) is None
