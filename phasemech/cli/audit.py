@@ -156,4 +156,6 @@ def explain(
     except (ValueError, ConnectionError, FileNotFoundError, RuntimeError) as err:
         raise _fail(err) from err
     console.print((out / "summary.md").read_text(), markup=False, highlight=False)
-    console.print(f"wrote {out} ({summary['wall_s']:.0f} s)")
+    console.print(
+        f"wrote {out}/summary.md, {out}/explain.html and the tables ({summary['wall_s']:.0f} s)"
+    )
