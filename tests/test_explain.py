@@ -10,6 +10,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from browser import page_data
 from conftest import make_hooked, tokens
 
 from phasemech import CompressionConfig, PhaseTransformer
@@ -247,6 +248,9 @@ def test_explain_end_to_end_and_cached_rerun(tmp_path):
     assert len(att) == 2 * 30 * 9 * 4 and att.mass.between(0, 1).all()
     assert summary["n_pairs"] == 1 and list(summary["contrast_phases"]) == [0, 1]
     assert "route_d4_w16_k1" in (out / "summary.md").read_text()
+    page = page_data((out / "explain.html").read_text())
+    assert len(page["heads"]["labels"]) == 270 and "selection" in page["figures"]
+    assert summary["atp_check"]["n"] == 20 and summary["findings"]["top_patching"]
     jobs = {p: p.stat().st_mtime_ns for p in (out / "jobs").glob("*.json")}
     again = run_explain(cfg, out, num_cpus=1, progress=False)
     assert {p: p.stat().st_mtime_ns for p in (out / "jobs").glob("*.json")} == jobs

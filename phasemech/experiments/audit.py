@@ -203,7 +203,7 @@ class _Worker:
         self.prompts: dict[tuple, Any] = {}
 
     def model(self, spec: str, n_ctx: int, device):
-        from phasemech.model.fast import use_eval_sdpa
+        from phasemech.model.fast import linear_layout, use_eval_sdpa
         from phasemech.model.sources import describe, load
 
         if self.key != (spec, str(device)) or self.base.cfg.n_ctx < n_ctx:
@@ -211,6 +211,7 @@ class _Worker:
             source = describe(spec)
             self.base = load(source, min(source.max_context, max(n_ctx, 2048)), device)
             use_eval_sdpa(self.base)  # dense attention through SDPA where nothing reads scores
+            linear_layout(self.base)  # no per-forward weight copies (shared by the designs)
             self.key, self.compressed = (spec, str(device)), {}
         return self.base
 
