@@ -2,8 +2,9 @@
 
 Usage: ``python bench/explain_cost.py [--design route] [--top-k 1] [--context 1024]
 [--pairs 2]``. Prints the time of a prefill, of the observe step (selection, oracle copies,
-head means), of zero + mean ablation of every head, and of a pair's exact head patching,
-residual patching and attribution patching, then the projected cost of exact head patching
+head means), of the attend step (prefill included), of zero + mean ablation of every head, and
+of a pair's exact head patching, residual patching, selection patching and attribution
+patching, then the projected cost of exact head patching
 on 100 pairs on 2 cores (each pair: two prefills and the head patching). Writes
 ``bench/results/explain_cost.json``.
 """
@@ -33,8 +34,16 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
 
-    from phasemech.experiments.explain import ExplainConfig, _forces, _models, _observe, _run
+    from phasemech.experiments.explain import (
+        ExplainConfig,
+        _attend,
+        _forces,
+        _models,
+        _observe,
+        _run,
+    )
     from phasemech.interventions.attribution import attribution_patch
+    from phasemech.interventions.oracle import copy_selection
     from phasemech.interventions.patching_fast import patch_heads
     from phasemech.interventions.prompt_patching import _resid_patch, ablate_prompt
     from phasemech.interventions.prompts import bound, clean_run, cross_source, self_contrast
@@ -45,14 +54,15 @@ def main() -> None:
     n = model.cfg.n_layers
     names = [f"blocks.{i}.attn.hook_z" for i in range(n)]
     names += [f"blocks.{i}.hook_resid_pre" for i in range(n)]
-    rows: dict[str, list[float]] = {k: [] for k in ("prefill", "observe", "ablation", "heads",
-                                                    "resid", "atp")}  # fmt: skip
+    rows: dict[str, list[float]] = {k: [] for k in ("prefill", "observe", "attend", "ablation",
+                                                    "heads", "resid", "selection", "atp")}  # fmt: skip
     for g in range(args.pairs):
         clean_i, corrupt_i = 4 * g, 4 * g + 1
         t, obs = _timed(_observe, cfg, clean_i, base, model, batch)
         rows["observe"].append(t)
         t, clean = _timed(_run, base, model, batch, clean_i, "decode")
         rows["prefill"].append(t)
+        rows["attend"].append(_timed(_attend, clean, base, model)[0])
         corrupt = _run(base, model, batch, corrupt_i, "decode")
         means = torch.tensor(obs["z_sums"]) / obs["z_rows"]
         rows["ablation"].append(_timed(ablate_prompt, model, clean, cfg.stride, means)[0])
@@ -64,6 +74,7 @@ def main() -> None:
         foil = int(res.pairs["foil"].iloc[0])
         answer = int(corrupt.answer[0])
         rows["resid"].append(_timed(_resid_patch, model, cl, corrupt, answer, foil)[0])
+        rows["selection"].append(_timed(copy_selection, model, clean, corrupt)[0])
         with bound(model, corrupt):
             rows["atp"].append(_timed(attribution_patch, model, c, source=cross_source(cl))[0])
     mean = {k: sum(v) / len(v) for k, v in rows.items()}
