@@ -54,8 +54,8 @@ def main() -> None:
     n = model.cfg.n_layers
     names = [f"blocks.{i}.attn.hook_z" for i in range(n)]
     names += [f"blocks.{i}.hook_resid_pre" for i in range(n)]
-    rows: dict[str, list[float]] = {k: [] for k in ("prefill", "observe", "attend", "ablation",
-                                                    "heads", "resid", "selection", "atp")}  # fmt: skip
+    parts = ("prefill", "observe", "attend", "ablation", "heads", "resid", "selection", "atp")
+    rows: dict[str, list[float]] = {k: [] for k in parts}
     for g in range(args.pairs):
         clean_i, corrupt_i = 4 * g, 4 * g + 1
         t, obs = _timed(_observe, cfg, clean_i, base, model, batch)
