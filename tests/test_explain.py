@@ -234,7 +234,7 @@ def test_explain_end_to_end_and_cached_rerun(tmp_path):
                         contents=1, contrast_phases=(0, 1), per_layer_oracle=False,
                         top_heads=2, n_boot=20, n_perm=20)  # fmt: skip
     out = tmp_path / "explain"
-    summary = run_explain(cfg, out, num_cpus=1, progress=False)
+    summary = run_explain(cfg, out, num_cpus=2, progress=False)  # two workers, one thread each
     sel = pd.read_parquet(out / "selection.parquet")
     assert len(sel) == 4 * 28 * 9 and set(sel.phase) == {0, 1, 2, 3}
     orc = pd.read_parquet(out / "oracle.parquet")

@@ -19,6 +19,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from phasemech.experiments.explain_report import layer_span
+
 RULE = "a head whose zero-ablation effect on accuracy differs across phases (Holm p < 0.05, range >= 10 points)"  # noqa: E501
 
 
@@ -47,7 +49,8 @@ def _run_lines(stem: str, s: dict) -> tuple[list[str], int]:
     c, f = s["config"], s.get("findings", {})
     head = (
         f"- {s['model']}, `{c['setting']}`, {c['regime']} regime, T = {c['context']}, "
-        f"{c['contents']} contents x {c['stride']} phases = {s['n_prompts']} prompts "
+        f"compressed layers {layer_span(c.get('layers'))}, {c['contents']} contents x "
+        f"{c['stride']} phases = {s['n_prompts']} prompts "
         f"(`analyses/results/{stem}.json`): accuracy by phase {_f(s['accuracy_by_phase'])} "
         f"(null {_f(s['null_by_phase'])})."
     )

@@ -21,6 +21,16 @@ import pandas as pd
 from phasemech.core.io import atomic_write, write_json_atomic
 
 
+def layer_span(layers) -> str:
+    """``"2-29"`` for a run of layers, else the list; ``"all"`` when none is named."""
+    if not layers:
+        return "all"
+    xs = sorted(layers)
+    if xs == list(range(xs[0], xs[-1] + 1)):
+        return f"{xs[0]}-{xs[-1]}"
+    return ",".join(map(str, xs))
+
+
 def _fmt(xs) -> str:
     return " / ".join(f"{x:.2f}" for x in xs)
 
@@ -219,7 +229,8 @@ def write_report(
     )
     head = (
         f"# Explaining {cfg.setting} on {meta['model']} ({cfg.regime} regime, T = {cfg.context}, "
-        f"{cfg.contents} contents x {cfg.stride} phases = {len(prompts)} prompts)"
+        f"compressed layers {layer_span(cfg.layers)}, {cfg.contents} contents x {cfg.stride} "
+        f"phases = {len(prompts)} prompts)"
     )
     lines = [head, "", f"Accuracy by phase: design {_fmt(acc)}; null {_fmt(null)}."]
     if meta.get("contrast_phases") and meta["contrast_phases"][0] is not None:
@@ -242,4 +253,4 @@ def write_report(
     return summary
 
 
-__all__ = ["atp_check", "findings", "write_report"]
+__all__ = ["atp_check", "findings", "layer_span", "write_report"]
