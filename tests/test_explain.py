@@ -226,13 +226,15 @@ def test_no_gap_and_no_clean_prompt_are_refused():
 
 def test_explain_end_to_end_and_cached_rerun(tmp_path):
     """SmolLM2 at a short context, one content (the pipeline, not the findings): every table,
-    the summary, and a rerun that reads every job from the cache."""
+    the summary, and a rerun that reads every job from the cache. Ablation (270 heads x 2 per
+    prompt) is left to the in-process job test below, for time."""
     from phasemech.experiments.explain import ExplainConfig
     from phasemech.experiments.explain_tables import run_explain
 
     cfg = ExplainConfig(design="route", top_k=1, layers=tuple(range(2, 30)), context=128,
                         contents=1, contrast_phases=(0, 1), per_layer_oracle=False,
-                        top_heads=2, n_boot=20, n_perm=20)  # fmt: skip
+                        top_heads=2, n_boot=20, n_perm=20,
+                        analyses=("selection", "oracle", "patching"))  # fmt: skip
     out = tmp_path / "explain"
     summary = run_explain(cfg, out, num_cpus=2, progress=False)  # two workers, one thread each
     sel = pd.read_parquet(out / "selection.parquet")
@@ -251,10 +253,38 @@ def test_explain_end_to_end_and_cached_rerun(tmp_path):
     page = page_data((out / "explain.html").read_text())
     assert len(page["heads"]["labels"]) == 270 and "selection" in page["figures"]
     assert summary["atp_check"]["n"] == 20 and summary["findings"]["top_patching"]
+    assert not (out / "ablation.parquet").exists()
     jobs = {p: p.stat().st_mtime_ns for p in (out / "jobs").glob("*.json")}
     again = run_explain(cfg, out, num_cpus=1, progress=False)
     assert {p: p.stat().st_mtime_ns for p in (out / "jobs").glob("*.json")} == jobs
     assert again["accuracy_by_phase"] == summary["accuracy_by_phase"]
+
+
+def test_explain_jobs_on_a_tiny_model(tmp_path, monkeypatch):
+    """Every step's job, in process on a tiny model: observe feeds the mean ablation's means,
+    intervene ablates every head on each prompt and patches the pair, heads forces the top
+    heads; the ablation tables follow."""
+    import phasemech.experiments.explain as ex
+    from phasemech.experiments.explain_tables import ablation_tables, patching_table
+
+    tl, model = _models()
+    batch = _batch()
+    monkeypatch.setattr(ex, "_models", lambda cfg: (tl, model, batch))
+    cfg = ex.ExplainConfig(contents=1, per_layer_oracle=True, n_boot=20, n_perm=20)
+    obs = ex.ExplainJob(cfg, "observe", (0, 1)).run(tmp_path)["prompts"]
+    assert len(obs[0]["oracle"]) == 1 + 4 + 2 * 3  # none, all x 4 forms, per layer x 2
+    means = (sum(np.array(p["z_sums"]) for p in obs) / sum(p["z_rows"] for p in obs)).tolist()
+    res = ex.ExplainJob(cfg, "intervene", (0, 1), pairs=((0, 1),), means=means).run(tmp_path)
+    h = model.cfg.n_heads
+    assert np.array(res["prompts"][0]["ablation"]["mean"]).shape == (3, h)
+    effects, spec = ablation_tables(res["prompts"], cfg, 3, h, 20, 0, 20)
+    assert set(effects["mode"]) == {"zero", "mean"} and len(spec) == 2 * 2 * 3 * h
+    table = patching_table(res["pairs"], 20, 0)
+    assert set(table.site) == {"head", "resid", "selection", "atp"}
+    att = ex.ExplainJob(cfg, "attend", (0,)).run(tmp_path)["prompts"][0]["attention"]
+    assert len(att) == 2 * 3 * h
+    top = ex.ExplainJob(cfg, "heads", (0,), units=((1, 0),)).run(tmp_path)["prompts"][0]
+    assert {o["scope"] for o in top["oracle"]} == {"top heads"} and len(top["oracle"]) == 4
 
 
 def test_ablation_tables_are_the_labs_effects_and_specialization():

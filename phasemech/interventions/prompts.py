@@ -77,7 +77,9 @@ def prompt_run(
     tokens = batch.tokens[i : i + 1, : start + n_ans - 1].to(dev)
     offset = int(info["question_start"]) if regime == "decode" else 0
     cache = prefill(base, tokens[:, :offset], keep_queries) if regime == "decode" else None
-    meta = {c: info[c].item() if hasattr(info[c], "item") else info[c] for c in META}
+    # per column, not from the row: a row of an all-numeric frame is cast to float
+    cells = {c: batch.frame[c].iloc[i] for c in META}
+    meta = {c: v.item() if hasattr(v, "item") else v for c, v in cells.items()}
     return PromptRun(
         tokens=tokens[:, offset:],
         row=start - 1 - offset,
