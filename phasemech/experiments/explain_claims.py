@@ -19,6 +19,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from phasemech.experiments.explain_report import _fmt as _f
 from phasemech.experiments.explain_report import layer_span
 
 RULE = "a head whose zero-ablation effect on accuracy differs across phases (Holm p < 0.05, range >= 10 points)"  # noqa: E501
@@ -26,10 +27,6 @@ RULE = "a head whose zero-ablation effect on accuracy differs across phases (Hol
 
 def explain_runs(results: Path) -> list[tuple[str, dict[str, Any]]]:
     return [(p.stem, json.loads(p.read_text())) for p in sorted(results.glob("explain_*.json"))]
-
-
-def _f(xs: list | None, nd: int = 2) -> str:
-    return " / ".join("-" if x is None else f"{x:.{nd}f}" for x in xs or [])
 
 
 def _oracle(f: dict) -> str | None:

@@ -32,7 +32,8 @@ def layer_span(layers) -> str:
 
 
 def _fmt(xs) -> str:
-    return " / ".join(f"{x:.2f}" for x in xs)
+    """``0.70 / 0.32 / ...``; a missing value as ``-``."""
+    return " / ".join("-" if x is None else f"{x:.2f}" for x in xs)
 
 
 def _bands(n_layers: int, parts: int = 3) -> list[tuple[int, int]]:
@@ -51,13 +52,17 @@ def _selection_lines(t: dict, n_layers: int) -> list[str]:
         "| layers | recall by phase | median rank by phase |",
         "|---|---|---|",
     ]
+    for span, g in _band_groups(rec, n_layers):
+        lines.append(f"| {span} | {_fmt(g.recall.mean())} | {_fmt(g['rank'].median())} |")
+    return lines
+
+
+def _band_groups(rec: pd.DataFrame, n_layers: int):
+    """``("lo-hi", rows of those layers grouped by phase)`` per non-empty layer band."""
     for lo, hi in _bands(n_layers):
         band = rec[(rec.layer >= lo) & (rec.layer <= hi)]
-        if band.empty:
-            continue
-        g = band.groupby("phase")
-        lines.append(f"| {lo}-{hi} | {_fmt(g.recall.mean())} | {_fmt(g['rank'].median())} |")
-    return lines
+        if not band.empty:
+            yield f"{lo}-{hi}", band.groupby("phase")
 
 
 def _oracle_lines(t: dict) -> list[str]:
@@ -173,16 +178,15 @@ def _num(v: Any) -> Any:
 
 def findings(t: dict, n_layers: int, top: int = 10) -> dict[str, Any]:
     """What the claims report reads: selection recall by layer band and phase, the oracle by
-    phase (every selecting layer; the best single layers), the top heads by exact patching and
+    phase (every form and scope but the one-layer ones), the top heads by exact patching and
     by zero ablation, the phase-dependent heads (accuracy effect: Holm p < 0.05 and a per-phase
     range >= 10 points, the lab's rule) and the layers by selection patching."""
     out: dict[str, Any] = {}
     rec = t.get("selection_recall")
     if rec is not None:
         out["selection_bands"] = [
-            dict(layers=f"{lo}-{hi}", recall_by_phase=band.groupby("phase").recall.mean().tolist())
-            for lo, hi in _bands(n_layers)
-            if not (band := rec[(rec.layer >= lo) & (rec.layer <= hi)]).empty
+            dict(layers=span, recall_by_phase=g.recall.mean().tolist())
+            for span, g in _band_groups(rec, n_layers)
         ]
     o = t.get("oracle")
     if o is not None:

@@ -320,18 +320,22 @@ def copy_selection(
     layers = selecting_layers(model)
     clean_kept, n = _kept(model, clean), len(layers) + 1
     move = _token_map(clean, corrupt)
-    seen: dict[int, Tensor] = {}
+    offsets: dict[int, Tensor] = {}  # the corrupted run's, per layer
+    gates: dict[int, Tensor] = {}
     kept_sum = torch.zeros(n, dtype=torch.float64)
 
-    def keep(x: Tensor, hook) -> None:
-        seen[int(hook.name.split(".")[1])] = x
+    def keep(store: dict[int, Tensor]):
+        def hook(x: Tensor, hook) -> None:
+            store[int(hook.name.split(".")[1])] = x
+
+        return hook
 
     def patch(mask: Tensor, hook) -> Tensor:
         layer = int(hook.name.split(".")[1])
         k, oc = clean_kept[layer]
         stride = model.blocks[layer].attn.stride
-        new, has = _mapped(k, oc, seen[layer][0], move, stride, tuple(mask.shape[2:]))
-        cand = torch.isfinite(seen[f"{layer}s"])  # [copy, head, row, block]
+        new, has = _mapped(k, oc, offsets[layer][0], move, stride, tuple(mask.shape[2:]))
+        cand = torch.isfinite(gates[layer])  # [copy, head, row, block]
         on = torch.zeros(n, dtype=torch.bool, device=mask.device)
         on[[layers.index(layer), n - 1]] = True
         out = (mask & ~cand) | (new[None] & cand)
@@ -339,13 +343,10 @@ def copy_selection(
         kept_sum[on.cpu()] += out[on].sum(-1).double().mean((-1, -2)).cpu()
         return out
 
-    def gate(x: Tensor, hook) -> None:
-        seen[f"{hook.name.split('.')[1]}s"] = x
-
     hooks = []
     for i in layers:
         p = f"blocks.{i}.attn."
-        hooks += [(p + "hook_grid_offset", keep), (p + "hook_route_scores", gate),
+        hooks += [(p + "hook_grid_offset", keep(offsets)), (p + "hook_route_scores", keep(gates)),
                   (p + "hook_route_selected", patch)]  # fmt: skip
     with bound(model, corrupt), model.hooks(fwd_hooks=hooks):
         resid = model(corrupt.tokens.expand(n, -1), stop_at_layer=model.cfg.n_layers)
