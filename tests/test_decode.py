@@ -9,6 +9,7 @@ import torch
 from conftest import make_hooked, tokens
 
 from phasemech import CompressionConfig, PhaseTransformer
+from phasemech.interventions.prompts import _expanded, _plain
 from phasemech.model.decode import check_regime, needed_queries, prefill, read_rows
 
 torch.set_num_threads(1)
@@ -51,6 +52,24 @@ def test_one_layer_decode_equals_the_full_forward(design):
     want = _resid(model, x)[:, p:]
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     assert not torch.allclose(want, _resid(tl_model, x)[:, p:], atol=1e-4)  # compression bites
+
+
+@pytest.mark.parametrize("design", list(COMPS))
+def test_copies_of_one_prefill_read_it_once(design):
+    """Patching batches copies of one frozen prefill (expanded views). Its keys are rotated
+    once and kept on the entry; the prefill's unknown queries are never read (NaN there
+    changes nothing); each copy's rows equal the full forward of its own sequence."""
+    tl_model, model = _pair(design, n_layers=1)
+    for block in model.blocks:
+        block.attn.unknown_query = float("nan")
+    p = 23
+    x = tokens(3, 40, seed=3)
+    x[1:, :p] = x[0, :p]  # one document, three continuations
+    shared = _expanded(_plain(prefill(tl_model, x[:1, :p], needed_queries(model))), 3)
+    want = _resid(model, x)[:, p:]
+    for _ in range(2):  # the second forward reads the rotation the first one kept
+        torch.testing.assert_close(read_rows(model, shared, x[:, p:]), want, atol=1e-5, rtol=0)
+    assert shared.entries[0].rotated_keys.stride(0) == 0  # one copy rotated, not three
 
 
 @pytest.mark.parametrize("design", list(COMPS))

@@ -147,6 +147,9 @@ class RowsMixin:
     serves_from_cache: bool = True
     #: how many of the prefill's last queries a cache should keep (``evict`` observes them)
     cached_queries: int = 0
+    #: what the prefill's unknown queries hold where no rule reads them (``None``: left unset;
+    #: a test sets NaN to prove that nothing reads them)
+    unknown_query: float | None = None
     #: the first position whose query this forward knows (a cached forward: the prefill's
     #: older queries are not kept)
     known_queries_from: int = 0
@@ -172,10 +175,12 @@ class RowsMixin:
         q, k, v = self.calculate_qkv_matrices(*inputs)  # query, key, value inputs (shortformer)
         x = inputs[1]  # the layer input a pooling rule may read (as ``forward`` passes it)
         past = entry.past_keys.shape[1]
-        k, v = entry.append(k, v)
         if self.cfg.positional_embedding_type == "rotary":
             q = self.hook_rot_q(self.apply_rotary(q, past, None))
-            k = self.hook_rot_k(self.apply_rotary(k, 0, None))
+            k, v = self._rotated_keys(entry, k, v, past)
+            k = self.hook_rot_k(k)
+        else:
+            k, v = entry.append(k, v)
         q_full, known_from = self._cached_queries(entry, q, past)
         offsets = self.hook_grid_offset(self.grid_offsets(q.shape[0], q.device))
         geo = self._geometry(offsets, k.shape[1], None)
@@ -189,14 +194,40 @@ class RowsMixin:
             self.hook_token_pattern(token_pattern)
         return self._output(self.hook_z(z))
 
+    def _rotated_keys(
+        self, entry: Any, k: Tensor, v: Tensor, past: int
+    ) -> tuple[Float[Tensor, "batch pos kv_head d_head"], Float[Tensor, "batch pos kv_head d_head"]]:
+        """Post-RoPE keys on every position and the values. A frozen cache's keys are rotated
+        once and kept on the entry (rotating a long prefill per forward dominated patching,
+        whose batches are copies of one prefill: an expanded cache is rotated for one copy);
+        RoPE is position-wise, so the result is what rotating the whole sequence gives.
+        Dynamic NTK RoPE rescales with the length, so it rotates everything every time."""
+        if not entry.frozen or self.cfg.use_dynamic_ntk_rope:
+            k, v = entry.append(k, v)
+            return self.apply_rotary(k, 0, None), v
+        keys = entry.past_keys
+        rotated = getattr(entry, "rotated_keys", None)
+        if rotated is None or (rotated.is_inference() and not torch.is_inference_mode_enabled()):
+            shared = keys.shape[0] > 1 and keys.stride(0) == 0
+            rotated = self.apply_rotary(keys[:1] if shared else keys, 0, None)
+            entry.rotated_keys = rotated = rotated.expand(keys.shape[0], *rotated.shape[1:])
+        k = torch.cat([rotated, self.apply_rotary(k, past, None)], dim=1)
+        return k, torch.cat([entry.past_values, v], dim=1)
+
     def _cached_queries(
         self, entry: Any, q: Float[Tensor, "batch new head d_head"], past: int
     ) -> tuple[Float[Tensor, "batch pos head d_head"], int]:
-        """Queries on every position (the prefill's unknown ones zero) and the first position
-        whose query is known; an unfrozen cache keeps the last ``cached_queries`` of them."""
+        """Queries on every position (the prefill's unknown ones zero where a rule reads past
+        queries, else unset) and the first position whose query is known; an unfrozen cache keeps the last ``cached_queries`` of them."""
         stored = getattr(entry, "past_queries", None)
         known = 0 if stored is None else stored.shape[1]
-        q_full = q.new_zeros(q.shape[0], past + q.shape[1], *q.shape[2:])
+        shape = (q.shape[0], past + q.shape[1], *q.shape[2:])
+        if known or self.cached_queries:
+            q_full = q.new_zeros(shape)
+        elif self.unknown_query is None:  # no rule reads them: zeroing cost ~15% of a forward
+            q_full = q.new_empty(shape)
+        else:
+            q_full = q.new_full(shape, self.unknown_query)
         q_full[:, past:] = q
         if known:
             q_full[:, past - known : past] = stored.to(q.dtype)
