@@ -196,7 +196,7 @@ class RowsMixin:
 
     def _rotated_keys(
         self, entry: Any, k: Tensor, v: Tensor, past: int
-    ) -> tuple[Float[Tensor, "batch pos kv_head d_head"], Float[Tensor, "batch pos kv_head d_head"]]:
+    ) -> tuple[Float[Tensor, "batch pos kv_head d"], Float[Tensor, "batch pos kv_head d"]]:
         """Post-RoPE keys on every position and the values. A frozen cache's keys are rotated
         once and kept on the entry (rotating a long prefill per forward dominated patching,
         whose batches are copies of one prefill: an expanded cache is rotated for one copy);
@@ -218,7 +218,8 @@ class RowsMixin:
         self, entry: Any, q: Float[Tensor, "batch new head d_head"], past: int
     ) -> tuple[Float[Tensor, "batch pos head d_head"], int]:
         """Queries on every position (the prefill's unknown ones zero where a rule reads past
-        queries, else unset) and the first position whose query is known; an unfrozen cache keeps the last ``cached_queries`` of them."""
+        queries, else unset) and the first position whose query is known; an unfrozen cache
+        keeps the last ``cached_queries`` of them."""
         stored = getattr(entry, "past_queries", None)
         known = 0 if stored is None else stored.shape[1]
         shape = (q.shape[0], past + q.shape[1], *q.shape[2:])
