@@ -15,11 +15,12 @@ from __future__ import annotations
 import torch
 
 from phasemech.attention.rows import query_rows
-from phasemech.attention.selection import SelectingAttention
+from phasemech.attention.selection import SelectingAttention, grouped_scores
 
 
 class QuestAttention(SelectingAttention):
     design = "quest"
+    summary_block_dim = 2  # [batch, kv_head, block, d_head]
 
     def block_summary(self, x, k, v, geo):
         """``(min, max)`` of each block's real keys, ``[batch, kv_head, block, d_head]`` each
@@ -36,6 +37,4 @@ class QuestAttention(SelectingAttention):
         low, high = summary
         q_rows = query_rows(q, rows)  # [batch, head, row, d]
         pos_part = q_rows.clamp(min=0)
-        return pos_part @ self._repeat_kv(high, 1).transpose(-1, -2) + (
-            q_rows - pos_part
-        ) @ self._repeat_kv(low, 1).transpose(-1, -2)
+        return grouped_scores(pos_part, high) + grouped_scores(q_rows - pos_part, low)

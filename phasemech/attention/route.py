@@ -21,6 +21,7 @@ from phasemech.attention.selection import SelectingAttention
 
 class BlockRouteAttention(SelectingAttention):
     design = "route"
+    summary_block_dim = 2  # [batch, kv_head, block, d_head]
 
     def pooling_weights(self, x, geo):
         return mean_weights(geo)  # MoBA's block key is the mean key

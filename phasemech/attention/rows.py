@@ -147,6 +147,9 @@ class RowsMixin:
     serves_from_cache: bool = True
     #: how many of the prefill's last queries a cache should keep (``evict`` observes them)
     cached_queries: int = 0
+    #: positions before it hold the same keys and values in every sequence of the batch (a
+    #: cached forward over copies of one prefill; 0: none known)
+    shared_prefix: int = 0
     #: what the prefill's unknown queries hold where no rule reads them (``None``: left unset;
     #: a test sets NaN to prove that nothing reads them)
     unknown_query: float | None = None
@@ -186,10 +189,12 @@ class RowsMixin:
         geo = self._geometry(offsets, k.shape[1], None)
         rows = torch.arange(past, k.shape[1], device=q.device).expand(q.shape[0], -1)
         self.known_queries_from = known_from  # a rule that reads past queries checks it
+        copies = entry.past_keys.stride(0) == 0 and entry.past_values.stride(0) == 0
+        self.shared_prefix = past if entry.frozen and q.shape[0] > 1 and copies else 0
         try:
             z, token_pattern = self.attend_many(x, q_full, k, v, geo, rows)
         finally:
-            self.known_queries_from = 0
+            self.known_queries_from = self.shared_prefix = 0
         if token_pattern is not None:  # [batch, head, new, key_pos]: the new rows only
             self.hook_token_pattern(token_pattern)
         return self._output(self.hook_z(z))

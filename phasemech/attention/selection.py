@@ -29,6 +29,7 @@ the last layer, and the decode regime's question rows over a KV cache).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -79,6 +80,32 @@ def _band_rows(
     return out.reshape(*pos.shape, g, dd).permute(0, 3, 1, 2, 4)
 
 
+def grouped_scores(
+    q: Float[Tensor, "batch head row d"], keys: Float[Tensor, "batch kv_head n d"]
+) -> Float[Tensor, "batch head row n"]:
+    """``q @ keys^T``, each query head against its KV head's keys: a KV group's heads are
+    folded into the rows, so the keys are never repeated per query head."""
+    b, h, r, d = q.shape
+    g = keys.shape[1]
+    return (q.reshape(b, g, h // g * r, d) @ keys.transpose(-1, -2)).reshape(b, h, r, -1)
+
+
+def _sub_geometry(geo: Geometry, batch: int | None, blocks: slice) -> Geometry:
+    """``geo`` for the first ``batch`` sequences (``None``: all) and some blocks."""
+    b = slice(None, batch)
+    return dataclasses.replace(
+        geo,
+        slot_pos=geo.slot_pos[b, :, blocks],
+        slot_valid=geo.slot_valid[b, :, blocks],
+        block_first=geo.block_first[b, :, blocks],
+        block_last=geo.block_last[b, :, blocks],
+        raw_start=geo.raw_start[b],
+        block_used=geo.block_used[b, ..., blocks],
+        band_valid=geo.band_valid[b],
+        key_valid=None if geo.key_valid is None else geo.key_valid[b],
+    )
+
+
 class SelectingAttention(CompressedAttentionMixin):
     """Top-k block selection over raw tokens; a design implements ``block_scores`` (and, when
     it scores from per-block statistics, ``block_summary``)."""
@@ -94,8 +121,14 @@ class SelectingAttention(CompressedAttentionMixin):
         self.hook_route_selected = HookPoint()  # [batch, head, pos, block] (bool)
 
     # ------------------------------------------------------------------ design interface
+    #: the block axis of ``block_summary``'s tensors (``None``: the summary is never split by
+    #: block; see ``_shared_summary``)
+    summary_block_dim: int | None = None
+
     def block_summary(self, x: Tensor | None, k: Tensor, v: Tensor, geo: Geometry) -> Any:
-        """What the rule needs per block, computed once per forward (default: nothing)."""
+        """What the rule needs per block, computed once per forward (default: nothing). A
+        tensor (or tuple of tensors) with a block axis should name it in
+        ``summary_block_dim``."""
         return None
 
     def block_scores(
@@ -125,7 +158,7 @@ class SelectingAttention(CompressedAttentionMixin):
         rows: Int[Tensor, "batch row"],
     ) -> tuple[Float[Tensor, "batch row head d_head"], Tensor | None]:
         """``z`` at the given query rows (and the token pattern there when wanted)."""
-        summary = self.block_summary(x, k, v, geo)
+        summary = self._shared_summary(x, k, v, geo)
         hooks = (self.hook_route_scores, self.hook_route_selected)
         hooked = any(hp.has_hooks() for hp in (*hooks, self.hook_attn_scores, self.hook_pattern))
         n = rows.shape[1]
@@ -137,6 +170,29 @@ class SelectingAttention(CompressedAttentionMixin):
             tps.append(tp)
         token_pattern = None if tps[0] is None else torch.cat(tps, dim=2)
         return torch.cat(zs, dim=2).transpose(1, 2), token_pattern
+
+    def _shared_summary(self, x: Tensor | None, k: Tensor, v: Tensor, geo: Geometry) -> Any:
+        """``block_summary``; over copies of one prefill (``shared_prefix``, the decode regime's
+        patching batches) the blocks wholly inside it are summarised for one copy only and the
+        rest per copy: summarising a long prefill once per copy dominated those forwards."""
+        dim, prefix = self.summary_block_dim, self.shared_prefix
+        hooked = self.hook_k_block.has_hooks() or self.hook_block_weights.has_hooks()
+        if dim is None or not prefix or k.shape[0] == 1 or not geo.shared or hooked:
+            return self.block_summary(x, k, v, geo)
+        last = geo.slot_pos.masked_fill(~geo.slot_valid, -1).amax(-1)[0]  # [kv_head, block]
+        same = int((last < prefix).all(0).long().cumprod(0).sum())  # leading blocks
+        if not same:
+            return self.block_summary(x, k, v, geo)
+        one = None if x is None else x[:1]
+        head = self.block_summary(one, k[:1], v[:1], _sub_geometry(geo, 1, slice(0, same)))
+        tail = self.block_summary(x, k, v, _sub_geometry(geo, None, slice(same, None)))
+
+        def join(a: Tensor, b: Tensor) -> Tensor:
+            return torch.cat([a.expand(b.shape[0], *a.shape[1:]), b], dim)
+
+        if isinstance(head, tuple):
+            return tuple(join(a, b) for a, b in zip(head, tail, strict=True))
+        return join(head, tail)
 
     def row_chunk(self, seq: int) -> int:
         """Rows per chunk (a design whose scores touch every key uses smaller chunks)."""
@@ -322,7 +378,7 @@ class SelectingAttention(CompressedAttentionMixin):
         rows: Int[Tensor, "batch row"],
     ) -> Float[Tensor, "batch head row block"]:
         """``q_t . K_b`` for per-block keys (route's mean key)."""
-        return query_rows(q, rows) @ self._repeat_kv(k_blk, 1).transpose(-1, -2)
+        return grouped_scores(query_rows(q, rows), k_blk)
 
     def _slot_scores(
         self,
