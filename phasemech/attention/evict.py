@@ -27,7 +27,12 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from phasemech.attention.rows import query_rows
-from phasemech.attention.selection import ROW_CHUNK, SelectingAttention
+from phasemech.attention.selection import (
+    ROW_CHUNK,
+    SelectingAttention,
+    _sub_geometry,
+    grouped_scores,
+)
 from phasemech.core.grid import Geometry
 
 
@@ -62,7 +67,29 @@ class ChunkEvictAttention(SelectingAttention):
         geo: Geometry,
     ) -> Float[Tensor, "batch head u block"]:
         """Attention mass that observation query ``u`` (all heads of its KV group) pays to each
-        block, under dense causal attention; zero for ``u < 0`` and masked ``u``."""
+        block, under dense causal attention; zero for ``u < 0`` and masked ``u``. Over copies
+        of one prefill (``shared_prefix``) an observation query inside it sees only the
+        prefill, so its mass is computed for one copy."""
+        prefix, b = self.shared_prefix, q.shape[0]
+        if not prefix or b == 1 or not geo.shared or geo.key_valid is not None:
+            return self._observed_dense(q, u, k, geo)
+        inside = u[0] < prefix
+        if not bool(inside.any()) or not bool((u == u[:1]).all()):
+            return self._observed_dense(q, u, k, geo)
+        one = self._observed_dense(q[:1], u[:1, inside], k[:1], _sub_geometry(geo, 1, slice(None)))
+        rest = self._observed_dense(q, u[:, ~inside], k, geo)
+        out = rest.new_empty(*rest.shape[:2], u.shape[1], rest.shape[-1])
+        out[:, :, inside] = one
+        out[:, :, ~inside] = rest
+        return out
+
+    def _observed_dense(
+        self,
+        q: Float[Tensor, "batch pos head d_head"],
+        u: Int[Tensor, "batch u"],
+        k: Float[Tensor, "batch pos kv_head d_head"],
+        geo: Geometry,
+    ) -> Float[Tensor, "batch head u block"]:
         seq = k.shape[1]
         lacking = (u >= 0) & (u < self.known_queries_from)
         if bool(lacking.any()):
@@ -75,7 +102,7 @@ class ChunkEvictAttention(SelectingAttention):
         visible = keys[None, None, :] <= u[..., None]  # [batch, u, key_pos]
         if geo.key_valid is not None:
             visible = visible & geo.key_valid[:, None, :]
-        dense = query_rows(q, u) @ self._repeat_kv(k.transpose(1, 2), 1).transpose(-1, -2)
+        dense = grouped_scores(query_rows(q, u), k.transpose(1, 2))
         dense = self._row_pattern(dense, visible[:, None].expand_as(dense))
         b, h = dense.shape[:2]
         nb, sl = geo.slot_pos.shape[2:]

@@ -92,9 +92,11 @@ class RowsMixin:
     def _row_pattern(
         self, scores: Float[Tensor, "batch head key"], visible: Bool[Tensor, "batch head key"]
     ) -> Float[Tensor, "batch head key"]:
-        """``_pattern``'s arithmetic on one query row (no hooks)."""
-        scores = apply_softcap(scores / self.attn_scale, self.cfg.attn_scores_soft_cap)
-        return _masked_softmax(scores.masked_fill(~visible, float("-inf")), visible)
+        """``_pattern``'s arithmetic on query rows (no hooks). ``scores`` must be a fresh
+        tensor: it is scaled and masked in place (the largest tensor of a decode step)."""
+        scores = apply_softcap(scores.div_(self.attn_scale), self.cfg.attn_scores_soft_cap)
+        scores = scores.masked_fill_(~visible, float("-inf"))
+        return _masked_softmax(scores, visible, neg_inf_masked=True)
 
     def attend_rows(
         self,
@@ -222,15 +224,13 @@ class RowsMixin:
     def _cached_queries(
         self, entry: Any, q: Float[Tensor, "batch new head d_head"], past: int
     ) -> tuple[Float[Tensor, "batch pos head d_head"], int]:
-        """Queries on every position (the prefill's unknown ones zero where a rule reads past
-        queries, else unset) and the first position whose query is known; an unfrozen cache
-        keeps the last ``cached_queries`` of them."""
+        """Queries on every position (the prefill's unknown ones unset: a rule that reads past
+        queries reads only known ones, ``known_queries_from`` on) and the first position whose
+        query is known; an unfrozen cache keeps the last ``cached_queries`` of them."""
         stored = getattr(entry, "past_queries", None)
         known = 0 if stored is None else stored.shape[1]
         shape = (q.shape[0], past + q.shape[1], *q.shape[2:])
-        if known or self.cached_queries:
-            q_full = q.new_zeros(shape)
-        elif self.unknown_query is None:  # no rule reads them: zeroing cost ~15% of a forward
+        if self.unknown_query is None:  # no rule reads them: zeroing cost ~15% of a forward
             q_full = q.new_empty(shape)
         else:
             q_full = q.new_full(shape, self.unknown_query)
