@@ -30,8 +30,8 @@ from phasemech.attention.rows import query_rows
 from phasemech.attention.selection import (
     ROW_CHUNK,
     SelectingAttention,
-    _sub_geometry,
     grouped_scores,
+    sub_geometry,
 )
 from phasemech.core.grid import Geometry
 
@@ -76,7 +76,7 @@ class ChunkEvictAttention(SelectingAttention):
         inside = u[0] < prefix
         if not bool(inside.any()) or not bool((u == u[:1]).all()):
             return self._observed_dense(q, u, k, geo)
-        one = self._observed_dense(q[:1], u[:1, inside], k[:1], _sub_geometry(geo, 1, slice(None)))
+        one = self._observed_dense(q[:1], u[:1, inside], k[:1], sub_geometry(geo, 1, slice(None)))
         rest = self._observed_dense(q, u[:, ~inside], k, geo)
         out = rest.new_empty(*rest.shape[:2], u.shape[1], rest.shape[-1])
         out[:, :, inside] = one

@@ -90,7 +90,7 @@ def grouped_scores(
     return (q.reshape(b, g, h // g * r, d) @ keys.transpose(-1, -2)).reshape(b, h, r, -1)
 
 
-def _sub_geometry(geo: Geometry, batch: int | None, blocks: slice) -> Geometry:
+def sub_geometry(geo: Geometry, batch: int | None, blocks: slice) -> Geometry:
     """``geo`` for the first ``batch`` sequences (``None``: all) and some blocks."""
     b = slice(None, batch)
     return dataclasses.replace(
@@ -184,8 +184,8 @@ class SelectingAttention(CompressedAttentionMixin):
         if not same:
             return self.block_summary(x, k, v, geo)
         one = None if x is None else x[:1]
-        head = self.block_summary(one, k[:1], v[:1], _sub_geometry(geo, 1, slice(0, same)))
-        tail = self.block_summary(x, k, v, _sub_geometry(geo, None, slice(same, None)))
+        head = self.block_summary(one, k[:1], v[:1], sub_geometry(geo, 1, slice(0, same)))
+        tail = self.block_summary(x, k, v, sub_geometry(geo, None, slice(same, None)))
 
         def join(a: Tensor, b: Tensor) -> Tensor:
             return torch.cat([a.expand(b.shape[0], *a.shape[1:]), b], dim)
