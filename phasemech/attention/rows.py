@@ -71,6 +71,11 @@ def band_positions(rows: Int[Tensor, "batch row"], band: int, n_heads: int) -> T
     return pos.expand(-1, n_heads, -1, -1)
 
 
+def _one_copy(t: Tensor) -> bool:
+    """Whether every sequence of ``t``'s batch is one tensor (an expanded view, or one)."""
+    return t.shape[0] == 1 or t.stride(0) == 0
+
+
 class RowsMixin:
     """The rows path and the decode regime of a compressed layer (see the module docstring)."""
 
@@ -191,7 +196,7 @@ class RowsMixin:
         geo = self._geometry(offsets, k.shape[1], None)
         rows = torch.arange(past, k.shape[1], device=q.device).expand(q.shape[0], -1)
         self.known_queries_from = known_from  # a rule that reads past queries checks it
-        copies = entry.past_keys.stride(0) == 0 and entry.past_values.stride(0) == 0
+        copies = _one_copy(entry.past_keys) and _one_copy(entry.past_values)
         self.shared_prefix = past if entry.frozen and q.shape[0] > 1 and copies else 0
         try:
             z, token_pattern = self.attend_many(x, q_full, k, v, geo, rows)
@@ -215,8 +220,7 @@ class RowsMixin:
         keys = entry.past_keys
         rotated = getattr(entry, "rotated_keys", None)
         if rotated is None or (rotated.is_inference() and not torch.is_inference_mode_enabled()):
-            shared = keys.shape[0] > 1 and keys.stride(0) == 0
-            rotated = self.apply_rotary(keys[:1] if shared else keys, 0, None)
+            rotated = self.apply_rotary(keys[:1] if _one_copy(keys) else keys, 0, None)
             entry.rotated_keys = rotated = rotated.expand(keys.shape[0], *rotated.shape[1:])
         k = torch.cat([rotated, self.apply_rotary(k, past, None)], dim=1)
         return k, torch.cat([entry.past_values, v], dim=1)

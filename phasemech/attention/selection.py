@@ -179,8 +179,8 @@ class SelectingAttention(CompressedAttentionMixin):
         hooked = self.hook_k_block.has_hooks() or self.hook_block_weights.has_hooks()
         if dim is None or not prefix or k.shape[0] == 1 or not geo.shared or hooked:
             return self.block_summary(x, k, v, geo)
-        last = geo.slot_pos.masked_fill(~geo.slot_valid, -1).amax(-1)[0]  # [kv_head, block]
-        same = int((last < prefix).all(0).long().cumprod(0).sum())  # leading blocks
+        # leading blocks that end inside the prefix (one grid: batch row 0 stands for all)
+        same = int((geo.block_last[0] < prefix).all(0).long().cumprod(0).sum())
         if not same:
             return self.block_summary(x, k, v, geo)
         one = None if x is None else x[:1]
@@ -388,8 +388,7 @@ class SelectingAttention(CompressedAttentionMixin):
         geo: Geometry,
     ) -> Float[Tensor, "batch head row block slot"]:
         """``q_t . k_j`` for every slot of every block (``-inf`` on missing slots)."""
-        keys = self._repeat_kv(k.transpose(1, 2), 1).transpose(-1, -2)
-        scores = query_rows(q, rows) @ keys  # [batch, head, row, key_pos]
+        scores = grouped_scores(query_rows(q, rows), k.transpose(1, 2))  # [b, h, row, key_pos]
         b, h, r, seq = scores.shape
         nb, sl = geo.slot_pos.shape[2:]
         slot_pos = self._repeat_kv(geo.slot_pos.clamp(0, seq - 1), 1).reshape(b, h, 1, nb * sl)
