@@ -68,6 +68,14 @@ def test_findings_and_the_real_model_claim(tmp_path):
     f["phase_dependent_heads"] = []
     (tmp_path / "explain_route.json").write_text(json.dumps(_summary(f)))
     assert "**Not supported**" in real_model_lines(tmp_path)[1]
+    # a setting that did not ablate is named, and counts neither way
+    g = {k: v for k, v in f.items() if k not in ("phase_dependent_heads", "n_heads_tested")}
+    (tmp_path / "explain_trained.json").write_text(json.dumps(_summary(g)))
+    lines, verdict = real_model_lines(tmp_path)
+    assert "Zero ablation: not run in this setting." in "\n".join(lines)
+    assert "no such head in the 1 of 2 recorded settings" in verdict
+    (tmp_path / "explain_route.json").unlink()
+    assert "**Open**: no recorded setting ablated" in real_model_lines(tmp_path)[1]
 
 
 def test_atp_check_compares_with_the_exact_result():

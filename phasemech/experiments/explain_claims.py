@@ -42,7 +42,7 @@ def _oracle(f: dict) -> str | None:
     )
 
 
-def _run_lines(stem: str, s: dict) -> tuple[list[str], int]:
+def _run_lines(stem: str, s: dict) -> tuple[list[str], int | None]:
     c, f = s["config"], s.get("findings", {})
     head = (
         f"- {s['model']}, `{c['setting']}`, {c['regime']} regime, T = {c['context']}, "
@@ -71,15 +71,17 @@ def _run_lines(stem: str, s: dict) -> tuple[list[str], int]:
             f"effect (1 = restored): top heads {tops}{every}."
         )
     dep = f.get("phase_dependent_heads")
-    if dep is not None:
-        best = ", ".join(f"L{h['layer']}H{h['unit']} serves phase {h['served_phase']}"
-                         for h in dep[:5])  # fmt: skip
-        lines.append(
-            f"  - Zero ablation: {len(dep)} of {f['n_heads_tested']} heads phase-dependent"
-            + (f" ({best})" if best else "")
-            + "."
-        )
-    return lines, len(dep or [])
+    if dep is None:  # a run without the ablation step cannot count for or against the claim
+        lines.append("  - Zero ablation: not run in this setting.")
+        return lines, None
+    best = ", ".join(f"L{h['layer']}H{h['unit']} serves phase {h['served_phase']}"
+                     for h in dep[:5])  # fmt: skip
+    lines.append(
+        f"  - Zero ablation: {len(dep)} of {f['n_heads_tested']} heads phase-dependent"
+        + (f" ({best})" if best else "")
+        + "."
+    )
+    return lines, len(dep)
 
 
 def real_model_lines(results: Path) -> tuple[list[str], str]:
@@ -94,10 +96,12 @@ def real_model_lines(results: Path) -> tuple[list[str], str]:
             ],  # fmt: skip
             "On a real model: **Open**.",
         )
-    lines, hits = ["On a real model (`phasemech explain`, the audit's paired prompts):", ""], []
+    lines = ["On a real model (`phasemech explain`, the audit's paired prompts):", ""]
+    hits, tested = [], 0
     for stem, s in runs:
         more, n = _run_lines(stem, s)
         lines += more
+        tested += n is not None
         if n:
             hits.append(f"`{s['config']['setting']}` ({s['config']['regime']}, {n} heads)")
     if hits:
@@ -105,8 +109,13 @@ def real_model_lines(results: Path) -> tuple[list[str], str]:
             f"On a real model (rule: {RULE}): **Supported** in {', '.join(hits)}; no dense "
             "control was ablated, so a head's phase dependence may be the base model's."
         )
+    elif tested:
+        verdict = (
+            f"On a real model (rule: {RULE}): **Not supported**: no such head in the {tested} "
+            f"of {len(runs)} recorded settings that ablated every head."
+        )
     else:
-        verdict = f"On a real model (rule: {RULE}): **Not supported**: no such head in any run."
+        verdict = f"On a real model (rule: {RULE}): **Open**: no recorded setting ablated heads."
     return lines, verdict
 
 
