@@ -84,16 +84,25 @@ def test_bound_prefill_zero_ablation_equals_hooked_reads():
     assert score(model, run)["margin"] == pytest.approx(float(res.corrupted[0]), abs=1e-5)
 
 
-def test_head_patching_without_compression_equals_transformer_lens():
-    """With compression off (a plain model, trained regime, prompts of equal length) the
-    adapter's head patching equals TransformerLens' get_act_patch_attn_head_out_all_pos."""
+def _llama():
+    """A tiny llama-shaped TransformerLens model: RMSNorm, gated SiLU MLP, rotary, GQA."""
+    return make_hooked(rotary=True, gqa=True, n_layers=3, attn_only=False,
+                       normalization_type="RMS", gated_mlp=True, act_fn="silu")  # fmt: skip
+
+
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_head_patching_without_compression_equals_transformer_lens(wrapped):
+    """With compression off (the plain llama-shaped model, or phasemech's with design
+    ``none``; trained regime, prompts of equal length) the adapter's head patching equals
+    TransformerLens' get_act_patch_attn_head_out_all_pos on the plain model."""
     from transformer_lens.patching import get_act_patch_attn_head_out_all_pos
 
-    tl, _ = _models()
+    tl = _llama()
+    model = PhaseTransformer.from_hooked(tl, CompressionConfig("none")).eval() if wrapped else tl
     batch = _batch(shift=0)
     batch.tokens[1, 20] = (batch.tokens[1, 20] + 7) % tl.cfg.d_vocab  # corrupt a mid token
     clean, corrupt = (prompt_run(tl, batch, i, "trained") for i in (0, 1))
-    got = patch_pair(tl, clean, corrupt, 4, atp=False)
+    got = patch_pair(model, clean, corrupt, 4, atp=False)
     answer, foil = int(corrupt.answer[0]), got["foil"]
 
     def metric(logits):
@@ -103,11 +112,60 @@ def test_head_patching_without_compression_equals_transformer_lens():
     with torch.inference_mode():
         _, cache = tl.run_with_cache(clean.tokens)
         want = get_act_patch_attn_head_out_all_pos(tl, corrupt.tokens, cache, metric)
+    assert want.abs().max() > 1e-3  # the corruption moves the metric: the check can fail
     np.testing.assert_allclose(np.array(got["heads"]), want.numpy(), atol=1e-4)
     with torch.inference_mode():
         assert got["clean"] == pytest.approx(float(metric(tl(clean.tokens))), abs=1e-4)
     # the whole residual entering layer 0 is the clean run: patching it restores the clean metric
     assert got["resid"][0] == pytest.approx(got["clean"], abs=1e-4)
+
+
+def test_cross_prompt_head_patching_in_decode_equals_hooked_reads():
+    """Decode regime, compressed: each head's patch from the other prompt (its prefill its
+    own, rows aligned from the end) equals a plain decode read of the corrupted prompt with
+    that head's ``z`` overwritten by a hook with the clean read's ``z``."""
+    tl, model = _models()
+    batch = _batch(shift=1)
+    batch.tokens[0, 30] = (batch.tokens[0, 30] + 5) % tl.cfg.d_vocab  # contents differ a bit
+    clean, corrupt = (prompt_run(tl, batch, i, "decode") for i in (0, 1))
+    got = patch_pair(model, clean, corrupt, 4, atp=False)
+    answer, foil = int(corrupt.answer[0]), got["foil"]
+    zs: dict[str, torch.Tensor] = {}
+    names = [f"blocks.{i}.attn.hook_z" for i in range(3)]
+
+    def keep(z, hook):
+        zs[hook.name] = z.clone()
+
+    with torch.inference_mode(), model.hooks([(n, keep) for n in names]):
+        read_rows(model, clean.cache, clean.tokens)
+    assert clean.tokens.shape == corrupt.tokens.shape  # the same question and answer rows
+    spread = []
+    for layer, name in enumerate(names):
+        for h in range(model.cfg.n_heads):
+
+            def put(z, hook, h=h, name=name):
+                z = z.clone()
+                z[:, :, h] = zs[name][:, :, h]
+                return z
+
+            with torch.inference_mode(), model.hooks([(name, put)]):
+                resid = read_rows(model, corrupt.cache, corrupt.tokens)
+                row = model.unembed(model.ln_final(resid))[0, corrupt.row]
+            want = float(row[answer] - row[foil])
+            assert got["heads"][layer][h] == pytest.approx(want, abs=1e-4)
+            spread.append(want)
+    assert max(spread) - min(spread) > 1e-3  # the patches differ: the check can fail
+
+
+def test_aligned_keeps_the_sink_row_of_whole_prompts():
+    """Rows align from the end; prompts of different lengths keep row 0 (the sink) their own."""
+    from phasemech.interventions.prompts import aligned
+
+    clean = torch.arange(5.0)[None, :, None] + 100
+    corrupt = torch.arange(3.0)[None, :, None]
+    assert aligned(clean, corrupt).flatten().tolist() == [0.0, 103.0, 104.0]
+    assert aligned(corrupt + 100, clean - 100).flatten().tolist() == [0, 1, 100, 101, 102]
+    assert aligned(clean, clean - 100).flatten().tolist() == (clean.flatten()).tolist()
 
 
 @pytest.mark.parametrize("regime", ["decode", "trained"])
@@ -200,6 +258,43 @@ def test_config_refuses_bad_input(kw, match):
     with pytest.raises(ValueError, match=match) as err:
         ExplainConfig(**kw)
     assert "\n" not in str(err.value)
+
+
+def test_cli_takes_the_audits_grid_and_task_flags(tmp_path, monkeypatch):
+    """``explain`` takes the audit's offsets, block length, depths and distractors into its
+    config; an aligned grid keeps the cache key of runs recorded before ``offsets`` existed."""
+    from typer.testing import CliRunner
+
+    import phasemech.experiments.explain_tables as tables
+    from phasemech.cli import app
+    from phasemech.experiments.explain import ExplainConfig, ExplainJob
+
+    seen = {}
+
+    def fake(cfg, out, **kw):
+        seen["cfg"] = cfg
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "summary.md").write_text("ok")
+        return {"wall_s": 0.0}
+
+    monkeypatch.setattr(tables, "run_explain", fake)
+    args = ["explain", "--design", "route", "-o", str(tmp_path / "x"), "--offsets", "per_head",
+            "--block-len", "4", "--depths", "0.2,0.8", "--task", "multikey", "--distractors",
+            "2", "--analyses", "selection"]  # fmt: skip
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    cfg = seen["cfg"]
+    assert (cfg.offsets, cfg.block_len, cfg.depths, cfg.task, cfg.distractors) == (
+        "per_head", 4, (0.2, 0.8), "multikey", 2)  # fmt: skip
+    assert cfg.setting == "route_d4_w16_k1_per_head"
+    assert "offsets" in ExplainJob(cfg, "observe", (0,)).config["cfg"]
+    aligned = ExplainJob(ExplainConfig(), "observe", (0,))
+    assert (
+        "offsets" not in aligned.config["cfg"] and aligned.key == "8dfc3256bce45568"
+    )  # as before the field
+    bad = CliRunner().invoke(app, [*args[:5], "--offsets", "diagonal"], env={"COLUMNS": "500"})
+    lines = [ln for ln in bad.output.splitlines() if ln.strip()]
+    assert bad.exit_code == 1 and len(lines) == 1 and "offsets='diagonal'" in lines[0]
 
 
 def test_no_gap_and_no_clean_prompt_are_refused():

@@ -24,6 +24,15 @@ def _ints(value: str, flag: str) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _depths(value: str) -> tuple[float, ...]:
+    """``"0.1,0.5"`` as floats; a one-line error names the flag (the range is the config's)."""
+    try:
+        return tuple(float(x) for x in value.split(",") if x.strip())
+    except ValueError:
+        msg = f"{value!r}: expected fractions like 0.1,0.5,0.9"
+        raise typer.BadParameter(msg, param_hint="--depths") from None
+
+
 def _variants(fix: str | None) -> tuple[str, ...]:
     """``--fix``: the aligned baseline first, then the named fixes (``all``: every fix)."""
     from phasemech.experiments.audit_fixes import FIXES
@@ -90,7 +99,7 @@ def audit(
             layers=None if layers is None else _ints(layers, "--layers"),
             offsets=offsets, block_len=block_len, obs_window=obs_window,
             regime=regime, contexts=_ints(context, "--context"),
-            depths=tuple(float(x) for x in depths.split(",")), task=task,
+            depths=_depths(depths), task=task,
             distractors=distractors, contents=contents, seed=seed, variants=_variants(fix),
             attention_groups=attention_groups,
         )  # fmt: skip
@@ -120,10 +129,16 @@ def explain(
     top_k: Annotated[int, typer.Option(min=1, help="blocks kept per query")] = 1,
     window: Annotated[int, typer.Option(min=0, help="raw window W (tokens)")] = 16,
     layers: Annotated[str | None, typer.Option(help="compressed layers, e.g. 2-29")] = None,
+    offsets: Annotated[
+        str, typer.Option(help="aligned, per_layer, per_head, per_layer_head or random")
+    ] = "aligned",
+    block_len: Annotated[int | None, typer.Option(help="block length (default: stride)")] = None,
     obs_window: Annotated[int | None, typer.Option(help="evict's observation queries")] = None,
     regime: Annotated[str, typer.Option(help="decode (default) or trained")] = "decode",
     context: Annotated[int, typer.Option(min=64, help="prompt length in tokens")] = 1024,
+    depths: Annotated[str, typer.Option(help="needle depths (fractions)")] = "0.1,0.3,0.5,0.7,0.9",
     task: Annotated[str, typer.Option(help="passkey, multikey or kv")] = "passkey",
+    distractors: Annotated[int | None, typer.Option(help="multikey/kv: other codes")] = None,
     contents: Annotated[int, typer.Option(min=1, help="contents (x stride prompts)")] = 50,
     contrast_phases: Annotated[
         str | None, typer.Option(help="CLEAN,CORRUPT phases to patch (default: best, worst)")
@@ -147,7 +162,8 @@ def explain(
         cfg = ExplainConfig(
             design=design.strip(), model=model, stride=stride, window=window, top_k=top_k,
             layers=None if layers is None else _ints(layers, "--layers"),
-            obs_window=obs_window, regime=regime, context=context, task=task,
+            offsets=offsets, block_len=block_len, obs_window=obs_window, regime=regime,
+            context=context, depths=_depths(depths), task=task, distractors=distractors,
             contents=contents, seed=seed, contrast_phases=_phases(contrast_phases),
             analyses=tuple(a.strip() for a in analyses.split(",") if a.strip()),
             top_heads=top_heads,

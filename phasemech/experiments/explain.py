@@ -52,7 +52,8 @@ SELECTING = ("route", "quest", "kpool", "evict")
 
 @dataclass(frozen=True)
 class ExplainConfig:
-    """What to explain: ``design`` with the audit's grid fields, ``regime``, ``context``,
+    """What to explain: ``design`` with the audit's grid fields (``offsets`` among them: phases
+    stay those of the aligned reference grid, as the audit reports them), ``regime``, ``context``,
     ``contents`` (each at every phase), ``contrast_phases`` (``(clean, corrupted)``; default the
     strongest and weakest phase), ``analyses`` (any of :data:`ANALYSES`), ``per_layer_oracle``
     (the oracle in each layer alone; default in ``decode`` only, where a copy is cheap) and
@@ -64,6 +65,7 @@ class ExplainConfig:
     window: int | None = 16
     top_k: int | None = 1
     layers: tuple[int, ...] | None = None
+    offsets: str = "aligned"
     block_len: int | None = None
     obs_window: int | None = None
     regime: str = "decode"
@@ -118,6 +120,7 @@ class ExplainConfig:
             window=self.window,
             top_k=self.top_k,
             layers=self.layers,
+            offsets=self.offsets,
             block_len=self.block_len,
             obs_window=self.obs_window,
             regime=self.regime,
@@ -131,7 +134,16 @@ class ExplainConfig:
 
     @property
     def setting(self) -> str:
-        return self.audit().setting_name(self.design)
+        name = self.audit().setting_name(self.design)
+        return name if self.offsets == "aligned" else f"{name}_{self.offsets}"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The cache key's form: the aligned grid leaves ``offsets`` out, so runs recorded
+        before the field existed keep their keys."""
+        out = dataclasses.asdict(self)
+        if out["offsets"] == "aligned":
+            del out["offsets"]
+        return out
 
     @property
     def oracle_per_layer(self) -> bool:

@@ -169,9 +169,14 @@ def self_contrast(run: PromptRun, stride: int) -> Contrast:
 def aligned(clean: Tensor, corrupted: Tensor) -> Tensor:
     """A clean activation ``[1, pos_c, ...]`` laid on the corrupted run's rows ``[n, pos_x,
     ...]``, aligned from the end (the same question and answer tokens end both runs); rows of
-    the corrupted run without a clean counterpart keep their own value."""
+    the corrupted run without a clean counterpart keep their own value. Runs of different
+    lengths are whole prompts (``trained``): both start with the same token at position 0, the
+    sink, whose activations are the same in both; aligning it from the end would lay a prefix
+    token on it, so row 0 keeps its own value."""
     out = corrupted.clone()
     n = min(clean.shape[1], corrupted.shape[1])
+    if clean.shape[1] != corrupted.shape[1]:
+        n = min(n, corrupted.shape[1] - 1)
     out[:, corrupted.shape[1] - n :] = clean[:, clean.shape[1] - n :]
     return out
 
