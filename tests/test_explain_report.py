@@ -44,6 +44,7 @@ def test_findings_and_the_real_model_claim(tmp_path):
     t = _tables() | {"ablation_specialization": _spec()}
     t["oracle"]["null"] = 1.0
     t["oracle"]["displaced_sink"] = 0.25
+    t["oracle"]["broken"] = 1  # one right answer lost per phase
     f = findings(t, n_layers=3)
     assert [b["layers"] for b in f["selection_bands"]] == ["0-0", "1-1", "2-2"]
     assert f["top_patching"][0] == dict(layer=2, head=1, effect=0.9, ci_low=0.8, ci_high=1.0)
@@ -63,6 +64,7 @@ def test_findings_and_the_real_model_claim(tmp_path):
     text = "\n".join(lines)
     assert "0.70 / 0.30 / 0.60 / 0.80" in text and "1.00 / 0.90 / 1.00 / 1.00" in text
     assert "25% of the displaced picks" in text and "L2H1 0.90" in text
+    assert "it lost 4 of the design's right answers" in text
     assert "1 of 6 heads phase-dependent (L2H0 serves phase 1)" in text
     assert "**Supported** in `route_d4_w16_k1` (decode, 1 heads)" in verdict
     f["phase_dependent_heads"] = []
@@ -88,3 +90,24 @@ def test_atp_check_compares_with_the_exact_result():
     assert chk["max_abs_gap"] == np.abs(atp[picked] - exact[picked]).max()
     assert chk["overlap"] == len(set(picked) & set(exact.abs().nlargest(3).index))
     assert atp_check(p[p.site != "atp"]) is None
+
+
+def test_patching_without_a_gap_is_nan_and_said(tmp_path):
+    """Pairs whose clean side scores no better than the corrupted one: the normalised effects
+    are NaN, never a number, and the summary says why; a skipped head oracle is said too."""
+    from types import SimpleNamespace
+
+    from phasemech.experiments.explain_report import _skips
+    from phasemech.experiments.explain_tables import patching_table
+
+    pairs = [dict(clean=c, corrupted=x, heads=[[x + 0.1, x]], resid=[x])
+             for c, x in [(1.0, 2.0), (0.5, 0.5)]]  # fmt: skip
+    table = patching_table(pairs, n_boot=10, seed=0)
+    assert len(table) == 3 and table.effect.isna().all() and table.raw.notna().all()
+    frame = pd.DataFrame([dict(clean=p["clean"], corrupted=p["corrupted"]) for p in pairs])
+    cfg = SimpleNamespace(analyses=("oracle", "ablation"))
+    lines = _skips(cfg, {"patching_pairs": frame})
+    assert len(lines) == 2 and "top heads was not run" in lines[0]
+    assert "no gap to normalise by" in lines[1]
+    good = [dict(p, clean=p["corrupted"] + 1.0) for p in pairs]
+    assert patching_table(good, n_boot=10, seed=0).effect.notna().all()

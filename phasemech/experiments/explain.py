@@ -323,7 +323,8 @@ def contrast_phases(cfg: ExplainConfig, accuracy: np.ndarray) -> tuple[int, int]
     if np.nanmax(accuracy) - np.nanmin(accuracy) <= 0:
         raise ValueError(
             f"{cfg.setting}: every phase scores {np.nanmax(accuracy):.2f}: no gap to explain by "
-            "patching across phases; pass --contrast-phases CLEAN,CORRUPT to patch anyway"
+            "patching across phases; pass --contrast-phases CLEAN,CORRUPT to patch anyway, or "
+            "leave patching out of --analyses (the observed prompts are cached)"
         )
     return int(np.nanargmax(accuracy)), int(np.nanargmin(accuracy))
 

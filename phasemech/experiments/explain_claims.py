@@ -36,6 +36,8 @@ def _oracle(f: dict) -> str | None:
         return None
     sink = o.get("displaced_sink")
     share = f"; {sink:.0%} of the displaced picks were the sink's block" if sink else ""
+    if o.get("lost") is not None:  # runs recorded before the column existed lack it
+        share += f"; it lost {o['lost']} of the design's right answers"
     return (
         f"forcing the needle's block in place of the lowest pick (every selecting layer, "
         f"answer rows, same budget): {_f(o['accuracy'])} (unforced {_f(o['unforced'])}){share}"

@@ -73,8 +73,12 @@ def _oracle_lines(t: dict) -> list[str]:
         "",
         "## Oracle: the needle's block forced into what queries read",
         "",
-        "| scope | form | rows | accuracy by phase | unforced | displaced (sink share) |",
-        "|---|---|---|---|---|---|",
+        "Displaced: the design's picks (head x row x layer) that the forced block took the "
+        "place of, per prompt, and the share of them that was the sink's block (token 0). "
+        "Lost: prompts the design answered right that forcing made wrong (its cost).",
+        "",
+        "| scope | form | rows | accuracy by phase | unforced | displaced (sink share) | lost |",
+        "|---|---|---|---|---|---|---|",
     ]
     keep = o[o.scope.isin(["none", "all", "top heads"])]
     for (scope, form, rows), g in keep.groupby(["scope", "form", "rows"], sort=False):
@@ -82,7 +86,8 @@ def _oracle_lines(t: dict) -> list[str]:
         sink = g.displaced_sink.mean()
         lines.append(
             f"| {scope} | {form} | {rows} | {_fmt(g.accuracy)} | {_fmt(g.unforced)} | "
-            f"{g.displaced.mean():.1f} ({'-' if np.isnan(sink) else f'{sink:.2f}'}) |"
+            f"{g.displaced.mean():.1f} ({'-' if np.isnan(sink) else f'{sink:.2f}'}) | "
+            f"{int(np.nansum(g.broken))} |"
         )
     return lines
 
@@ -193,7 +198,8 @@ def findings(t: dict, n_layers: int, top: int = 10) -> dict[str, Any]:
         out["oracle"] = [
             dict(scope=k[0], form=k[1], rows=k[2], **{c: g.sort_values("phase")[c].tolist()
                  for c in ("accuracy", "ci_low", "ci_high", "unforced", "null")},
-                 displaced_sink=_num(g.displaced_sink.mean()))
+                 displaced_sink=_num(g.displaced_sink.mean()),
+                 lost=int(np.nansum(g.broken)))
             for k, g in o[~o.scope.str.startswith("layer ")].groupby(["scope", "form", "rows"],
                                                                       sort=False)
         ]  # fmt: skip
@@ -212,6 +218,25 @@ def findings(t: dict, n_layers: int, top: int = 10) -> dict[str, Any]:
         out["n_heads_tested"] = len(acc)
         z = s[(s.metric == "logit_diff") & (s["mode"] == "zero")].nsmallest(top, "overall")
         out["top_ablation"] = _records(z, cols)
+    return out
+
+
+def _skips(cfg, tables: dict[str, pd.DataFrame | None]) -> list[str]:
+    """What this run left out, and why (never a silent gap in the tables)."""
+    out = []
+    if "oracle" in cfg.analyses and "patching" not in cfg.analyses:
+        out.append(
+            "The oracle in the top heads was not run: it ranks heads by exact patching "
+            "(add `patching` to the analyses)."
+        )
+    pairs = tables.get("patching_pairs")
+    if pairs is not None and (pairs.clean - pairs.corrupted).mean() <= 0:
+        out.append(
+            "Patching: the clean phase's logit difference is not above the corrupted one's on "
+            "these pairs (mean clean - corrupted "
+            f"{(pairs.clean - pairs.corrupted).mean():.3f}): there is no gap to normalise by, "
+            "so the normalised effects are NaN (the raw changes are in `patching.parquet`)."
+        )
     return out
 
 
@@ -244,6 +269,7 @@ def write_report(
         )
     if not any(acc):
         lines.append("The design answers no prompt: no component can be credited with it.")
+    lines += _skips(cfg, tables)
     lines += (
         _selection_lines(tables, meta["n_layers"])
         + _oracle_lines(tables)

@@ -158,6 +158,9 @@ def patching_table(pairs: list[dict], n_boot: int, seed: int) -> pd.DataFrame:
     rng = np.random.default_rng(seed)
     idx = rng.integers(0, len(pairs), (n_boot, len(pairs))) if n_boot else None
     den = (clean - corr).mean()
+    # a clean side no better than the corrupted one has no gap to normalise by: the effects
+    # are NaN (the report says why), the raw metric changes stay
+    den = den if den > 0 else np.nan
     rows = []
     for site in ("heads", "resid", "selection", "atp"):
         if site not in pairs[0]:
@@ -166,12 +169,13 @@ def patching_table(pairs: list[dict], n_boot: int, seed: int) -> pd.DataFrame:
         delta = vals - corr[:, None, None] if site != "atp" else vals
         eff = delta.mean(0) / den
         lo = hi = np.full(eff.shape, np.nan)
-        if idx is not None:
+        if idx is not None and not np.isnan(den):
             boot = delta[idx].mean(1) / (clean - corr)[idx].mean(1)[:, None, None]
             lo, hi = np.quantile(boot, [0.025, 0.975], axis=0)
         kept = _site_values(pairs, "selection_kept").mean(0) if site == "selection" else None
+        raw = delta.mean(0)
         for (layer, head), e in np.ndenumerate(eff):
-            if np.isnan(e):  # a layer that selects nothing
+            if np.isnan(raw[layer, head]):  # a layer that selects nothing
                 continue
             all_layers = site == "selection" and layer == eff.shape[0] - 1
             rows.append(
@@ -182,7 +186,7 @@ def patching_table(pairs: list[dict], n_boot: int, seed: int) -> pd.DataFrame:
                     effect=e,
                     ci_low=lo[layer, head],
                     ci_high=hi[layer, head],
-                    raw=delta[:, layer, head].mean(),
+                    raw=raw[layer, head],
                     kept=np.nan if kept is None else kept[layer, head],
                     n_pairs=len(pairs),
                 )
@@ -222,7 +226,8 @@ def _pairs(
     if not pairs:
         raise ValueError(
             f"{cfg.setting}: no content is answered right at phase {strong} (the clean side): "
-            "nothing to patch from; pass --contrast-phases with a phase the design answers"
+            "nothing to patch from; pass --contrast-phases with a phase the design answers, "
+            "or leave patching out of --analyses (the observed prompts are cached)"
         )
     return (strong, weak), pairs
 
@@ -276,7 +281,10 @@ def run_explain(
         patch = patching_table(pair_rows, cfg.n_boot, cfg.seed) if pair_rows else None
         heads: list[dict] = []
         if "oracle" in cfg.analyses and patch is not None:
-            top = patch[patch.site == "head"].nlargest(cfg.top_heads, "effect")
+            cand = patch[patch.site == "head"]
+            if cfg.layers is not None:  # a head of an uncompressed layer has no pick to force
+                cand = cand[cand.layer.isin(cfg.layers)]
+            top = cand.nlargest(cfg.top_heads, "effect")
             units = [(int(r.layer), int(r.head)) for r in top.itertuples()]
             heads = _prompts(launch(ensure, explain_jobs(cfg, "heads", ids, units=units))["heads"])
     tables = _tables(cfg, prompts, observed, inter, heads, patch, pair_rows, source)
