@@ -302,8 +302,9 @@ def test_no_gap_and_no_clean_prompt_are_refused():
     from phasemech.experiments.explain_tables import _pairs
 
     cfg = ExplainConfig()
-    with pytest.raises(ValueError, match="no gap"):
+    with pytest.raises(ValueError, match="no gap") as err:
         contrast_phases(cfg, np.array([0.5, 0.5, 0.5, 0.5]))
+    assert "\n" not in str(err.value)
     assert contrast_phases(cfg, np.array([0.7, 0.3, 0.6, 0.75])) == (3, 1)
     prompts = pd.DataFrame(
         dict(
@@ -315,8 +316,9 @@ def test_no_gap_and_no_clean_prompt_are_refused():
         )
     )
     prompts.loc[2, "design_correct"] = False
-    with pytest.raises(ValueError, match="no content is answered right at phase 3"):
+    with pytest.raises(ValueError, match="no content is answered right at phase 3") as err:
         _pairs(cfg, prompts)
+    assert "\n" not in str(err.value)
 
 
 def test_explain_end_to_end_and_cached_rerun(tmp_path):
