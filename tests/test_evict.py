@@ -294,3 +294,24 @@ def test_top_k_still_refused_elsewhere(design):
 def test_evict_refuses_block_scope_all():
     msg = _raises("block_scope", "all", design="evict", block_scope="all")
     assert "evict" in msg
+
+
+@pytest.mark.parametrize("offset, seq", [(0, 17), (1, 20), (3, 26)])
+def test_block_mass_fold_equals_the_slot_gather(offset, seq):
+    """Blocks that tile the keys on one grid are summed by folding the keys: bit for bit the
+    slot gather's sums; other grids (overlap, per-head offsets) keep the gather."""
+    from phasemech.attention.evict import _block_mass
+    from phasemech.core.grid import build_geometry
+
+    geo = build_geometry(torch.full((2, 2), offset), seq, 4, 4, 3, "inclusive")
+    gen = torch.Generator().manual_seed(offset)
+    dense = torch.softmax(torch.randn(2, 4, 5, seq, generator=gen), -1)
+    dense[..., seq // 2 :] = 0.0  # masked keys, as a causal row has them
+    nb, sl = geo.slot_pos.shape[2:]
+    pos = geo.slot_pos.clamp(0, seq - 1).repeat_interleave(2, 1).reshape(2, 4, 1, nb * sl)
+    held = dense.gather(-1, pos.expand(-1, -1, 5, -1)).reshape(2, 4, 5, nb, sl)
+    want = (held * geo.slot_valid.repeat_interleave(2, 1)[:, :, None]).sum(-1)
+    assert torch.equal(_block_mass(dense, geo), want)
+    assert _block_mass(dense, build_geometry(torch.zeros(2, 2), seq, 4, 5, 3, "inclusive")) is None
+    per_head = torch.tensor([[0, 1], [0, 1]])
+    assert _block_mass(dense, build_geometry(per_head, seq, 4, 4, 3, "inclusive")) is None
