@@ -111,3 +111,11 @@ def test_patching_without_a_gap_is_nan_and_said(tmp_path):
     assert "no gap to normalise by" in lines[1]
     good = [dict(p, clean=p["corrupted"] + 1.0) for p in pairs]
     assert patching_table(good, n_boot=10, seed=0).effect.notna().all()
+
+
+def test_layer_bands_are_named_by_the_selecting_layers_they_hold():
+    rec = pd.DataFrame(
+        [dict(layer=layer, phase=p, recall=0.5, rank=2.0) for layer in (1, 3, 5) for p in range(4)]
+    )
+    f = findings({"selection_recall": rec}, n_layers=6)
+    assert [b["layers"] for b in f["selection_bands"]] == ["1-1", "3-3", "5-5"]

@@ -61,8 +61,8 @@ def _band_groups(rec: pd.DataFrame, n_layers: int):
     """``("lo-hi", rows of those layers grouped by phase)`` per non-empty layer band."""
     for lo, hi in _bands(n_layers):
         band = rec[(rec.layer >= lo) & (rec.layer <= hi)]
-        if not band.empty:
-            yield f"{lo}-{hi}", band.groupby("phase")
+        if not band.empty:  # named by the selecting layers it holds (2-9, not 0-9)
+            yield f"{band.layer.min()}-{band.layer.max()}", band.groupby("phase")
 
 
 def _oracle_lines(t: dict) -> list[str]:
