@@ -58,13 +58,15 @@ def test_findings_and_the_real_model_claim(tmp_path):
     lines, verdict = real_model_lines(tmp_path)
     assert "Open" in verdict and "not measured yet" in lines[0]
     # record a run: its numbers and the verdict follow
-    f["oracle"].append(dict(f["oracle"][1], form="replace", accuracy=[1.0, 0.9, 1.0, 1.0]))
+    f["oracle"].append(dict(f["oracle"][1], form="replace", accuracy=[1.0, 0.9, 1.0, 1.0],
+                            unforced=[0.7, 0.2, 0.6, 0.7]))  # fmt: skip
     (tmp_path / "explain_route.json").write_text(json.dumps(_summary(f)))
     lines, verdict = real_model_lines(tmp_path)
     text = "\n".join(lines)
     assert "0.70 / 0.30 / 0.60 / 0.80" in text and "1.00 / 0.90 / 1.00 / 1.00" in text
     assert "25% of the displaced picks" in text and "L2H1 0.90" in text
     assert "it lost 4 of the design's right answers" in text
+    assert "range goes from 0.50 to 0.10: the selection is most of the weak spot" in text
     assert "1 of 6 heads phase-dependent (L2H0 serves phase 1)" in text
     assert "**Supported** in `route_d4_w16_k1` (decode, 1 heads)" in verdict
     f["phase_dependent_heads"] = []

@@ -10,7 +10,10 @@ layer band), whether forcing the needle's block restores the weak phase (the ora
 weak spot is the selection), what patching from the strong phase restores, and the heads whose
 zero ablation depends on the phase. The verdict's rule is the lab's: a head whose
 zero-ablation effect on accuracy differs across phases (Holm p < 0.05, range >= 10 points).
-The real model has no ablated dense control, which the verdict says.
+The real model has no ablated dense control, which the verdict says. The oracle's reading
+(where the unforced range exceeds 5 points): forcing that leaves a per-phase range of at most 5
+points means the weak spot is the selection; at most half the unforced range, most of it;
+more, not the selection alone.
 """
 
 from __future__ import annotations
@@ -38,10 +41,22 @@ def _oracle(f: dict) -> str | None:
     share = f"; {sink:.0%} of the displaced picks were the sink's block" if sink else ""
     if o.get("lost") is not None:  # runs recorded before the column existed lack it
         share += f"; it lost {o['lost']} of the design's right answers"
+    before, after = _range(o["unforced"]), _range(o["accuracy"])
+    reading = (
+        "no gap to read" if before <= 0.05
+        else "the weak spot is the selection" if after <= 0.05
+        else "the selection is most of the weak spot" if after <= before / 2
+        else "the weak spot is not the selection alone"
+    )  # fmt: skip
     return (
         f"forcing the needle's block in place of the lowest pick (every selecting layer, "
-        f"answer rows, same budget): {_f(o['accuracy'])} (unforced {_f(o['unforced'])}){share}"
+        f"answer rows, same budget): {_f(o['accuracy'])} (unforced {_f(o['unforced'])}){share}; "
+        f"the per-phase range goes from {before:.2f} to {after:.2f}: {reading}"
     )
+
+
+def _range(acc: list[float]) -> float:
+    return float(max(acc) - min(acc))
 
 
 def _run_lines(stem: str, s: dict) -> tuple[list[str], int | None]:
