@@ -300,8 +300,12 @@ def test_evict_refuses_block_scope_all():
 def test_block_mass_fold_equals_the_slot_gather(offset, seq):
     """Blocks that tile the keys on one grid are summed by folding the keys: bit for bit the
     slot gather's sums; other grids (overlap, per-head offsets) keep the gather."""
-    from phasemech.attention.evict import _block_mass
+    from phasemech.attention.selection import tiled_slots
     from phasemech.core.grid import build_geometry
+
+    def _block_mass(dense, geo):  # what evict sums: each block's slots, 0 on missing ones
+        slots = tiled_slots(dense, geo, 0.0)
+        return None if slots is None else slots.sum(-1)
 
     geo = build_geometry(torch.full((2, 2), offset), seq, 4, 4, 3, "inclusive")
     gen = torch.Generator().manual_seed(offset)

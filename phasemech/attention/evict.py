@@ -105,35 +105,10 @@ class ChunkEvictAttention(SelectingAttention):
         dense = grouped_scores(query_rows(q, u), k.transpose(1, 2))
         dense = self._row_pattern(dense, visible[:, None].expand_as(dense))
         b, h = dense.shape[:2]
-        mass = _block_mass(dense, geo)
-        if mass is None:
-            nb, sl = geo.slot_pos.shape[2:]
-            slot_pos = self._repeat_kv(geo.slot_pos.clamp(0, seq - 1), 1).reshape(b, h, 1, -1)
-            held = dense.gather(-1, slot_pos.expand(-1, -1, u.shape[1], -1))
-            held = held.reshape(b, h, -1, nb, sl)
-            mass = (held * self._repeat_kv(geo.slot_valid, 1)[:, :, None]).sum(-1)
+        mass = self._at_slots(dense, geo, 0.0).sum(-1)
         real = u >= 0
         if geo.key_valid is not None:  # a masked position is no observation query
             real = real & geo.key_valid.gather(1, u.clamp(min=0))
         mass = mass * real[:, None, :, None]
         g = self.n_kv_heads  # every head of a KV group gets the group's total
         return self._repeat_kv(mass.reshape(b, g, h // g, *mass.shape[2:]).sum(2), 1)
-
-
-def _block_mass(
-    dense: Float[Tensor, "batch head u key_pos"], geo: Geometry
-) -> Float[Tensor, "batch head u block"] | None:
-    """Each block's attention mass when the blocks tile the keys back to back on one grid
-    (``block_len == stride``, the same offset in every sequence and KV head, no padding): the
-    keys are padded with zeros (or cropped) to the blocks' span and folded, the same sums as
-    gathering the slots (bit for bit) without the gather and the mask. ``None`` otherwise."""
-    if geo.key_valid is not None or geo.block_len != geo.stride:
-        return None
-    pos = geo.slot_pos
-    first, span = int(pos[0, 0, 0, 0]), pos.shape[2] * pos.shape[3]
-    regular = first + torch.arange(span, device=pos.device).view(pos.shape[2:])
-    if not bool((pos == regular).all()):
-        return None
-    seq = dense.shape[-1]
-    folded = torch.nn.functional.pad(dense, (-first, first + span - seq))
-    return folded.unflatten(-1, pos.shape[2:]).sum(-1)

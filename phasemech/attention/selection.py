@@ -106,6 +106,24 @@ def sub_geometry(geo: Geometry, batch: int | None, blocks: slice) -> Geometry:
     )
 
 
+def tiled_slots(
+    x: Float[Tensor, "batch head row key_pos"], geo: Geometry, fill: float
+) -> Float[Tensor, "batch head row block slot"] | None:
+    """``x`` at every block slot when the blocks tile the keys back to back on one grid
+    (``block_len == stride``, the same offset in every sequence and KV head, no padding): the
+    keys are padded with ``fill`` (or cropped) to the blocks' span and folded, the values a slot
+    gather reads, without the gather and the mask. ``None`` otherwise."""
+    if geo.key_valid is not None or geo.block_len != geo.stride:
+        return None
+    pos = geo.slot_pos
+    first, span = int(pos[0, 0, 0, 0]), pos.shape[2] * pos.shape[3]
+    regular = first + torch.arange(span, device=pos.device).view(pos.shape[2:])
+    if not bool((pos == regular).all()):
+        return None
+    padded = F.pad(x, (-first, first + span - x.shape[-1]), value=fill)
+    return padded.unflatten(-1, pos.shape[2:])
+
+
 class SelectingAttention(CompressedAttentionMixin):
     """Top-k block selection over raw tokens; a design implements ``block_scores`` (and, when
     it scores from per-block statistics, ``block_summary``)."""
@@ -389,9 +407,17 @@ class SelectingAttention(CompressedAttentionMixin):
     ) -> Float[Tensor, "batch head row block slot"]:
         """``q_t . k_j`` for every slot of every block (``-inf`` on missing slots)."""
         scores = grouped_scores(query_rows(q, rows), k.transpose(1, 2))  # [b, h, row, key_pos]
-        b, h, r, seq = scores.shape
+        return self._at_slots(scores, geo, float("-inf"))
+
+    def _at_slots(
+        self, x: Float[Tensor, "batch head row key_pos"], geo: Geometry, fill: float
+    ) -> Float[Tensor, "batch head row block slot"]:
+        """``x`` at every slot of every block, ``fill`` on missing slots."""
+        tiled = tiled_slots(x, geo, fill)
+        if tiled is not None:
+            return tiled
+        b, h, r, seq = x.shape
         nb, sl = geo.slot_pos.shape[2:]
         slot_pos = self._repeat_kv(geo.slot_pos.clamp(0, seq - 1), 1).reshape(b, h, 1, nb * sl)
-        per_slot = scores.gather(-1, slot_pos.expand(-1, -1, r, -1)).reshape(b, h, r, nb, sl)
-        valid = self._repeat_kv(geo.slot_valid, 1)[:, :, None]
-        return per_slot.masked_fill(~valid, float("-inf"))
+        per_slot = x.gather(-1, slot_pos.expand(-1, -1, r, -1)).reshape(b, h, r, nb, sl)
+        return per_slot.masked_fill(~self._repeat_kv(geo.slot_valid, 1)[:, :, None], fill)

@@ -230,11 +230,11 @@ def _skips(cfg, tables: dict[str, pd.DataFrame | None]) -> list[str]:
             "(add `patching` to the analyses)."
         )
     pairs = tables.get("patching_pairs")
-    if pairs is not None and (pairs.clean - pairs.corrupted).mean() <= 0:
+    gap = None if pairs is None else (pairs.clean - pairs.corrupted).mean()
+    if gap is not None and gap <= 0:
         out.append(
             "Patching: the clean phase's logit difference is not above the corrupted one's on "
-            "these pairs (mean clean - corrupted "
-            f"{(pairs.clean - pairs.corrupted).mean():.3f}): there is no gap to normalise by, "
+            f"these pairs (mean clean - corrupted {gap:.3f}): there is no gap to normalise by, "
             "so the normalised effects are NaN (the raw changes are in `patching.parquet`)."
         )
     return out
