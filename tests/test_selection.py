@@ -232,3 +232,68 @@ def test_training_dense_path_equals_the_gathered_engine(design, padded):
     assert eval_g.keys() == train_g.keys()
     for name, g in eval_g.items():
         torch.testing.assert_close(train_g[name], g, atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("rule", ["route", "quest", "kpool", "evict"])
+def test_chunks_score_only_the_blocks_they_reach(rule):
+    """An unhooked forward in small chunks scores, for each chunk, only the blocks its rows
+    can reach (early chunks fewer), and computes what the one-chunk hooked forward computes
+    (float64: a near-tie cannot flip between the two)."""
+    extra = {"obs_window": 3} if rule == "evict" else {}
+    model = _model(rule, stride=4, window=5, top_k=2, offsets=(1, 3), **extra).double()
+    x = tokens(2, 40, seed=8)
+    attn, q, k, v, geo, cache = _layer_inputs(model, x)
+    n_blocks = geo.block_used.shape[-1]
+    seen = []
+    scores = attn.block_scores
+
+    def spy(summary, q, rows, k, geo):
+        out = scores(summary, q, rows, k, geo)
+        seen.append(out.shape[-1])
+        return out
+
+    attn.block_scores = spy
+    attn.row_chunk = lambda seq: 7
+    z, _ = attn.attend(None, q, k, v, geo)
+    assert min(seen) < n_blocks and seen == sorted(seen), seen
+    torch.testing.assert_close(z, cache["blocks.0.attn.hook_z"], atol=1e-12, rtol=0)
+    if rule != "evict":  # the reference defines the selecting rules (evict has its own)
+        want = naive_z(attn, q, k, v, geo, rule)
+        torch.testing.assert_close(z, want, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("offsets", ["aligned", "per_layer"])
+def test_layers_share_one_geometry(monkeypatch, offsets):
+    """Layers on one grid build its geometry once per forward, and again only for a new grid
+    or length; padded inputs are never cached. Outputs equal those with nothing cached."""
+    import phasemech.attention.base as base
+
+    built, build = [], base.build_geometry
+
+    def counting(*args, **kw):
+        built.append(args[1])
+        return build(*args, **kw)
+
+    base._GEO_CACHE.clear()
+    tl_model = make_hooked(**RG, n_layers=3)
+    comp = CompressionConfig("route", stride=4, window=3, top_k=1, offsets=offsets)
+    model = PhaseTransformer.from_hooked(tl_model, comp).eval()
+    x = tokens(2, 30, seed=4)
+    with torch.no_grad():
+        uncached = []
+        for _ in range(2):  # nothing cached: every layer builds its own
+            base._GEO_CACHE.clear()
+            monkeypatch.setattr(base, "_GEO_CACHE_SIZE", 0)
+            uncached.append(model(x))
+        monkeypatch.setattr(base, "_GEO_CACHE_SIZE", 4)
+        monkeypatch.setattr(base, "build_geometry", counting)
+        first, again = model(x), model(x)
+        grids = 1 if offsets == "aligned" else 3  # per_layer: layers 0..2 on 3 offsets of 4
+        assert len(built) == grids
+        model(x[:, :20])
+        assert len(built) == 2 * grids
+        mask = torch.ones_like(x)
+        model(x, attention_mask=mask)
+        assert len(built) == 2 * grids + 3
+    torch.testing.assert_close(first, uncached[0], atol=0, rtol=0)
+    torch.testing.assert_close(again, uncached[0], atol=0, rtol=0)

@@ -24,6 +24,7 @@ from phasemech.attention.selection import SelectingAttention
 
 class PartitionAttention(SelectingAttention):
     design = "partition"
+    ranks_reachable = False  # its budget is a share of all the blocks
 
     def n_keep(self, n_blocks: int) -> int:
         return -(-n_blocks // self.cfg.n_heads)  # the most blocks one head can own

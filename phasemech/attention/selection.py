@@ -212,6 +212,10 @@ class SelectingAttention(CompressedAttentionMixin):
             return tuple(join(a, b) for a, b in zip(head, tail, strict=True))
         return join(head, tail)
 
+    #: unhooked chunks rank only the blocks their rows reach (``_reachable``); off for a
+    #: design whose budget depends on the number of blocks (``partition``)
+    ranks_reachable = True
+
     def row_chunk(self, seq: int) -> int:
         """Rows per chunk (a design whose scores touch every key uses smaller chunks)."""
         return ROW_CHUNK
@@ -230,7 +234,32 @@ class SelectingAttention(CompressedAttentionMixin):
         learned selector uses it for a straight-through gradient)."""
         return None
 
+    def _reachable(
+        self, summary: Any, k: Tensor, geo: Geometry, rows: Int[Tensor, "batch row"]
+    ) -> tuple[Any, Tensor, Geometry]:
+        """``(summary, k, geo)`` cut to the blocks and keys the chunk's rows can reach: block
+        ``i`` ends at ``i*d + o - 1``, so rows up to ``t`` rank blocks ``i <= (t + 1 - o) / d``
+        and read keys up to ``t``. Causal chunks early in a sequence then score a fraction of
+        the blocks (half of the block scores of a forward, summed over its chunks) and rank
+        and copy no ``-inf`` beyond them. The same blocks rank, so the same ones are kept."""
+        nb, t = geo.block_used.shape[-1], int(rows.max())
+        o = int(geo.block_last[..., 0].min()) + 1
+        reach = max(1, min(nb, (t + 1 - o) // geo.stride + 1))
+        if reach == nb or not self.ranks_reachable:
+            return summary, k, geo
+        dim = self.summary_block_dim
+        if summary is not None and dim is None:
+            return summary, k, geo
+        if isinstance(summary, tuple):
+            summary = tuple(s.narrow(dim, 0, reach) for s in summary)
+        elif summary is not None:
+            summary = summary.narrow(dim, 0, reach)
+        return summary, k[:, : t + 1], sub_geometry(geo, None, slice(0, reach))
+
     def _chunk(self, summary, q, k, v, geo, rows, hooked: bool):
+        if not (hooked or self._token_pattern_wanted()):  # hooks see every block and key
+            summary, k, geo = self._reachable(summary, k, geo, rows)
+            v = v[:, : k.shape[1]]
         raw_gate = self.block_scores(summary, q, rows, k, geo)  # [batch, head, row, block]
         gate = raw_gate.detach()
         cand = at_rows(geo.block_used, rows)  # [batch, kv_head, row, block]
