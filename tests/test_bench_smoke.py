@@ -21,17 +21,19 @@ def test_attention_scaling_benchmark_runs(tmp_path):
 
 
 def test_selection_benchmark_runs(tmp_path):
-    """Whole-model forwards, dense vs the selecting designs, at toy sizes."""
+    """Whole-model forwards: transformers SDPA (the baseline), phasemech's SDPA dense, TL's
+    dense and the selecting designs, at toy sizes."""
     out = tmp_path / "selection.json"
     cmd = [sys.executable, str(ROOT / "bench/selection.py"), "--tiny", "--seq-lens", "64", "128"]
     cmd += ["--designs", "route", "quest", "--repeats", "1", "--out", str(out)]
     subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, timeout=300)
     rows = json.loads(out.read_text())["rows"]
     assert {(r["variant"], r["T"]) for r in rows} == {
-        (v, t) for v in ("dense", "route", "quest") for t in (64, 128)
+        (v, t) for v in ("hf", "sdpa", "tl", "route", "quest") for t in (64, 128)
     }
     assert all(r["forward_s"] > 0 and r["attn_s"] > 0 for r in rows)
-    assert all(r["forward_s_ratio"] == 1.0 for r in rows if r["variant"] == "dense")
+    assert all(0 < r["outside_s"] < r["forward_s"] for r in rows)
+    assert all(r["forward_s_ratio"] == 1.0 for r in rows if r["variant"] == "hf")
 
 
 def test_selection_train_benchmark_runs():
