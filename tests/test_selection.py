@@ -234,15 +234,34 @@ def test_training_dense_path_equals_the_gathered_engine(design, padded):
         torch.testing.assert_close(train_g[name], g, atol=1e-5, rtol=1e-4, msg=name)
 
 
-@pytest.mark.parametrize("rule", ["route", "quest", "kpool", "evict"])
-def test_chunks_score_only_the_blocks_they_reach(rule):
+CHUNK_COMPS = {
+    "plain": dict(stride=4, window=5, top_k=2, offsets=(1, 3)),
+    "strict": dict(stride=4, window=3, top_k=1, visibility="strict", offsets=(0, 3)),
+    "before_window": dict(stride=4, window=5, top_k=2, block_scope="before_window"),
+    "overlap": dict(stride=3, block_len=6, window=0, top_k=2, offsets=(1, 2)),
+}
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("comp", CHUNK_COMPS)
+@pytest.mark.parametrize("rule", ["route", "quest", "kpool", "evict", "partition"])
+def test_chunks_score_only_the_blocks_they_reach(rule, comp, padded):
     """An unhooked forward in small chunks scores, for each chunk, only the blocks its rows
-    can reach (early chunks fewer), and computes what the one-chunk hooked forward computes
-    (float64: a near-tie cannot flip between the two)."""
+    can reach (early chunks fewer; ``partition``, whose budget is a share of all blocks, every
+    block), and computes what the one-chunk hooked forward computes (float64: a near-tie
+    cannot flip between the two), with and without left padding."""
+    if comp == "overlap" and rule in ("kpool", "partition"):
+        pytest.skip("disjoint pools only")
     extra = {"obs_window": 3} if rule == "evict" else {}
-    model = _model(rule, stride=4, window=5, top_k=2, offsets=(1, 3), **extra).double()
-    x = tokens(2, 40, seed=8)
-    attn, q, k, v, geo, cache = _layer_inputs(model, x)
+    grid = dict(CHUNK_COMPS[comp])
+    if rule == "partition":  # its budget is its share of the blocks, not a top-k
+        grid.pop("top_k")
+    model = _model(rule, **grid, **extra).double()
+    x, mask = tokens(2, 40, seed=8), None
+    if padded:
+        mask = torch.ones_like(x)
+        mask[1, :5] = 0
+    attn, q, k, v, geo, cache = _layer_inputs(model, x, attention_mask=mask)
     n_blocks = geo.block_used.shape[-1]
     seen = []
     scores = attn.block_scores
@@ -255,11 +274,15 @@ def test_chunks_score_only_the_blocks_they_reach(rule):
     attn.block_scores = spy
     attn.row_chunk = lambda seq: 7
     z, _ = attn.attend(None, q, k, v, geo)
-    assert min(seen) < n_blocks and seen == sorted(seen), seen
-    torch.testing.assert_close(z, cache["blocks.0.attn.hook_z"], atol=1e-12, rtol=0)
-    if rule != "evict":  # the reference defines the selecting rules (evict has its own)
-        want = naive_z(attn, q, k, v, geo, rule)
-        torch.testing.assert_close(z, want, atol=1e-12, rtol=0)
+    if rule == "partition":
+        assert set(seen) == {n_blocks}
+    else:
+        assert min(seen) < n_blocks and seen == sorted(seen), seen
+    real = slice(None) if mask is None else mask.bool()
+    torch.testing.assert_close(z[real], cache["blocks.0.attn.hook_z"][real], atol=1e-12, rtol=0)
+    if rule in ("route", "quest", "kpool"):  # the reference's rules
+        want = naive_z(attn, q, k, v, geo, rule, key_valid=None if mask is None else mask.bool())
+        torch.testing.assert_close(z[real], want[real], atol=1e-12, rtol=0)
 
 
 @pytest.mark.parametrize("offsets", ["aligned", "per_layer"])

@@ -55,6 +55,8 @@ from phasemech.core.grid import Geometry, build_geometry, left_padding
 #: longest context the training fast path lays raw keys out densely for (``O(T^2)`` scores)
 DENSE_MAX_POS = 256
 #: the geometries built last (``_geometry``): one per grid a forward uses, shared by its layers
+#: (index tensors, no graph; they outlive the forward, so at a long context on a GPU a caller
+#: done with a model may ``_GEO_CACHE.clear()``)
 _GEO_CACHE: OrderedDict[tuple, Geometry] = OrderedDict()
 _GEO_CACHE_SIZE = 4
 

@@ -254,7 +254,10 @@ class SelectingAttention(CompressedAttentionMixin):
             summary = tuple(s.narrow(dim, 0, reach) for s in summary)
         elif summary is not None:
             summary = summary.narrow(dim, 0, reach)
-        return summary, k[:, : t + 1], sub_geometry(geo, None, slice(0, reach))
+        sub = sub_geometry(geo, None, slice(0, reach))
+        if geo.key_valid is not None:  # the key axis is cut too (a padded batch)
+            sub = dataclasses.replace(sub, key_valid=geo.key_valid[:, : t + 1])
+        return summary, k[:, : t + 1], sub
 
     def _chunk(self, summary, q, k, v, geo, rows, hooked: bool):
         if not (hooked or self._token_pattern_wanted()):  # hooks see every block and key
