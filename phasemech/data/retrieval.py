@@ -7,7 +7,12 @@ They serve ``phasemech audit`` (per-phase retrieval of a compressed pretrained m
 8192 tokens). As in :mod:`phasemech.data.passkey`, a prompt is concatenated from token pieces,
 tokenised once per content, so one more token in front shifts everything after it by one:
 
-``[shift prefix: k tokens] [body: filler sentences, needle and distractors] [question] [answer]``
+``[start] [shift prefix: k tokens] [body: filler sentences, needle and distractors] [question]
+[answer]``
+
+``start`` is what the model's tokenizer puts in front of any text (a BOS token for Gemma, Llama
+and most chat-template-free checkpoints; nothing for SmolLM2 or GPT-2), as the model saw text
+in training; it counts in the context and in the phase.
 
 Kinds (``RetrievalTask.kind``):
 
@@ -47,6 +52,7 @@ from jaxtyping import Int
 from torch import Tensor
 
 from phasemech.data.passkey import FILLER, NAMES, PREFIX, PasskeyBatch, _ids
+from phasemech.model.families import lead_tokens
 
 TASK_KINDS = ("passkey", "multikey", "kv")
 MIN_CONTEXT = 64  # below this a needle at depth 0.1 and one at 0.9 are a few sentences apart
@@ -140,6 +146,7 @@ class _Pieces:
     fill_min: int  # every filler budget >= this is filled exactly
     n_answer: int  # the common answer length, in tokens
     dot: list[int]
+    start: list[int]  # what the tokenizer puts in front of any text (its BOS): every prompt's start
 
 
 @dataclass(frozen=True)
@@ -225,8 +232,9 @@ def _prepare(tok, task: RetrievalTask, max_context: int | None = None) -> _Piece
     needle = max(len(_ids(tok, h)) for h in heads) + lead + n_answer + len(dot)
     question = max(len(_ids(tok, q)) for q in questions) + lead
     d = task.distractors
+    start = lead_tokens(tok)
     # d + 1 distinct sentence boundaries need d sentences at least
-    need = task.stride - 1 + question + n_answer + (1 + d) * needle
+    need = len(start) + task.stride - 1 + question + n_answer + (1 + d) * needle
     need += max(fill_min, d * max(lengths))
     if task.context < need:
         raise _bad(
@@ -235,7 +243,7 @@ def _prepare(tok, task: RetrievalTask, max_context: int | None = None) -> _Piece
             f"the needle, {d} distractors and the question need {need} tokens; ",
             f"{need}..{max_context}" if max_context is not None else f">= {need}",
         )
-    return _Pieces(prefix, sentences, tails, fill_min, n_answer, dot)
+    return _Pieces(prefix, sentences, tails, fill_min, n_answer, dot, start)
 
 
 def _draw_codes(tok, task: RetrievalTask, rng: np.random.Generator, n: int, n_answer: int):
@@ -286,7 +294,7 @@ def _draw_content(
         needles.append(head + answer + p.dot)
         offsets.append(len(head))
     question = _ids(tok, _texts(task.kind, keys[0])[1]) + codes[0][1]
-    budget = task.context - (task.stride - 1) - len(question) - p.n_answer
+    budget = task.context - len(p.start) - (task.stride - 1) - len(question) - p.n_answer
     budget -= sum(map(len, needles))
     filler = _filler(p, budget, int(rng.integers(len(p.sentences))))
     # the target sits at the boundary nearest `depth` of the filler's tokens; distractors at
@@ -313,15 +321,16 @@ def _build(tok, task: RetrievalTask, p: _Pieces, n_contents: int, seed: int) -> 
     for g in range(n_contents):
         c = _draw_content(tok, task, p, rng, task.depths[g % len(task.depths)])
         for k in range(task.stride):  # only the shift differs: the pieces are reused
-            question_start = k + len(c.body)
+            shift = len(p.start) + k
+            question_start = shift + len(c.body)
             answer_start = question_start + len(c.question)
-            needle_pos = k + c.needle_at
+            needle_pos = shift + c.needle_at
             rows.append(
                 (len(rows), g, k, task.kind, c.depth, c.key, c.code, needle_pos)
                 + (needle_pos % task.stride, question_start, answer_start)
                 + (answer_start + len(c.answer), answer_start - needle_pos)
             )
-            seqs.append(p.prefix[:k] + c.body + c.question + c.answer)
+            seqs.append(p.start + p.prefix[:k] + c.body + c.question + c.answer)
     pad = tok.pad_token_id if getattr(tok, "pad_token_id", None) is not None else 0
     tokens: Int[Tensor, "batch pos"] = torch.full(
         (len(seqs), max(map(len, seqs))), pad, dtype=torch.long

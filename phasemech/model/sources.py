@@ -5,8 +5,9 @@ Axes: none (models and their metadata).
 A model spec is one of: a bundled name (:data:`phasemech.model.pretrained.LOCAL`, read from an
 installed package: no network); a local Hugging Face model folder (``config.json`` and weights);
 a local ``.gguf`` file; or a TransformerLens model name (downloaded: needs a reachable hub).
-Local folders and GGUF files are converted with phasemech's llama conversion, so they must
-hold a llama-architecture model (Llama, SmolLM, Mistral-style without sliding windows).
+A local folder or GGUF file may hold any family of :data:`phasemech.model.families.FAMILIES`
+(GPT-2, Pythia, Llama/SmolLM, Mistral, Qwen2/3, Gemma-2/3, Phi-3, OLMo-2): it is loaded with
+``transformers`` and converted by TransformerLens' own conversion for its architecture.
 :func:`describe` resolves the spec and reads the trained context WITHOUT loading weights, so
 every bad input fails in one line before any forward; :func:`load` then loads it.
 """
@@ -22,9 +23,8 @@ from pathlib import Path
 import torch
 from transformer_lens import HookedTransformer
 
-from phasemech.model.pretrained import LOCAL, gguf_path, hooked_from_hf
-
-LLAMA = ("LlamaForCausalLM", "MistralForCausalLM")
+from phasemech.model.families import hooked_model
+from phasemech.model.pretrained import LOCAL, gguf_path
 
 
 @dataclass(frozen=True)
@@ -50,13 +50,16 @@ def _hf_config(folder: Path, gguf_file: str | None = None):
 
 
 def _from_config(spec: str, kind: str, path: Path, cfg) -> ModelSource:
-    arch = (getattr(cfg, "architectures", None) or [type(cfg).__name__])[0]
-    if cfg.model_type not in ("llama", "mistral") or getattr(cfg, "sliding_window", None):
-        raise ValueError(
-            f"model {spec!r} is a {arch} ({cfg.model_type}): a local model must be a "
-            f"llama-architecture causal LM ({', '.join(LLAMA)}); other architectures load by "
-            "TransformerLens name"
+    if kind != "bundled":
+        from phasemech.model.families import tl_config, trained_context
+
+        n_ctx = trained_context(cfg)
+        tl = tl_config(cfg, n_ctx, spec=spec)  # the family is checked here, in one line
+        arch, heads = tl.original_architecture, tl.n_heads
+        return ModelSource(
+            spec, kind, str(path), n_ctx, arch, tl.n_layers, tl.positional_embedding_type, heads
         )
+    arch = (getattr(cfg, "architectures", None) or [type(cfg).__name__])[0]
     n_ctx, n_layers = int(cfg.max_position_embeddings), int(cfg.num_hidden_layers)
     heads = int(cfg.num_attention_heads)
     return ModelSource(spec, kind, str(path), n_ctx, arch, n_layers, "rotary", heads)
@@ -140,7 +143,7 @@ def load(source: ModelSource, n_ctx: int, device: str | torch.device = "cpu") ->
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=torch.float32)
-    model = hooked_from_hf(hf.eval(), tok, n_ctx)
+    model = hooked_model(hf.eval(), tok, n_ctx, source.spec)
     return model.to(str(device), print_details=False)
 
 

@@ -1,0 +1,108 @@
+"""Every family a local folder may hold: a tiny random ``transformers`` model saved with a small
+tokenizer into a temporary folder (no network), then described, loaded and compared with
+``transformers``' own logits, and compressed with a grid that cannot act on a short input."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from phasemech import CompressionConfig, PhaseTransformer  # noqa: E402
+from phasemech.model.families import FAMILIES, lead_tokens  # noqa: E402
+from phasemech.model.sources import describe, load, tokenizer  # noqa: E402
+
+torch.set_num_threads(1)
+VOCAB = 320
+N_POS = 256
+COMMON = dict(
+    num_hidden_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    intermediate_size=128,
+    max_position_embeddings=N_POS,
+    vocab_size=VOCAB,
+)
+
+
+def _configs() -> dict[str, object]:
+    t = transformers
+    kv = dict(num_key_value_heads=2)
+    return {
+        "gpt2": t.GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=N_POS, vocab_size=VOCAB),
+        "gpt_neox": t.GPTNeoXConfig(**COMMON, rotary_pct=0.25),  # partial rotary (Pythia)
+        "llama": t.LlamaConfig(**COMMON, **kv),
+        "mistral": t.MistralConfig(**COMMON, **kv, sliding_window=None),
+        "qwen2": t.Qwen2Config(**COMMON, **kv),
+        "qwen3": t.Qwen3Config(**COMMON, **kv, head_dim=16),  # QK-norm
+        "gemma2": t.Gemma2Config(**COMMON, **kv, head_dim=16, sliding_window=8),
+        "gemma3_text": t.Gemma3TextConfig(**COMMON, **kv, head_dim=16, sliding_window=8),
+        "phi3": t.Phi3Config(**COMMON, num_key_value_heads=4, pad_token_id=0),
+        "olmo2": t.Olmo2Config(**COMMON, num_key_value_heads=4),
+    }
+
+
+def _tokenizer(bos: bool):
+    """A byte-level BPE of a few hundred tokens, trained here (every text encodes)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<bos>", "<eos>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(["The pass code for Anna is 4127. What is the pass code?"] * 8, trainer)
+    if bos:  # as Gemma's and Llama's tokenizers do
+        tok.post_processor = processors.TemplateProcessing(
+            single="<bos> $A", special_tokens=[("<bos>", tok.token_to_id("<bos>"))]
+        )
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>"
+    )
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def folder(request, tmp_path_factory):
+    """``(model_type, folder, the transformers model)`` for each family."""
+    kind = request.param
+    path = tmp_path_factory.mktemp(kind)
+    torch.manual_seed(0)
+    cfg = _configs()[kind]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    hf.save_pretrained(path)
+    _tokenizer(bos=kind.startswith(("gemma", "llama"))).save_pretrained(path)
+    return kind, path, hf
+
+
+def test_every_family_is_tested():
+    assert set(_configs()) == set(FAMILIES)
+
+
+def test_describe_reads_the_folder(folder):
+    kind, path, hf = folder
+    src = describe(str(path))
+    assert (src.kind, src.max_context, src.n_layers) == ("folder", N_POS, 2)
+    assert src.architecture == FAMILIES[kind]
+    assert src.positional == ("standard" if kind == "gpt2" else "rotary")
+
+
+def test_loads_to_the_transformers_logits(folder):
+    kind, path, hf = folder
+    src = describe(str(path))
+    model = load(src, n_ctx=64)
+    x = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), hf(x).logits, atol=1e-4, rtol=0)
+    # the BOS convention is the tokenizer's: Gemma and Llama prompts start with BOS
+    bos = kind.startswith(("gemma", "llama"))
+    tok = tokenizer(src)
+    assert lead_tokens(tok) == ([tok.bos_token_id] if bos else [])
+    assert model.cfg.default_prepend_bos == bos
