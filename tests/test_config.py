@@ -334,11 +334,12 @@ def test_good_tokens_1d_and_full_context(model):
 @pytest.mark.parametrize(
     ("kwargs", "name"),
     [
-        (dict(use_local_attn=True, window_size=4, attn_types=["local", "local"]), "use_local_attn"),
-        (dict(clip_qkv=1.0), "clip_qkv"),
+        (
+            dict(use_local_attn=True, window_size=4, attn_types=["global", "local"]),
+            r"layer\(s\) \[1\] use local \(sliding-window, 4 keys\).*global layers \[0\]",
+        ),
         (dict(use_attention_sinks=True), "use_attention_sinks"),
         (dict(use_logn_attn=True), "use_logn_attn"),
-        (dict(original_architecture="Olmo2ForCausalLM"), "OLMo"),
     ],
 )
 def test_tl_features_the_compressed_forward_does_not_reproduce_are_rejected(kwargs, name):
@@ -346,6 +347,11 @@ def test_tl_features_the_compressed_forward_does_not_reproduce_are_rejected(kwar
     with pytest.raises(ValueError, match=name):
         make_config(CompressionConfig("mean"), **kwargs)
     make_config(CompressionConfig("none"), **kwargs)  # dense models keep them
+
+
+def test_global_layers_of_a_local_global_model_compress():
+    local = dict(use_local_attn=True, window_size=4, attn_types=["global", "local"])
+    make_config(CompressionConfig("mean", layers=(0,)), **local)
 
 
 def test_layers_and_compression_dict_errors_are_value_errors():

@@ -29,6 +29,15 @@ VARIANTS = {
     "split_qkv_gqa": {"gqa": True, "use_split_qkv_input": True},
     "attn_result": {"use_attn_result": True},
     "ungrouped_gqa": {"gqa": True, "ungroup_grouped_query_attention": True},
+    # OLMo-2's QK-norm over whole projected vectors and OLMo's clip, before rotary
+    "olmo_qk_norm_clip": {
+        "rotary": True,
+        "normalization_type": "RMS",
+        "original_architecture": "Olmo2ForCausalLM",
+        "clip_qkv": 0.05,
+    },
+    # compressed global layers beside a dense sliding-window one (Gemma-2's alternation)
+    "local_global": {"use_local_attn": True, "window_size": 6, "attn_types": ["global", "local"]},
     "shortformer_softcap": {
         "positional_embedding_type": "shortformer",
         "attn_scores_soft_cap": 5.0,
@@ -61,12 +70,19 @@ def test_full_window_equals_hooked_transformer(design, variant):
     tl_model = make_hooked(dtype=torch.float64, **kw)
     # (at n_ctx the last queries do read blocks: enough for route to rank more than top_k)
     block_len = {"kpool": 3, "dsa": 3, "hca": 3, "csa": 6}.get(design, 4)  # disjoint pools, series
+    layers = (0,) if variant == "local_global" else None  # the global layer only
     comp = CompressionConfig(
-        design, stride=3, block_len=block_len, window=N_CTX - 12, **full_window_scope(design)
+        design,
+        stride=3,
+        block_len=block_len,
+        window=N_CTX - 12,
+        layers=layers,
+        **full_window_scope(design),
     )
     model = PhaseTransformer.from_hooked(tl_model, comp).eval()
     one_branch(model, 2)  # nsa: its window branch alone (its other branches are its own)
-    assert all(isinstance(b.attn, CompressedAttentionMixin) for b in model.blocks)
+    compressed = [isinstance(b.attn, CompressedAttentionMixin) for b in model.blocks]
+    assert compressed == ([True, False] if layers else [True, True])
     x = tokens(2, N_CTX - 12, seed=1)
     expected = tl_model(x)
     logits, cache = model.run_with_cache(x)

@@ -12,6 +12,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from phasemech import CompressionConfig, PhaseTransformer  # noqa: E402
+from phasemech.core.config import layer_types  # noqa: E402
 from phasemech.model.families import FAMILIES, lead_tokens  # noqa: E402
 from phasemech.model.sources import describe, load, tokenizer  # noqa: E402
 
@@ -39,7 +40,13 @@ def _configs() -> dict[str, object]:
         "qwen2": t.Qwen2Config(**COMMON, **kv),
         "qwen3": t.Qwen3Config(**COMMON, **kv, head_dim=16),  # QK-norm
         "gemma2": t.Gemma2Config(**COMMON, **kv, head_dim=16, sliding_window=8),
-        "gemma3_text": t.Gemma3TextConfig(**COMMON, **kv, head_dim=16, sliding_window=8),
+        "gemma3_text": t.Gemma3TextConfig(
+            **COMMON,
+            **kv,
+            head_dim=16,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"],
+        ),  # fmt: skip
         "phi3": t.Phi3Config(**COMMON, num_key_value_heads=4, pad_token_id=0),
         "olmo2": t.Olmo2Config(**COMMON, num_key_value_heads=4),
     }
@@ -106,3 +113,40 @@ def test_loads_to_the_transformers_logits(folder):
     tok = tokenizer(src)
     assert lead_tokens(tok) == ([tok.bos_token_id] if bos else [])
     assert model.cfg.default_prepend_bos == bos
+
+
+def _global_layers(model) -> tuple[int, ...]:
+    return tuple(i for i, t in enumerate(layer_types(model.cfg)) if t == "global")
+
+
+@pytest.mark.parametrize("design", ["route", "mean"])
+def test_compression_that_cannot_act_changes_nothing(folder, design):
+    """A raw window longer than the input: the compressed model is the model (its global
+    layers; a sliding-window layer stays dense, and compressing it is refused)."""
+    kind, path, hf = folder
+    model = load(describe(str(path)), n_ctx=64)
+    layers = _global_layers(model)
+    comp = CompressionConfig(design, stride=4, window=48, layers=layers)
+    compressed = PhaseTransformer.from_hooked(model, comp).eval()
+    x = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(compressed(x), model(x), atol=1e-5, rtol=0)
+    if len(layers) < model.cfg.n_layers:
+        with pytest.raises(ValueError, match="use local"):
+            PhaseTransformer.from_hooked(model, CompressionConfig(design, stride=4, window=48))
+
+
+def test_causal_under_compression(folder):
+    """A grid that acts (window 4 on 40 tokens): a token changes nothing before it."""
+    kind, path, hf = folder
+    model = load(describe(str(path)), n_ctx=64)
+    comp = CompressionConfig("route", stride=4, window=4, top_k=1, layers=_global_layers(model))
+    compressed = PhaseTransformer.from_hooked(model, comp).eval()
+    x = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(3))
+    y = x.clone()
+    y[0, 25] = (x[0, 25] + 1) % VOCAB
+    with torch.no_grad():
+        a, b = compressed(x), compressed(y)
+        assert not torch.allclose(a, model(x), atol=1e-4)  # compression acts
+    torch.testing.assert_close(a[:, :25], b[:, :25], atol=0, rtol=0)
+    assert not torch.allclose(a[:, 25:], b[:, 25:])

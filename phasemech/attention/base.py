@@ -52,6 +52,8 @@ from phasemech.attention.projection import fused_qkv
 from phasemech.attention.rows import RowsMixin, _masked_softmax
 from phasemech.core.grid import Geometry, build_geometry, left_padding
 
+#: architectures whose QK-norm TransformerLens applies to whole projected vectors in ``forward``
+OLMO_QK_NORM = ("OlmoeForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM")
 #: longest context the training fast path lays raw keys out densely for (``O(T^2)`` scores)
 DENSE_MAX_POS = 256
 #: the geometries built last (``_geometry``): one per grid a forward uses, shared by its layers
@@ -92,6 +94,19 @@ class CompressedAttentionMixin(RowsMixin):
     @property
     def n_kv_heads(self) -> int:
         return self.cfg.n_kv_heads
+
+    def calculate_qkv_matrices(self, query_input, key_input, value_input):
+        """TransformerLens' projections (with its per-head QK-norm), then what its ``forward``
+        applies after them and before rotary: the OLMo family's QK-norm over whole projected
+        vectors (all heads at once) and OLMo's ``clip_qkv``."""
+        q, k, v = super().calculate_qkv_matrices(query_input, key_input, value_input)
+        if self.cfg.original_architecture in OLMO_QK_NORM:
+            q = self.q_norm(q.flatten(-2)).unflatten(-1, q.shape[-2:])
+            k = self.k_norm(k.flatten(-2)).unflatten(-1, k.shape[-2:])
+        if self.cfg.clip_qkv is not None:
+            c = self.cfg.clip_qkv
+            q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
+        return q, k, v
 
     def _generator(self) -> torch.Generator:
         """Deterministic RNG for compressor parameters, independent of global RNG state."""

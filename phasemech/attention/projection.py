@@ -16,7 +16,8 @@ def fused_qkv(
     attn: nn.Module, x: Float[Tensor, "batch pos d_model"], key_input: Tensor, value_input: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``calculate_qkv_matrices`` as one matmul when the three inputs are one tensor (no split
-    inputs, no grouped-query heads, no QK norm, no 4-bit weights); ``hook_q/k/v`` still run.
+    inputs, no grouped-query heads, no QK norm or clip, no 4-bit weights); ``hook_q/k/v`` still
+    run.
     Falls back to TransformerLens' three projections otherwise."""
     c = attn.cfg
     if (
@@ -25,6 +26,8 @@ def fused_qkv(
         or x.ndim != 3
         or c.n_key_value_heads is not None
         or c.use_qk_norm
+        or c.clip_qkv is not None
+        or c.original_architecture in ("OlmoeForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM")
         or c.load_in_4bit
     ):
         return attn.calculate_qkv_matrices(x, key_input, value_input)

@@ -429,6 +429,13 @@ def _no_compression() -> CompressionConfig:
     return CompressionConfig(design="none")
 
 
+def layer_types(cfg: HookedTransformerConfig) -> list[str]:
+    """``local`` (sliding-window) or ``global`` for each layer of any TransformerLens config."""
+    if not cfg.use_local_attn:
+        return ["global"] * cfg.n_layers
+    return [str(t) for t in (cfg.attn_types or ["local"] * cfg.n_layers)]
+
+
 @dataclass
 class PhaseTransformerConfig(HookedTransformerConfig):
     """A ``HookedTransformerConfig`` with a ``compression`` field (a ``CompressionConfig``).
@@ -482,12 +489,8 @@ class PhaseTransformerConfig(HookedTransformerConfig):
             # TL attention features the compressed forward does not reproduce: refuse them
             # rather than silently compute something else.
             unsupported = {
-                "use_local_attn": self.use_local_attn,
-                "clip_qkv": self.clip_qkv is not None,
                 "use_attention_sinks": self.use_attention_sinks,
                 "use_logn_attn": self.use_logn_attn,
-                "original_architecture (OLMo QK-norm)": str(self.original_architecture)
-                in ("OlmoeForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM"),
             }
             bad = [name for name, on in unsupported.items() if on]
             if bad:
@@ -495,10 +498,24 @@ class PhaseTransformerConfig(HookedTransformerConfig):
                     f"{', '.join(bad)} is not supported with compression "
                     f"(design={c.design!r}): compress another layer set or use design='none'"
                 )
+            self._check_local_layers(c)
         if c.enabled and self.positional_embedding_type in ("alibi", "relative_positional_bias"):
             raise ValueError(
                 f"positional_embedding_type={self.positional_embedding_type!r} is not supported "
                 "with compression: allowed 'standard', 'rotary', 'shortformer'"
+            )
+
+    def _check_local_layers(self, c: CompressionConfig) -> None:
+        """A sliding-window layer reads only its last ``window_size`` keys, a bound the grid's
+        coverage rule does not carry: compressing one is refused, naming the global layers."""
+        types = layer_types(self)
+        local = [i for i in c.compressed_layers(self.n_layers) if types[i] == "local"]
+        if local:
+            glob = [i for i, t in enumerate(types) if t == "global"]
+            raise ValueError(
+                f"CompressionConfig.layers={c.layers!r} is invalid: layer(s) {local} use local "
+                f"(sliding-window, {self.window_size} keys) attention, which compression does "
+                f"not compose with; allowed: the global layers {glob} (--layers global)"
             )
 
     @property
