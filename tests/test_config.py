@@ -334,10 +334,6 @@ def test_good_tokens_1d_and_full_context(model):
 @pytest.mark.parametrize(
     ("kwargs", "name"),
     [
-        (
-            dict(use_local_attn=True, window_size=4, attn_types=["global", "local"]),
-            r"layer\(s\) \[1\] use local \(sliding-window, 4 keys\).*global layers \[0\]",
-        ),
         (dict(use_attention_sinks=True), "use_attention_sinks"),
         (dict(use_logn_attn=True), "use_logn_attn"),
     ],
@@ -349,9 +345,13 @@ def test_tl_features_the_compressed_forward_does_not_reproduce_are_rejected(kwar
     make_config(CompressionConfig("none"), **kwargs)  # dense models keep them
 
 
-def test_global_layers_of_a_local_global_model_compress():
+def test_sliding_window_layers_compress_with_the_designs_that_compose():
     local = dict(use_local_attn=True, window_size=4, attn_types=["global", "local"])
-    make_config(CompressionConfig("mean", layers=(0,)), **local)
+    make_config(CompressionConfig("mean"), **local)
+    make_config(CompressionConfig("route"), **local)
+    with pytest.raises(ValueError, match=r"layer\(s\) \[1\] use local .*global layers \[0\]"):
+        make_config(CompressionConfig("evict"), **local)
+    make_config(CompressionConfig("evict", layers=(0,)), **local)
 
 
 def test_layers_and_compression_dict_errors_are_value_errors():

@@ -259,3 +259,41 @@ def test_last_query_blocks_is_the_maximum_over_every_query(seq, d, extra, w, vis
     forced = used & (geo.block_last[0, 0][None, :] == t)
     want = (int(used.sum(-1).max()), int((used & ~forced).sum(-1).max()))
     assert last_query_blocks(seq, d, d + extra, w, vis, o, scope) == want
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    seq=st.integers(1, 30),
+    d=st.integers(1, 5),
+    extra=st.integers(0, 2),
+    w=st.integers(0, 20),
+    s=st.integers(1, 24),
+    vis=st.sampled_from(VIS),
+    scope=st.sampled_from(SCOPES[:2]),
+    data=st.data(),
+)
+def test_a_sliding_window_layer_reads_only_its_window(seq, d, extra, w, s, vis, scope, data):
+    """``local_window = S``: against the global geometry, by brute force. The raw span is the
+    global one cut at ``t - S + 1``; the used blocks are the global ones lying wholly in
+    ``[t - S + 1, t]``; a token of the sliding window reached by neither path lies in a block
+    that straddles its start; with ``W >= S`` the layer reads exactly its sliding window raw."""
+    o = data.draw(st.integers(0, d - 1))
+    off, l = torch.tensor([[o]]), d + extra
+    glob = build_geometry(off, seq, d, l, w, vis, None, scope)
+    loc = build_geometry(off, seq, d, l, w, vis, None, scope, local_window=s)
+    for t in range(seq):
+        oldest = max(0, t - s + 1)
+        raw_g, _, used_g = geometry_sets(glob, 0, 0, t)
+        raw, blk, used = geometry_sets(loc, 0, 0, t)
+        assert raw == {j for j in raw_g if j >= oldest}
+        whole = [i for i in used_g if min(p for p in _slots(loc, i) if p >= 0) >= t - s + 1]
+        assert used == whole
+        assert raw | blk <= set(range(oldest, t + 1))
+        for j in set(range(oldest, t + 1)) - raw - blk:  # lost only to a straddling block
+            assert any(j in _slots(loc, i) and min(_slots(loc, i)) < t - s + 1 for i in used_g)
+        if w >= s:
+            assert raw == set(range(oldest, t + 1)) and not used
+
+
+def _slots(geo, i: int) -> list[int]:
+    return [int(p) for p, ok in zip(geo.slot_pos[0, 0, i], geo.slot_valid[0, 0, i]) if ok]

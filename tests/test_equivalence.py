@@ -18,6 +18,7 @@ from transformer_lens import HookedTransformer, HookedTransformerConfig
 
 from phasemech import CompressionConfig, PhaseTransformer
 from phasemech.attention import CompressedAttentionMixin
+from phasemech.core.config import LOCAL_DESIGNS
 from phasemech.model.transformer import quiet_tl_deprecation
 
 VARIANTS = {
@@ -36,7 +37,8 @@ VARIANTS = {
         "original_architecture": "Olmo2ForCausalLM",
         "clip_qkv": 0.05,
     },
-    # compressed global layers beside a dense sliding-window one (Gemma-2's alternation)
+    # Gemma-2's alternation: a sliding-window layer (6 keys) is compressed with its window or,
+    # in the designs that do not compose with one, left dense
     "local_global": {"use_local_attn": True, "window_size": 6, "attn_types": ["global", "local"]},
     "shortformer_softcap": {
         "positional_embedding_type": "shortformer",
@@ -70,7 +72,8 @@ def test_full_window_equals_hooked_transformer(design, variant):
     tl_model = make_hooked(dtype=torch.float64, **kw)
     # (at n_ctx the last queries do read blocks: enough for route to rank more than top_k)
     block_len = {"kpool": 3, "dsa": 3, "hca": 3, "csa": 6}.get(design, 4)  # disjoint pools, series
-    layers = (0,) if variant == "local_global" else None  # the global layer only
+    # a sliding-window layer composes with the designs that read the shared geometry alone
+    layers = (0,) if variant == "local_global" and design not in LOCAL_DESIGNS else None
     comp = CompressionConfig(
         design,
         stride=3,

@@ -4,6 +4,7 @@ tokenizer into a temporary folder (no network), then described, loaded and compa
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pytest
@@ -119,28 +120,30 @@ def _global_layers(model) -> tuple[int, ...]:
     return tuple(i for i, t in enumerate(layer_types(model.cfg)) if t == "global")
 
 
-@pytest.mark.parametrize("design", ["route", "mean"])
+@pytest.mark.parametrize("design", ["route", "mean", "evict"])
 def test_compression_that_cannot_act_changes_nothing(folder, design):
-    """A raw window longer than the input: the compressed model is the model (its global
-    layers; a sliding-window layer stays dense, and compressing it is refused)."""
+    """A raw window longer than the input: the compressed model is the model, every layer
+    (a sliding-window layer composes its window with the grid) or, for a design that does
+    not compose with one (``evict``), the global layers, its sliding-window ones refused."""
     kind, path, hf = folder
     model = load(describe(str(path)), n_ctx=64)
-    layers = _global_layers(model)
-    comp = CompressionConfig(design, stride=4, window=48, layers=layers)
+    layers = _global_layers(model) if design == "evict" else None
+    extra = {"obs_window": 2} if design == "evict" else {}
+    comp = CompressionConfig(design, stride=4, window=48, layers=layers, **extra)
     compressed = PhaseTransformer.from_hooked(model, comp).eval()
     x = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         torch.testing.assert_close(compressed(x), model(x), atol=1e-5, rtol=0)
-    if len(layers) < model.cfg.n_layers:
+    if layers is not None and len(layers) < model.cfg.n_layers:
         with pytest.raises(ValueError, match="use local"):
-            PhaseTransformer.from_hooked(model, CompressionConfig(design, stride=4, window=48))
+            PhaseTransformer.from_hooked(model, dataclasses.replace(comp, layers=None))
 
 
 def test_causal_under_compression(folder):
     """A grid that acts (window 4 on 40 tokens): a token changes nothing before it."""
     kind, path, hf = folder
     model = load(describe(str(path)), n_ctx=64)
-    comp = CompressionConfig("route", stride=4, window=4, top_k=1, layers=_global_layers(model))
+    comp = CompressionConfig("route", stride=4, window=4, top_k=1)
     compressed = PhaseTransformer.from_hooked(model, comp).eval()
     x = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(3))
     y = x.clone()

@@ -95,6 +95,12 @@ class CompressedAttentionMixin(RowsMixin):
     def n_kv_heads(self) -> int:
         return self.cfg.n_kv_heads
 
+    @property
+    def local_window(self) -> int | None:
+        """A sliding-window layer's span (its keys ``t - S + 1 .. t``); ``None`` if global."""
+        local = self.attn_type == "local" and self.cfg.use_local_attn
+        return int(self.cfg.window_size) if local else None
+
     def calculate_qkv_matrices(self, query_input, key_input, value_input):
         """TransformerLens' projections (with its per-head QK-norm), then what its ``forward``
         applies after them and before rotary: the OLMo family's QK-norm over whole projected
@@ -306,6 +312,7 @@ class CompressedAttentionMixin(RowsMixin):
             self.window,
             self.visibility,
             self.cfg.compression.block_scope,
+            self.local_window,
             torch.is_inference_mode_enabled(),
         )
         geo = _GEO_CACHE.pop(key, None)
@@ -329,6 +336,7 @@ class CompressedAttentionMixin(RowsMixin):
             self.visibility,
             key_valid,
             c.block_scope,
+            self.local_window,
         )
 
     def attend(

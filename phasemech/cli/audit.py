@@ -10,6 +10,21 @@ import typer
 
 from phasemech.cli import DeviceOpt, _device, _fail, app, console
 
+LAYERS_HELP = "compressed layers: e.g. 2-29, or global / local / all (by the model's layer types)"
+
+
+def _layer_set(value: str | None, model: str) -> tuple[int, ...] | None:
+    """``--layers``: ints and ranges, or ``global``, ``local`` or ``all`` (the model's layers
+    of that kind, read from its config)."""
+    if value is None or value.strip() not in ("global", "local", "all"):
+        return None if value is None else _ints(value, "--layers")
+    from phasemech.model.sources import describe
+
+    try:
+        return describe(model).layers(value.strip())
+    except ValueError as err:
+        raise typer.BadParameter(str(err), param_hint="--layers") from None
+
 
 def _ints(value: str, flag: str) -> tuple[int, ...]:
     """``"512,2048"`` or ranges ``"2-29"`` as ints; a one-line error names the flag."""
@@ -59,7 +74,7 @@ def audit(
     stride: Annotated[int, typer.Option(min=1, help="d: tokens per block")] = 4,
     top_k: Annotated[int, typer.Option(min=1, help="blocks kept per query (selecting)")] = 8,
     window: Annotated[int, typer.Option(min=0, help="raw window W (tokens)")] = 16,
-    layers: Annotated[str | None, typer.Option(help="compressed layers, e.g. 2-29")] = None,
+    layers: Annotated[str | None, typer.Option(help=LAYERS_HELP)] = None,
     offsets: Annotated[
         str, typer.Option(help="aligned, per_layer, per_head, per_layer_head or random")
     ] = "aligned",
@@ -96,7 +111,7 @@ def audit(
         cfg = AuditConfig(
             designs=tuple(d.strip() for d in design.split(",") if d.strip()),
             model=model, stride=stride, window=window, top_k=top_k,
-            layers=None if layers is None else _ints(layers, "--layers"),
+            layers=_layer_set(layers, model),
             offsets=offsets, block_len=block_len, obs_window=obs_window,
             regime=regime, contexts=_ints(context, "--context"),
             depths=_depths(depths), task=task,
@@ -128,7 +143,7 @@ def explain(
     stride: Annotated[int, typer.Option(min=1, help="d: tokens per block")] = 4,
     top_k: Annotated[int, typer.Option(min=1, help="blocks kept per query")] = 1,
     window: Annotated[int, typer.Option(min=0, help="raw window W (tokens)")] = 16,
-    layers: Annotated[str | None, typer.Option(help="compressed layers, e.g. 2-29")] = None,
+    layers: Annotated[str | None, typer.Option(help=LAYERS_HELP)] = None,
     offsets: Annotated[
         str, typer.Option(help="aligned, per_layer, per_head, per_layer_head or random")
     ] = "aligned",
@@ -161,7 +176,7 @@ def explain(
     try:
         cfg = ExplainConfig(
             design=design.strip(), model=model, stride=stride, window=window, top_k=top_k,
-            layers=None if layers is None else _ints(layers, "--layers"),
+            layers=_layer_set(layers, model),
             offsets=offsets, block_len=block_len, obs_window=obs_window, regime=regime,
             context=context, depths=_depths(depths), task=task, distractors=distractors,
             contents=contents, seed=seed, contrast_phases=_phases(contrast_phases),

@@ -429,6 +429,10 @@ def _no_compression() -> CompressionConfig:
     return CompressionConfig(design="none")
 
 
+#: designs whose every read goes through the shared geometry: they compose a sliding window
+LOCAL_DESIGNS = ("mean", "gated", "mlp", "route", "quest", "kpool", "partition")
+
+
 def layer_types(cfg: HookedTransformerConfig) -> list[str]:
     """``local`` (sliding-window) or ``global`` for each layer of any TransformerLens config."""
     if not cfg.use_local_attn:
@@ -506,16 +510,19 @@ class PhaseTransformerConfig(HookedTransformerConfig):
             )
 
     def _check_local_layers(self, c: CompressionConfig) -> None:
-        """A sliding-window layer reads only its last ``window_size`` keys, a bound the grid's
-        coverage rule does not carry: compressing one is refused, naming the global layers."""
+        """A sliding-window layer composes its window with the grid (``phasemech.core.grid``)
+        in the designs that read the shared geometry alone; the others are refused on it,
+        naming the global layers."""
         types = layer_types(self)
         local = [i for i in c.compressed_layers(self.n_layers) if types[i] == "local"]
-        if local:
+        if local and c.design not in LOCAL_DESIGNS:
             glob = [i for i, t in enumerate(types) if t == "global"]
             raise ValueError(
                 f"CompressionConfig.layers={c.layers!r} is invalid: layer(s) {local} use local "
-                f"(sliding-window, {self.window_size} keys) attention, which compression does "
-                f"not compose with; allowed: the global layers {glob} (--layers global)"
+                f"(sliding-window, {self.window_size} keys) attention, which {c.design!r} does "
+                f"not compose with (its branches, indexer or observations read past the "
+                f"window; composing designs: {', '.join(LOCAL_DESIGNS)}); allowed: the global "
+                f"layers {glob} (--layers global)"
             )
 
     @property

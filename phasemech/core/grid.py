@@ -36,6 +36,13 @@ Coverage rule (one rule for every design; tested in ``tests/test_coverage.py``):
 * ``route`` uses the same candidates but attends only the raw tokens of its top-k blocks (plus
   the block the query closes, forced): tokens of unselected blocks are dropped on purpose.
 
+* a **sliding-window layer** (``local_window = S``, Gemma's local layers) reads nothing before
+  ``t - S + 1``: it uses only the blocks whose first real token lies at or after it, and its raw
+  span starts there at the latest, ``max(r_t, t - S + 1)``. A block straddling ``t - S + 1`` is
+  dropped whole (a pooled entry cannot leave out its older tokens), so up to ``l - 1`` tokens
+  inside the sliding window are reached by neither path. With ``W >= S`` the layer is its own
+  sliding window, uncompressed.
+
 Block numbering: block ``i`` ends at ``i*d + o - 1`` (block ``i - 1`` when counting from the
 first block after the offset); block 0 lies before the grid offset (all padding, never used, when
 ``o = 0``).
@@ -194,14 +201,20 @@ def build_geometry(
     visibility: str,
     key_valid: Bool[Tensor, "batch pos"] | None = None,
     block_scope: str = "outside_window",
+    local_window: int | None = None,
 ) -> Geometry:
-    """Blocks, raw band and the coverage rule of the module docstring, as tensors."""
+    """Blocks, raw band and the coverage rule of the module docstring, as tensors.
+    ``local_window``: a sliding-window layer's span ``S`` (the module docstring's last rule)."""
     o = offsets.long()[:, :, None]  # [batch, kv_head, 1]
     slot_pos, slot_valid, last = _block_slots(o, seq_len, stride, block_len, key_valid)
     # First real token of a block (a block of only padding gets seq_len: never used).
     first = torch.where(slot_valid, slot_pos, torch.full_like(slot_pos, seq_len)).amin(-1)
     raw_start = _raw_start(o, seq_len, stride, window, visibility, block_scope)
     block_used = _block_used(last, first, slot_valid.any(-1), raw_start, visibility, block_scope)
+    if local_window is not None:  # nothing before t - S + 1: whole blocks inside it, raw after
+        oldest = torch.arange(seq_len, device=o.device) - local_window + 1  # [pos]
+        block_used = block_used & (first[:, :, None, :] >= oldest[:, None])
+        raw_start = torch.maximum(raw_start, oldest)
     band = raw_band_width(seq_len, stride, window, block_scope)
     return Geometry(
         stride=stride,

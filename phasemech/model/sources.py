@@ -39,6 +39,19 @@ class ModelSource:
     n_layers: int
     positional: str  # TransformerLens' positional_embedding_type
     n_heads: int = 0  # query heads per layer (a head-partitioned design's budget needs it)
+    #: ``local`` (sliding-window) or ``global`` per layer (empty: every layer global)
+    layer_types: tuple[str, ...] = ()
+
+    def layers(self, spec: str) -> tuple[int, ...]:
+        """The layers ``global``, ``local`` or ``all`` names on this model; a one-line
+        ``ValueError`` where none are."""
+        types = self.layer_types or ("global",) * self.n_layers
+        if spec not in ("global", "local", "all"):
+            raise ValueError(f"layers={spec!r} is invalid: allowed global, local, all or ints")
+        out = tuple(i for i, t in enumerate(types) if spec in ("all", t))
+        if not out:
+            raise ValueError(f"layers={spec!r} is invalid: {self.spec!r} has no {spec} layers")
+        return out
 
 
 def _hf_config(folder: Path, gguf_file: str | None = None):
@@ -51,14 +64,14 @@ def _hf_config(folder: Path, gguf_file: str | None = None):
 
 def _from_config(spec: str, kind: str, path: Path, cfg) -> ModelSource:
     if kind != "bundled":
+        from phasemech.core.config import layer_types
         from phasemech.model.families import tl_config, trained_context
 
         n_ctx = trained_context(cfg)
         tl = tl_config(cfg, n_ctx, spec=spec)  # the family is checked here, in one line
-        arch, heads = tl.original_architecture, tl.n_heads
-        return ModelSource(
-            spec, kind, str(path), n_ctx, arch, tl.n_layers, tl.positional_embedding_type, heads
-        )
+        arch, pos, heads = tl.original_architecture, tl.positional_embedding_type, tl.n_heads
+        types = tuple(layer_types(tl))
+        return ModelSource(spec, kind, str(path), n_ctx, arch, tl.n_layers, pos, heads, types)
     arch = (getattr(cfg, "architectures", None) or [type(cfg).__name__])[0]
     n_ctx, n_layers = int(cfg.max_position_embeddings), int(cfg.num_hidden_layers)
     heads = int(cfg.num_attention_heads)
@@ -109,10 +122,12 @@ def _hub(spec: str) -> ModelSource:
             f"({type(err).__name__}); use a bundled model ({', '.join(LOCAL)}), a local folder "
             "or a .gguf file"
         ) from None
+    from phasemech.core.config import layer_types
+
     arch = cfg.original_architecture or ""
-    pos = cfg.positional_embedding_type
+    pos, types = cfg.positional_embedding_type, tuple(layer_types(cfg))
     return ModelSource(
-        spec, "hub", name, int(cfg.n_ctx), arch, int(cfg.n_layers), pos, int(cfg.n_heads)
+        spec, "hub", name, int(cfg.n_ctx), arch, int(cfg.n_layers), pos, int(cfg.n_heads), types
     )
 
 
