@@ -296,4 +296,5 @@ def test_a_sliding_window_layer_reads_only_its_window(seq, d, extra, w, s, vis, 
 
 
 def _slots(geo, i: int) -> list[int]:
-    return [int(p) for p, ok in zip(geo.slot_pos[0, 0, i], geo.slot_valid[0, 0, i]) if ok]
+    pairs = zip(geo.slot_pos[0, 0, i], geo.slot_valid[0, 0, i], strict=True)
+    return [int(p) for p, ok in pairs if ok]
