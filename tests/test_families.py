@@ -153,3 +153,34 @@ def test_causal_under_compression(folder):
         assert not torch.allclose(a, model(x), atol=1e-4)  # compression acts
     torch.testing.assert_close(a[:, :25], b[:, :25], atol=0, rtol=0)
     assert not torch.allclose(a[:, 25:], b[:, 25:])
+
+
+@pytest.fixture(scope="module")
+def one_ray():
+    """One embedded Ray for the module's audits (starting Ray costs seconds)."""
+    from phasemech.experiments.ray_connect import ray_connected
+
+    with ray_connected(None, 1):
+        yield
+
+
+def test_audit_end_to_end(folder, one_ray, tmp_path):
+    """``phasemech audit --model DIR`` at a short context: the pipeline, not the accuracy (a
+    random model retrieves nothing). Every layer compressed (``--layers all``; ``mean`` and
+    ``route`` compose a sliding window), the tokenizer's BOS leading every prompt."""
+    import pandas as pd
+    from typer.testing import CliRunner
+
+    from phasemech.cli import app
+
+    kind, path, hf = folder
+    out = tmp_path / "audit"
+    args = ["audit", "--model", str(path), "--design", "route,mean", "--context", "96"]
+    args += ["--contents", "1", "--layers", "all", "--window", "8", "-o", str(out)]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    t = pd.read_parquet(out / "targets.parquet")
+    assert sorted(t.setting.unique()) == ["mean_d4_w8", "null", "route_d4_w8_k8"]
+    assert sorted(t.phase.unique()) == [0, 1, 2, 3]
+    summary = (out / "summary.md").read_text()
+    assert str(path) in summary or path.name in summary
