@@ -37,8 +37,10 @@ def _configs() -> dict[str, object]:
         "gpt2": t.GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=N_POS, vocab_size=VOCAB),
         "gpt_neox": t.GPTNeoXConfig(**COMMON, rotary_pct=0.25),  # partial rotary (Pythia)
         "llama": t.LlamaConfig(**COMMON, **kv),
-        "mistral": t.MistralConfig(**COMMON, **kv, sliding_window=None),
-        "qwen2": t.Qwen2Config(**COMMON, **kv),
+        "mistral": t.MistralConfig(**COMMON, **kv, sliding_window=8),  # every layer slides
+        "qwen2": t.Qwen2Config(  # the layers from max_window_layers on slide
+            **COMMON, **kv, use_sliding_window=True, sliding_window=8, max_window_layers=1
+        ),
         "qwen3": t.Qwen3Config(**COMMON, **kv, head_dim=16),  # QK-norm
         "gemma2": t.Gemma2Config(**COMMON, **kv, head_dim=16, sliding_window=8),
         "gemma3_text": t.Gemma3TextConfig(
@@ -48,7 +50,7 @@ def _configs() -> dict[str, object]:
             sliding_window=8,
             layer_types=["sliding_attention", "full_attention"],
         ),  # fmt: skip
-        "phi3": t.Phi3Config(**COMMON, num_key_value_heads=4, pad_token_id=0),
+        "phi3": t.Phi3Config(**COMMON, num_key_value_heads=4, pad_token_id=0, sliding_window=8),
         "olmo2": t.Olmo2Config(**COMMON, num_key_value_heads=4),
     }
 
@@ -94,12 +96,27 @@ def test_every_family_is_tested():
     assert set(_configs()) == set(FAMILIES)
 
 
+#: layer types as transformers runs them (its masks), per family with a sliding window
+SLIDING = {
+    "mistral": ("local", "local"),
+    "qwen2": ("global", "local"),
+    "gemma2": ("local", "global"),
+    "gemma3_text": ("local", "global"),
+    "phi3": ("local", "local"),
+}
+
+
 def test_describe_reads_the_folder(folder):
     kind, path, hf = folder
     src = describe(str(path))
     assert (src.kind, src.max_context, src.n_layers) == ("folder", N_POS, 2)
     assert src.architecture == FAMILIES[kind]
     assert src.positional == ("standard" if kind == "gpt2" else "rotary")
+    assert src.layer_types == SLIDING.get(kind, ("global", "global"))
+    assert src.layers("all") == (0, 1)
+    if kind not in SLIDING:
+        with pytest.raises(ValueError, match="has no local layers"):
+            src.layers("local")
 
 
 def test_loads_to_the_transformers_logits(folder):
@@ -129,6 +146,10 @@ def test_compression_that_cannot_act_changes_nothing(folder, design):
     model = load(describe(str(path)), n_ctx=64)
     layers = _global_layers(model) if design == "evict" else None
     extra = {"obs_window": 2} if design == "evict" else {}
+    if layers == ():  # every layer slides (Mistral, Phi-3): evict has nothing to compress
+        with pytest.raises(ValueError, match="use local"):
+            PhaseTransformer.from_hooked(model, CompressionConfig(design, window=48, **extra))
+        return
     comp = CompressionConfig(design, stride=4, window=48, layers=layers, **extra)
     compressed = PhaseTransformer.from_hooked(model, comp).eval()
     x = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(2))
