@@ -205,3 +205,25 @@ def test_audit_end_to_end(folder, one_ray, tmp_path):
     assert sorted(t.phase.unique()) == [0, 1, 2, 3]
     summary = (out / "summary.md").read_text()
     assert str(path) in summary or path.name in summary
+
+
+def test_a_gguf_file_loads_through_its_family():
+    """A ``.gguf`` path (here the bundled SmolLM2's file, read as any user's file would be) is
+    described from its header, and its weights go through TransformerLens' llama conversion
+    to the logits of ``transformers``' own model of the file."""
+    from phasemech.model.families import hooked_model
+    from phasemech.model.pretrained import gguf_path, hf_model
+
+    try:
+        path = gguf_path("smollm2-135m")
+    except FileNotFoundError as err:
+        pytest.skip(str(err))
+    src = describe(str(path))
+    assert (src.kind, src.architecture, src.n_layers) == ("gguf", "LlamaForCausalLM", 30)
+    hf, tok = hf_model("smollm2-135m")  # what load() reads from a .gguf path
+    x = torch.randint(0, 49152, (1, 24), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        got, want = hooked_model(hf, tok, n_ctx=32, spec=str(path))(x), hf(x).logits
+    # 30 layers of float32 at logits near 20: the bundled conversion's own bound
+    assert (got - want).abs().max().item() < 1e-3
+    assert (got.argmax(-1) == want.argmax(-1)).all()

@@ -20,6 +20,7 @@ config saved alone in a temporary folder named ``model``.
 from __future__ import annotations
 
 import contextlib
+import copy
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -184,7 +185,10 @@ def _config_dir(hf_cfg: Any) -> Iterator[str]:
     docstring; a GGUF file has no ``config.json`` of its own)."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "model"
-        hf_cfg.save_pretrained(path)
+        cfg = copy.deepcopy(hf_cfg)
+        if not getattr(cfg, "architectures", None):  # a config read from GGUF names none
+            cfg.architectures = [FAMILIES[cfg.model_type]]
+        cfg.save_pretrained(path)
         yield str(path)
 
 
