@@ -137,6 +137,26 @@ def _global_layers(model) -> tuple[int, ...]:
     return tuple(i for i, t in enumerate(layer_types(model.cfg)) if t == "global")
 
 
+def test_prompts_start_as_the_tokenizer_starts_text(folder):
+    """BOS-adding tokenizers (Gemma, Llama) lead every prompt with BOS; the needle still
+    takes every phase, the last prompt of a group is exactly the context, and the answer
+    appears verbatim at the needle."""
+    from phasemech.data.retrieval import RetrievalTask, build_retrieval_prompts
+
+    kind, path, hf = folder
+    tok = tokenizer(describe(str(path)))
+    batch = build_retrieval_prompts(tok, RetrievalTask(context=96), n_contents=2)
+    f = batch.frame
+    lead = [tok.bos_token_id] if kind.startswith(("gemma", "llama")) else []
+    for r in f.itertuples():
+        ids = batch.tokens[r.prompt_id].tolist()
+        assert ids[: len(lead)] == lead and ids[len(lead)] != tok.bos_token_id
+        n = batch.answer.shape[1]
+        assert ids[r.needle_pos : r.needle_pos + n] == batch.answer[r.prompt_id].tolist()
+    assert sorted(f[f.group_id == 0].phase) == [0, 1, 2, 3]
+    assert f.length.max() == 96
+
+
 @pytest.mark.parametrize("design", ["route", "mean", "evict"])
 def test_compression_that_cannot_act_changes_nothing(folder, design):
     """A raw window longer than the input: the compressed model is the model, every layer
