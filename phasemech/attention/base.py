@@ -48,12 +48,10 @@ from transformer_lens.components import Attention, GroupedQueryAttention
 from transformer_lens.hook_points import HookPoint
 from transformer_lens.utilities.activation_functions import apply_softcap
 
-from phasemech.attention.projection import fused_qkv
+from phasemech.attention.projection import OLMO_QK_NORM, fused_qkv
 from phasemech.attention.rows import RowsMixin, _masked_softmax
 from phasemech.core.grid import Geometry, build_geometry, left_padding
 
-#: architectures whose QK-norm TransformerLens applies to whole projected vectors in ``forward``
-OLMO_QK_NORM = ("OlmoeForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM")
 #: longest context the training fast path lays raw keys out densely for (``O(T^2)`` scores)
 DENSE_MAX_POS = 256
 #: the geometries built last (``_geometry``): one per grid a forward uses, shared by its layers

@@ -11,6 +11,9 @@ import torch.nn.functional as F
 from jaxtyping import Float
 from torch import Tensor, nn
 
+#: architectures whose QK-norm TransformerLens applies to whole projected vectors in ``forward``
+OLMO_QK_NORM = ("OlmoeForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM")
+
 
 def fused_qkv(
     attn: nn.Module, x: Float[Tensor, "batch pos d_model"], key_input: Tensor, value_input: Tensor
@@ -27,7 +30,7 @@ def fused_qkv(
         or c.n_key_value_heads is not None
         or c.use_qk_norm
         or c.clip_qkv is not None
-        or c.original_architecture in ("OlmoeForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM")
+        or c.original_architecture in OLMO_QK_NORM
         or c.load_in_4bit
     ):
         return attn.calculate_qkv_matrices(x, key_input, value_input)
@@ -39,4 +42,4 @@ def fused_qkv(
     return attn.hook_q(q), attn.hook_k(k), attn.hook_v(v)
 
 
-__all__ = ["fused_qkv"]
+__all__ = ["OLMO_QK_NORM", "fused_qkv"]
