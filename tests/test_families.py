@@ -126,11 +126,18 @@ def test_loads_to_the_transformers_logits(folder):
     x = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(model(x), hf(x).logits, atol=1e-4, rtol=0)
-    # the BOS convention is the tokenizer's: Gemma and Llama prompts start with BOS
+    # the BOS convention is the folder tokenizer's: Gemma and Llama prompts start with BOS
     bos = kind.startswith(("gemma", "llama"))
     tok = tokenizer(src)
     assert lead_tokens(tok) == ([tok.bos_token_id] if bos else [])
-    assert model.cfg.default_prepend_bos == bos
+    assert model.cfg.default_prepend_bos == bos == src.prepend_bos
+    # the audit's fast dense path (SDPA) keeps every layer's own mask: sliding windows too
+    from phasemech.model.fast import linear_layout, use_eval_sdpa
+
+    use_eval_sdpa(model)
+    linear_layout(model)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), hf(x).logits, atol=1e-4, rtol=0)
 
 
 def _global_layers(model) -> tuple[int, ...]:
@@ -144,8 +151,11 @@ def test_prompts_start_as_the_tokenizer_starts_text(folder):
     from phasemech.data.retrieval import RetrievalTask, build_retrieval_prompts
 
     kind, path, hf = folder
-    tok = tokenizer(describe(str(path)))
-    batch = build_retrieval_prompts(tok, RetrievalTask(context=96), n_contents=2)
+    src = describe(str(path))
+    # the audit worker's tokenizer: TransformerLens' copy, which itself adds BOS to any text
+    tok = load(src, n_ctx=64).tokenizer
+    task = RetrievalTask(context=96)
+    batch = build_retrieval_prompts(tok, task, n_contents=2, bos=src.prepend_bos)
     f = batch.frame
     lead = [tok.bos_token_id] if kind.startswith(("gemma", "llama")) else []
     for r in f.itertuples():

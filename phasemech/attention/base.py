@@ -58,7 +58,7 @@ DENSE_MAX_POS = 256
 #: (index tensors, no graph; they outlive the forward, so at a long context on a GPU a caller
 #: done with a model may ``_GEO_CACHE.clear()``)
 _GEO_CACHE: OrderedDict[tuple, Geometry] = OrderedDict()
-_GEO_CACHE_SIZE = 4
+_GEO_CACHE_SIZE = 8  # per_layer offsets on local and global layers: 2 x d grids
 
 
 class CompressedAttentionMixin(RowsMixin):

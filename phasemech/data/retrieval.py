@@ -10,9 +10,10 @@ tokenised once per content, so one more token in front shifts everything after i
 ``[start] [shift prefix: k tokens] [body: filler sentences, needle and distractors] [question]
 [answer]``
 
-``start`` is what the model's tokenizer puts in front of any text (a BOS token for Gemma, Llama
-and most chat-template-free checkpoints; nothing for SmolLM2 or GPT-2), as the model saw text
-in training; it counts in the context and in the phase.
+``start`` is the BOS token where the model reads text behind one (``bos=True``: a local folder
+whose tokenizer puts BOS in front of any text, as Gemma's and Llama's do; the caller decides,
+from ``ModelSource.prepend_bos``), else nothing (SmolLM2, GPT-2); it counts in the context and
+in the phase.
 
 Kinds (``RetrievalTask.kind``):
 
@@ -52,7 +53,6 @@ from jaxtyping import Int
 from torch import Tensor
 
 from phasemech.data.passkey import FILLER, NAMES, PREFIX, PasskeyBatch, _ids
-from phasemech.model.families import lead_tokens
 
 TASK_KINDS = ("passkey", "multikey", "kv")
 MIN_CONTEXT = 64  # below this a needle at depth 0.1 and one at 0.9 are a few sentences apart
@@ -146,7 +146,7 @@ class _Pieces:
     fill_min: int  # every filler budget >= this is filled exactly
     n_answer: int  # the common answer length, in tokens
     dot: list[int]
-    start: list[int]  # what the tokenizer puts in front of any text (its BOS): every prompt's start
+    start: list[int]  # the model's BOS where it reads text behind one: every prompt's start
 
 
 @dataclass(frozen=True)
@@ -204,7 +204,9 @@ def _texts(kind: str, key: str) -> tuple[str, str]:
     )
 
 
-def _prepare(tok, task: RetrievalTask, max_context: int | None = None) -> _Pieces:
+def _prepare(
+    tok, task: RetrievalTask, max_context: int | None = None, bos: bool = False
+) -> _Pieces:
     """Tokenise the shared pieces; refuse a stride the prefix cannot shift or a context too
     short for the needle, the distractors and the question (at the longest keys)."""
     prefix = _ids(tok, PREFIX)
@@ -232,7 +234,7 @@ def _prepare(tok, task: RetrievalTask, max_context: int | None = None) -> _Piece
     needle = max(len(_ids(tok, h)) for h in heads) + lead + n_answer + len(dot)
     question = max(len(_ids(tok, q)) for q in questions) + lead
     d = task.distractors
-    start = lead_tokens(tok)
+    start = [tok.bos_token_id] if bos else []
     # d + 1 distinct sentence boundaries need d sentences at least
     need = len(start) + task.stride - 1 + question + n_answer + (1 + d) * needle
     need += max(fill_min, d * max(lengths))
@@ -345,18 +347,19 @@ def _build(tok, task: RetrievalTask, p: _Pieces, n_contents: int, seed: int) -> 
 
 
 def build_retrieval_prompts(
-    tok, task: RetrievalTask, n_contents: int, seed: int = 0
+    tok, task: RetrievalTask, n_contents: int, seed: int = 0, bos: bool = False
 ) -> PasskeyBatch:
     """``n_contents`` contents (cycling through ``task.depths``), each at every shift prefix
-    ``0..stride-1``: ``tokens`` [batch, pos] (prompt + answer, right-padded), ``answer``
+    ``0..stride-1`` (behind BOS with ``bos``): ``tokens`` [batch, pos] (prompt + answer,
+    right-padded), ``answer``
     [batch, answer], and the ``frame`` (module docstring; ``prompt_id`` is the row of
     ``tokens``). The same ``seed`` gives the same prompts."""
     if not _is_int(n_contents) or n_contents < 1:
         raise ValueError(f"n_contents={n_contents!r} is invalid: allowed: an int >= 1")
-    return _build(tok, task, _prepare(tok, task), int(n_contents), seed)
+    return _build(tok, task, _prepare(tok, task, bos=bos), int(n_contents), seed)
 
 
-def check_task(tok, task: RetrievalTask, max_context: int | None = None) -> None:
+def check_task(tok, task: RetrievalTask, max_context: int | None = None, bos: bool = False) -> None:
     """Refuse, before any model work, a task that does not fit ``max_context`` (the model's
     trained context), whose needle cannot reach every phase, or whose context is too short
     for the needle, the distractors and the question. Every error is one ``ValueError`` line."""
@@ -367,7 +370,7 @@ def check_task(tok, task: RetrievalTask, max_context: int | None = None) -> None
             f"the model was trained to {max_context} tokens; ",
             f"{MIN_CONTEXT}..{max_context}",
         )
-    p = _prepare(tok, task, max_context)
+    p = _prepare(tok, task, max_context, bos)
     # a built probe: the phases are the shift's, unless the tokenizer shifts them otherwise
     frame = _build(tok, task, p, 1, seed=0).frame
     if sorted(frame.phase) != list(range(task.stride)):

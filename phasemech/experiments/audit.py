@@ -201,6 +201,7 @@ class _Worker:
         self.base = None
         self.compressed: dict[str, Any] = {}
         self.prompts: dict[tuple, Any] = {}
+        self.bos = False  # the model's prompts start with BOS (ModelSource.prepend_bos)
 
     def model(self, spec: str, n_ctx: int, device):
         from phasemech.model.fast import linear_layout, use_eval_sdpa
@@ -209,6 +210,7 @@ class _Worker:
         if self.key != (spec, str(device)) or self.base.cfg.n_ctx < n_ctx:
             self.prompts = {}
             source = describe(spec)
+            self.bos = source.prepend_bos
             self.base = load(source, min(source.max_context, max(n_ctx, 2048)), device)
             use_eval_sdpa(self.base)  # dense attention through SDPA where nothing reads scores
             linear_layout(self.base)  # no per-forward weight copies (shared by the designs)
@@ -236,7 +238,8 @@ class _Worker:
 
         key = (self.key, task, contents, seed)  # prompts are the model's tokenizer's
         if key not in self.prompts:
-            self.prompts = {key: build_retrieval_prompts(self.base.tokenizer, task, contents, seed)}
+            tok, bos = self.base.tokenizer, self.bos
+            self.prompts = {key: build_retrieval_prompts(tok, task, contents, seed, bos=bos)}
         return self.prompts[key]
 
 
@@ -308,7 +311,7 @@ def check_audit(a: AuditConfig):
         )
     tok = tokenizer(source)
     for c in a.contexts:
-        check_task(tok, a.retrieval_task(c), source.max_context)
+        check_task(tok, a.retrieval_task(c), source.max_context, bos=source.prepend_bos)
     _check_host(a, source)
     return source
 

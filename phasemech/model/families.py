@@ -112,8 +112,18 @@ def _gemma(c: Any) -> dict:
             out[tl_name] = float(getattr(c, hf_name))
     if c.model_type == "gemma3_text":
         out["use_qk_norm"] = True
-        local = (getattr(c, "rope_parameters", None) or {}).get("sliding_attention") or {}
+        rope = getattr(c, "rope_parameters", None) or {}
+        local = rope.get("sliding_attention") or {}
         out["rotary_base_local"] = float(local.get("rope_theta", 10000.0))
+        full = rope.get("full_attention") or {}
+        kind = full.get("rope_type", "default")
+        if kind == "linear":  # the larger Gemma-3s: global layers' positions scaled
+            out["rotary_scaling_factor"] = float(full["factor"])
+        elif kind != "default":
+            raise ValueError(
+                f"rope_type={kind!r} is invalid for a Gemma-3 folder's global layers: "
+                "allowed default or linear (TransformerLens' Gemma-3 rotary)"
+            )
     return out
 
 
@@ -150,7 +160,7 @@ def _windows(c: Any) -> dict:
     models. (TransformerLens' own Qwen and Phi-3 entries leave the window out.)"""
     window = getattr(c, "sliding_window", None)
     types = getattr(c, "layer_types", None)
-    if not window:
+    if not window or window >= trained_context(c):  # a window that never binds is global
         return {}
     if types is None and c.model_type in ("mistral", "phi3"):
         types = ["sliding_attention"] * c.num_hidden_layers
@@ -185,6 +195,11 @@ def _config_dir(hf_cfg: Any) -> Iterator[str]:
     docstring; a GGUF file has no ``config.json`` of its own)."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "model"
+        if any(name in str(path).lower() for name in ("llama", "gemma")):
+            raise ValueError(
+                f"the temporary folder {tmp!r} names a model family, which TransformerLens "
+                "would read as a hub name: set TMPDIR to a neutral folder"
+            )
         cfg = copy.deepcopy(hf_cfg)
         if not getattr(cfg, "architectures", None):  # a config read from GGUF names none
             cfg.architectures = [FAMILIES[cfg.model_type]]

@@ -165,10 +165,12 @@ def use_fast_modules(model: nn.Module) -> int:
 
 def _plain_attention(self, positional: tuple[str, ...]) -> bool:
     """Nothing reads the scores, pattern or per-head result, and no attention feature that
-    SDPA's plain causal softmax would miss (soft-cap, sinks, QK-norm, log-n scaling, ...)."""
+    SDPA's plain causal softmax would miss (a sliding window, soft-cap, sinks, QK-norm, log-n
+    scaling, ...)."""
     c = self.cfg
     return (
-        not self.hook_attn_scores.has_hooks()
+        getattr(self, "attn_type", "global") != "local"
+        and not self.hook_attn_scores.has_hooks()
         and not self.hook_pattern.has_hooks()
         and not self.hook_result.has_hooks()
         and not c.use_attn_result

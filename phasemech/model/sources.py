@@ -14,6 +14,7 @@ every bad input fails in one line before any forward; :func:`load` then loads it
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import warnings
@@ -41,6 +42,9 @@ class ModelSource:
     n_heads: int = 0  # query heads per layer (a head-partitioned design's budget needs it)
     #: ``local`` (sliding-window) or ``global`` per layer (empty: every layer global)
     layer_types: tuple[str, ...] = ()
+    #: prompts start with BOS: a local model whose tokenizer puts BOS in front of any text
+    #: (the bundled SmolLM2's does not; hub models keep phasemech's earlier no-BOS prompts)
+    prepend_bos: bool = False
 
     def layers(self, spec: str) -> tuple[int, ...]:
         """The layers ``global``, ``local`` or ``all`` names on this model; a one-line
@@ -65,13 +69,14 @@ def _hf_config(folder: Path, gguf_file: str | None = None):
 def _from_config(spec: str, kind: str, path: Path, cfg) -> ModelSource:
     if kind != "bundled":
         from phasemech.core.config import layer_types
-        from phasemech.model.families import tl_config, trained_context
+        from phasemech.model.families import prepends_bos, tl_config, trained_context
 
         n_ctx = trained_context(cfg)
         tl = tl_config(cfg, n_ctx, spec=spec)  # the family is checked here, in one line
         arch, pos, heads = tl.original_architecture, tl.positional_embedding_type, tl.n_heads
         types = tuple(layer_types(tl))
-        return ModelSource(spec, kind, str(path), n_ctx, arch, tl.n_layers, pos, heads, types)
+        src = ModelSource(spec, kind, str(path), n_ctx, arch, tl.n_layers, pos, heads, types)
+        return dataclasses.replace(src, prepend_bos=prepends_bos(tokenizer(src)))
     arch = (getattr(cfg, "architectures", None) or [type(cfg).__name__])[0]
     n_ctx, n_layers = int(cfg.max_position_embeddings), int(cfg.num_hidden_layers)
     heads = int(cfg.num_attention_heads)
