@@ -249,20 +249,10 @@ def tl_state_dict(cfg: HookedTransformerConfig, hf: Any) -> dict[str, torch.Tens
 def hooked_model(hf: Any, tok: Any, n_ctx: int, spec: str = "") -> HookedTransformer:
     """A loaded ``transformers`` model of any family here as a ``HookedTransformer`` in eval
     mode (weights not folded or centred: hooks and logits are the model's own)."""
-    from phasemech.model.transformer import quiet_tl_deprecation
+    from phasemech.model.pretrained import unfolded
 
     cfg = tl_config(hf.config, n_ctx, prepends_bos(tok), spec)
-    with quiet_tl_deprecation():
-        model = HookedTransformer(cfg, tok, move_to_device=False)
-    model.load_and_process_state_dict(
-        tl_state_dict(cfg, hf),
-        fold_ln=False,
-        center_writing_weights=False,
-        center_unembed=False,
-        fold_value_biases=False,
-        refactor_factored_attn_matrices=False,
-    )
-    return model.eval()
+    return unfolded(cfg, tok, tl_state_dict(cfg, hf))
 
 
 def lead_tokens(tok: Any) -> list[int]:

@@ -119,21 +119,26 @@ def hooked_from_hf(hf: Any, tok: Any, n_ctx: int = 2048) -> HookedTransformer:
     it is)."""
     from transformer_lens.pretrained.weight_conversions.llama import convert_llama_weights
 
+    cfg = llama_config(hf.config, n_ctx)
+    return unfolded(cfg, tok, convert_llama_weights(hf, cfg))
+
+
+def unfolded(cfg: HookedTransformerConfig, tok: Any, state_dict: dict) -> HookedTransformer:
+    """A ``HookedTransformer`` in eval mode holding ``state_dict`` as it is: no folding or
+    centring, so every hook and the logits are the converted model's own."""
     from phasemech.model.transformer import quiet_tl_deprecation
 
-    cfg = llama_config(hf.config, n_ctx)
     with quiet_tl_deprecation():
         model = HookedTransformer(cfg, tokenizer=tok, move_to_device=False)
     model.load_and_process_state_dict(
-        convert_llama_weights(hf, cfg),
+        state_dict,
         fold_ln=False,
         center_writing_weights=False,
         center_unembed=False,
         fold_value_biases=False,
         refactor_factored_attn_matrices=False,
     )
-    model.eval()
-    return model
+    return model.eval()
 
 
 def load_pretrained(
@@ -184,4 +189,5 @@ __all__ = [
     "hooked_from_hf",
     "llama_config",
     "load_pretrained",
+    "unfolded",
 ]
