@@ -18,8 +18,8 @@ import torch
 
 def layers(seq: int, design: str, top_k: int, window: int):
     """``(transformers LlamaAttention, its rotary, the design's compressed layer)``."""
-    from transformers import LlamaConfig
-    from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     from phasemech import CompressionConfig, PhaseTransformer
     from phasemech.model.pretrained import hooked_from_hf
@@ -30,15 +30,11 @@ def layers(seq: int, design: str, top_k: int, window: int):
         num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=seq,
     )  # fmt: skip
     cfg._attn_implementation = "sdpa"
-    from transformers import LlamaForCausalLM
-
     hf = LlamaForCausalLM(cfg).eval()
     base = hooked_from_hf(hf, None, n_ctx=seq)
     comp = CompressionConfig(design, stride=4, top_k=top_k, window=window)
     ours = PhaseTransformer.from_hooked(base, comp).eval().blocks[0].attn
-    attn = hf.model.layers[0].self_attn
-    assert isinstance(attn, LlamaAttention)
-    return attn, LlamaRotaryEmbedding(cfg), ours
+    return hf.model.layers[0].self_attn, LlamaRotaryEmbedding(cfg), ours
 
 
 def median_s(fn, repeats: int) -> float:

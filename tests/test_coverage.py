@@ -281,16 +281,16 @@ def test_a_sliding_window_layer_reads_only_its_window(seq, d, extra, w, s, vis, 
     off, l = torch.tensor([[o]]), d + extra
     glob = build_geometry(off, seq, d, l, w, vis, None, scope)
     loc = build_geometry(off, seq, d, l, w, vis, None, scope, local_window=s)
+    slots = [_slots(loc, i) for i in range(loc.slot_pos.shape[2])]
     for t in range(seq):
         oldest = max(0, t - s + 1)
         raw_g, _, used_g = geometry_sets(glob, 0, 0, t)
         raw, blk, used = geometry_sets(loc, 0, 0, t)
         assert raw == {j for j in raw_g if j >= oldest}
-        whole = [i for i in used_g if min(p for p in _slots(loc, i) if p >= 0) >= t - s + 1]
-        assert used == whole
+        assert used == [i for i in used_g if min(slots[i]) >= t - s + 1]
         assert raw | blk <= set(range(oldest, t + 1))
         for j in set(range(oldest, t + 1)) - raw - blk:  # lost only to a straddling block
-            assert any(j in _slots(loc, i) and min(_slots(loc, i)) < t - s + 1 for i in used_g)
+            assert any(j in slots[i] and min(slots[i]) < t - s + 1 for i in used_g)
         if w >= s:
             assert raw == set(range(oldest, t + 1)) and not used
 

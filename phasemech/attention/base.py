@@ -298,8 +298,8 @@ class CompressedAttentionMixin(RowsMixin):
         if key_valid is not None:  # padded inputs differ per batch: never cached
             return self._build_geometry(offsets, seq, key_valid)
         # every layer of a forward (and every forward of a training step) builds the same
-        # geometry from the same grid: build it once (26-115 ms per layer at T = 4096). A
-        # geometry built under inference mode cannot enter a graph (attribution patching).
+        # geometry from the same grid: build it once. A geometry built under inference mode
+        # cannot enter a graph (attribution patching).
         key = (
             seq,
             tuple(offsets.flatten().tolist()),

@@ -231,7 +231,6 @@ def tl_config(
         device="cpu",
         dtype=torch.float32,
         default_prepend_bos=prepend_bos,
-        tokenizer_prepends_bos=prepend_bos,
     )
     cfg.pop("quantization_method", None)
     return HookedTransformerConfig.from_dict(cfg)
