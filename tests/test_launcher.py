@@ -90,11 +90,35 @@ def test_launch_caches_results_and_reports_failures(tmp_path, monkeypatch, capfd
     assert read_cached(tmp_path, jobs[0]) is None
 
 
+@dataclass(frozen=True)
+class GateJob(Job):
+    """Job 0 finishes at once; the others wait for the ``gate`` file (at most a minute, so a
+    worker orphaned by an interrupted launcher cannot outlive the test)."""
+
+    kind: ClassVar[str] = "gate"
+    value: int
+    gate: str
+
+    def run(self, workdir: Path) -> dict:
+        deadline = time.monotonic() + 60
+        while self.value and not Path(self.gate).exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no gate {self.gate}")
+            time.sleep(0.05)
+        return {"value": self.value}
+
+
 def test_interrupted_launcher_rerun_runs_only_the_missing_jobs(tmp_path):
-    runs = tmp_path / "runs"
-    dest = runs / "phase_sweep_tiny" / "jobs"
-    cmd = [sys.executable, "-m", "phasemech.cli", "run", "phase_sweep", "--runs", str(runs)]
-    proc = subprocess.Popen([*cmd, "--num-cpus", "1"], cwd=ROOT, stderr=subprocess.DEVNULL)
+    # deterministic: the jobs after the first cannot finish before the Ctrl-C (they wait for a
+    # gate opened only after the launcher died), so exactly one is cached when it lands
+    dest, gate = tmp_path / "jobs", tmp_path / "gate"
+    jobs = [GateJob(v, str(gate)) for v in range(3)]
+    script = (
+        f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r})\n"
+        "from test_launcher import GateJob, launch\n"
+        f"launch([GateJob(v, {str(gate)!r}) for v in range(3)], {str(dest)!r}, num_cpus=2)"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 240
         while not list(dest.glob("*.json")) and time.monotonic() < deadline:
@@ -105,12 +129,12 @@ def test_interrupted_launcher_rerun_runs_only_the_missing_jobs(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
-    jobs = train_jobs(PROFILES["tiny"])
-    finished = {p.stem for p in dest.glob("*.json")}
-    assert 1 <= len(finished) < len(jobs)
+    assert proc.returncode != 0  # interrupted, not finished
+    assert {p.stem for p in dest.glob("*.json")} == {jobs[0].key}
+    gate.touch()
     out = launch(jobs, dest, num_cpus=2, progress=False)
-    assert set(out.cached) == finished and set(out.ran) == {j.key for j in jobs} - finished
-    assert not out.failures
+    assert out.cached == [jobs[0].key] and set(out.ran) == {j.key for j in jobs[1:]}
+    assert not out.failures and out.results[jobs[2].key] == {"value": 2}
 
 
 def test_an_unreachable_cluster_fails_fast_and_names_the_address(tmp_path):
