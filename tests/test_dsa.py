@@ -177,8 +177,9 @@ def test_dsa_end_to_end_keeps_the_forward_and_trains_the_indexer():
     kl, e2e = _model(stride=4, window=4, top_k=1), _model(stride=4, window=4, top_k=1,
                                                           indexer_train="end_to_end")  # fmt: skip
     x = tokens(2, 24, seed=4)
-    torch.testing.assert_close(kl(x), e2e(x), atol=0, rtol=0)
-    e2e.train()
+    # float64: the straight-through bias (zero) takes the gather, the KL model the tiles
+    torch.testing.assert_close(kl.double()(x), e2e.double()(x), atol=1e-12, rtol=0)
+    e2e.float().train()
     e2e(x, return_type="loss").backward()
     assert e2e.auxiliary_loss() is None
     attn = e2e.blocks[0].attn

@@ -285,6 +285,43 @@ def test_chunks_score_only_the_blocks_they_reach(rule, comp, padded):
         torch.testing.assert_close(z[real], want[real], atol=1e-12, rtol=0)
 
 
+TILE_COMPS = {
+    **{name: c for name, c in CHUNK_COMPS.items() if name != "overlap"},
+    "no_window": dict(stride=4, window=0, top_k=3, offsets=(2, 1)),
+}
+
+
+@pytest.mark.parametrize("comp", TILE_COMPS)
+@pytest.mark.parametrize("rule", ["route", "quest", "kpool", "evict", "partition"])
+def test_tiles_attend_what_the_gather_attends(rule, comp, monkeypatch):
+    """The fast path (one key list per tile of rows, ``phasemech.attention.tiles``) computes
+    the per-query gather's output (float64), in chunks that end mid-tile, with the query heads
+    of a KV head and the sequences of the batch on different grid offsets; a padded batch,
+    which it does not serve, takes the gather."""
+    import phasemech.attention.selection as sel
+
+    calls, tiles = [], sel.attend_tiles
+    monkeypatch.setattr(sel, "attend_tiles", lambda *a: calls.append(1) or tiles(*a))
+    extra = {"obs_window": 3} if rule == "evict" else {}
+    grid = dict(TILE_COMPS[comp])
+    if rule == "partition":
+        grid.pop("top_k")
+    model = _model(rule, **grid, **extra).double()
+    attn, q, k, v, geo, cache = _layer_inputs(model, tokens(2, 45, seed=3))
+    attn.row_chunk = lambda seq: 20
+    z, _ = attn.attend(None, q, k, v, geo)
+    assert len(calls) == 3  # every chunk, the last one a partial tile
+    attn.tiled = False
+    want, _ = attn.attend(None, q, k, v, geo)
+    torch.testing.assert_close(z, want, atol=1e-12, rtol=0)
+    torch.testing.assert_close(z, cache["blocks.0.attn.hook_z"], atol=1e-12, rtol=0)
+    mask = torch.ones(2, 45, dtype=torch.long)
+    mask[0, :4] = 0
+    attn.tiled, calls[:] = True, []
+    model(tokens(2, 45, seed=3), attention_mask=mask)
+    assert not calls
+
+
 @pytest.mark.parametrize("offsets", ["aligned", "per_layer"])
 def test_layers_share_one_geometry(monkeypatch, offsets):
     """Layers on one grid build its geometry once per forward, and again only for a new grid

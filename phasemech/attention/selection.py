@@ -40,6 +40,7 @@ from transformer_lens.hook_points import HookPoint
 
 from phasemech.attention.base import DENSE_MAX_POS, CompressedAttentionMixin
 from phasemech.attention.rows import at_rows, band_positions, gather_heads, query_rows
+from phasemech.attention.tiles import attend_tiles, tiles_serve
 from phasemech.core.grid import Geometry
 
 #: query rows per chunk of the engine (bounds the gathered tensors; see the module docstring)
@@ -215,6 +216,9 @@ class SelectingAttention(CompressedAttentionMixin):
     #: unhooked chunks rank only the blocks their rows reach (``_reachable``); off for a
     #: design whose budget depends on the number of blocks (``partition``)
     ranks_reachable = True
+    #: unhooked forwards attend per tile of rows (``phasemech.attention.tiles``); off: the
+    #: per-query gather (the reference the tests compare it with)
+    tiled = True
 
     def row_chunk(self, seq: int) -> int:
         """Rows per chunk (a design whose scores touch every key uses smaller chunks)."""
@@ -269,16 +273,20 @@ class SelectingAttention(CompressedAttentionMixin):
         fidx, fok = self._forced(geo, rows, cand)  # [batch, head, row, 1]
         gate = self.hook_route_scores(self._ranked(gate, cand, fidx, fok))
         idx, ok = self._select(gate, fidx, fok)  # [batch, head, row, sel]
-        pos, keep = self._kept_tokens(idx, ok, geo, rows, k.shape[1])  # [b, h, row, m]
         bias = self.kept_logit_bias(raw_gate, idx)  # [batch, head, row, sel] or None
+        q_rows = query_rows(q, rows)  # [batch, head, row, d]
+        dense = self.training and not hooked and k.shape[1] <= DENSE_MAX_POS
+        plain = not (hooked or dense or bias is not None or self._token_pattern_wanted())
+        if plain and self.tiled and tiles_serve(geo, rows):  # one key list per tile of rows
+            return attend_tiles(q_rows, k, v, geo, rows, (idx, ok), self._row_pattern), None
+        pos, keep = self._kept_tokens(idx, ok, geo, rows, k.shape[1])  # [b, h, row, m]
         if bias is not None and geo.block_len > geo.stride:
             # _kept_tokens re-sorts overlapping blocks: the bias would land on the wrong ones
             raise NotImplementedError(f"{self.design}: a kept-block bias needs disjoint blocks")
         if bias is not None:  # one bias per kept block, on each of its slots
             bias = bias.repeat_interleave(pos.shape[-1] // idx.shape[-1], -1)
         band_ok = self._repeat_kv(at_rows(geo.band_valid, rows), 1)  # [batch, head, row, w]
-        q_rows = query_rows(q, rows)  # [batch, head, row, d]
-        if self.training and not hooked and k.shape[1] <= DENSE_MAX_POS:
+        if dense:
             return self._attend_dense(q_rows, k, v, geo, rows, (pos, keep, bias, band_ok))
         visible = torch.cat([keep, band_ok], -1)
         # kept tokens differ per query head; the band is a KV head's: read it once per group
@@ -364,8 +372,8 @@ class SelectingAttention(CompressedAttentionMixin):
         g = cand.shape[1]
         gate = gate.reshape(b, g, h // g, r, nb).masked_fill(~cand[:, :, None], float("-inf"))
         gate = gate.reshape(b, h, r, nb)
-        own = gate.gather(-1, fidx)
-        return gate.scatter(-1, fidx, own.masked_fill(fok, float("-inf")))
+        own = gate.gather(-1, fidx)  # gate is masked_fill's fresh copy: written in place
+        return gate.scatter_(-1, fidx, own.masked_fill(fok, float("-inf")))
 
     def _select(
         self,
