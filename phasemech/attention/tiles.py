@@ -21,7 +21,7 @@ caller keeps the gather for the rest (hooks, overlap, padding, a kept-block bias
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from jaxtyping import Bool, Float, Int
@@ -74,7 +74,9 @@ def attend_tiles(
 
 
 def _union(
-    idx: Int[Tensor, "batch kv_head rep tile c sel"], ok: Bool[Tensor, "batch head row sel"], nb: int
+    idx: Int[Tensor, "batch kv_head rep tile c sel"],
+    ok: Bool[Tensor, "batch head row sel"],
+    nb: int,
 ) -> tuple[Int[Tensor, "batch kv_head tile u"], Bool[Tensor, "batch kv_head rep tile c u"]]:
     """The blocks any row or query head of a tile kept (padded to the largest union), and
     which of them each query kept. Counts, not writes, decide: a missing pick may repeat a
@@ -94,7 +96,8 @@ def _union(
     picked = hits.new_zeros(b, g, rep, nt, c * (u + 1))
     row = torch.arange(c, device=idx.device).repeat_interleave(sel) * (u + 1)
     picked.scatter_add_(-1, where + row, hits.flatten(-2))
-    return ublk, (picked.view(b, g, rep, nt, c, u + 1)[..., :u] > 0) & (val > 0)[:, :, None, :, None]
+    seen = picked.view(b, g, rep, nt, c, u + 1)[..., :u] > 0
+    return ublk, seen & (val > 0)[:, :, None, :, None]
 
 
 def _key_list(
