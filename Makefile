@@ -7,6 +7,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.phasemech-installed
 TORCH_PIN := torch==2.13.0
 FULL ?= 0
+# test files run on this many processes (one torch thread each; a file keeps its fixtures)
+TEST_WORKERS ?= 2
 
 .PHONY: test figures lint bench sweep pretrained clean chromium
 
@@ -31,7 +33,7 @@ chromium:
 	  else echo "warning: no chromium and cannot apt-get install it: PNGs and the browser test are skipped"; fi; }
 
 test: $(STAMP) chromium
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # default: 5 models, <= 20 min on a fresh 2-core machine; FULL=1: the 72-model sweep (3 seeds)
 figures: $(STAMP) chromium

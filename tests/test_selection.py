@@ -296,8 +296,8 @@ TILE_COMPS = {
 def test_tiles_attend_what_the_gather_attends(rule, comp, monkeypatch):
     """The fast path (one key list per tile of rows, ``phasemech.attention.tiles``) computes
     the per-query gather's output (float64), in chunks that end mid-tile, with the query heads
-    of a KV head and the sequences of the batch on different grid offsets; a padded batch,
-    which it does not serve, takes the gather."""
+    of a KV head on different grid offsets; a padded batch, which it does not serve, takes the
+    gather."""
     import phasemech.attention.selection as sel
 
     calls, tiles = [], sel.attend_tiles
@@ -320,6 +320,45 @@ def test_tiles_attend_what_the_gather_attends(rule, comp, monkeypatch):
     attn.tiled, calls[:] = True, []
     model(tokens(2, 45, seed=3), attention_mask=mask)
     assert not calls
+
+
+@pytest.mark.parametrize("rule", ["route", "quest", "evict"])
+def test_tiles_on_shifted_grids_local_layers_and_gradients(rule, monkeypatch):
+    """The tiles equal the gather (outputs and the gradients to q, k, v; float64) with each
+    sequence and KV head on its own offset, on a sliding-window layer's geometry, keeping
+    every block, under an all-ones mask; a tile whose key list would outgrow the gathered
+    keys falls back to the gather."""
+    import phasemech.attention.selection as sel
+    import phasemech.attention.tiles as tiles
+    from phasemech.core.grid import build_geometry
+
+    served, real = [], sel.attend_tiles
+    monkeypatch.setattr(sel, "attend_tiles", lambda *a: served.append(real(*a)) or served[-1])
+    extra = {"obs_window": 3} if rule == "evict" else {}
+    model = _model(rule, stride=4, window=5, top_k=2, **extra).double()
+    attn, q, k, v, _, _ = _layer_inputs(model, tokens(2, 45, seed=5))
+    attn.row_chunk = lambda seq: 22
+    offsets = torch.tensor([[1, 3], [2, 0]])
+
+    def both(geo, tiled: bool = True) -> None:
+        outs = []
+        for attn.tiled in (True, False):
+            qkv = [t.detach().requires_grad_() for t in (q, k, v)]
+            z, _ = attn.attend(None, *qkv, geo)
+            outs.append((z, *torch.autograd.grad(z.square().sum(), qkv)))
+        assert served and all((z is not None) == tiled for z in served)
+        served.clear()
+        for got, want in zip(*outs, strict=True):
+            torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+
+    both(attn._geometry(offsets, 45, None))
+    both(build_geometry(offsets, 45, 4, 4, 5, "inclusive", local_window=9))
+    both(attn._geometry(offsets, 45, torch.ones(2, 45, dtype=torch.bool)))
+    attn.keep_all = True
+    both(attn._geometry(offsets, 45, None))
+    attn.keep_all = False
+    monkeypatch.setattr(tiles, "TILE", 256)  # key lists longer than d_head x the kept keys
+    both(attn._geometry(offsets, 45, None), tiled=False)
 
 
 @pytest.mark.parametrize("offsets", ["aligned", "per_layer"])

@@ -15,6 +15,9 @@ are masked. Nothing is compressed: tokens of unkept blocks are dropped on purpos
 The kept tokens are *gathered* (``[row, sel x slot]``), never masked out of a ``[pos, key_pos]``
 matrix, and rows run in chunks: a chunk holds ``O(rows x (blocks + top_k x block_len + Wr))``
 scores per head, so memory is ``O(T (T/d + k l + W))`` for a forward (``bench/selection.py``).
+An unhooked forward attends per tile of rows instead (``phasemech.attention.tiles``: the rows
+of a tile share one key list, the union of their kept blocks, each masked to its own
+selection; the same outputs, no per-query copy of the keys); the gather is its reference.
 With any hook on the scores, selection or pattern attached (analysis, ``run_with_cache``) all
 rows run as one chunk so each hook fires once per forward.
 
@@ -278,7 +281,9 @@ class SelectingAttention(CompressedAttentionMixin):
         dense = self.training and not hooked and k.shape[1] <= DENSE_MAX_POS
         plain = not (hooked or dense or bias is not None or self._token_pattern_wanted())
         if plain and self.tiled and tiles_serve(geo, rows):  # one key list per tile of rows
-            return attend_tiles(q_rows, k, v, geo, rows, (idx, ok), self._row_pattern), None
+            z = attend_tiles(q_rows, k, v, geo, rows, (idx, ok), self._row_pattern)
+            if z is not None:
+                return z, None
         pos, keep = self._kept_tokens(idx, ok, geo, rows, k.shape[1])  # [b, h, row, m]
         if bias is not None and geo.block_len > geo.stride:
             # _kept_tokens re-sorts overlapping blocks: the bias would land on the wrong ones

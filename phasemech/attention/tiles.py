@@ -16,7 +16,10 @@ conditions as ``_kept_tokens`` and the band (``tests/test_selection.py`` compare
 float64). MoBA's efficient path and Quest's kernel share keys across queries the same way.
 
 It serves disjoint blocks (``block_len == stride``), unpadded keys and consecutive rows; the
-caller keeps the gather for the rest (hooks, overlap, padding, a kept-block bias, training).
+caller keeps the gather for the rest (hooks, overlap, padding, a kept-block bias, the dense
+layout of a short training forward) and where a tile's union is so large that its scores
+would take more memory than the gathered keys. Hidden keys weigh exactly 0, so outputs equal
+the gather's for finite values (a NaN value in a hidden key would spread, as ``0 * NaN``).
 """
 
 from __future__ import annotations
@@ -36,8 +39,8 @@ TILE = 16
 
 def tiles_serve(geo: Geometry, rows: Int[Tensor, "batch row"]) -> bool:
     """Whether ``attend_tiles`` computes these rows exactly as the gather does."""
-    plain = geo.block_len == geo.stride and geo.band > 0 and geo.key_valid is None
-    if not plain or rows.shape[1] < 2:
+    unpadded = geo.key_valid is None or bool(geo.key_valid.all())
+    if geo.block_len != geo.stride or geo.band < 1 or not unpadded or rows.shape[1] < 2:
         return False
     return bool((rows.diff(dim=1) == 1).all())
 
@@ -50,9 +53,11 @@ def attend_tiles(
     rows: Int[Tensor, "batch row"],
     kept: tuple[Int[Tensor, "batch head row sel"], Bool[Tensor, "batch head row sel"]],
     pattern: Callable[[Tensor, Tensor], Tensor],
-) -> Float[Tensor, "batch head row d_head"]:
+) -> Float[Tensor, "batch head row d_head"] | None:
     """``z`` at ``rows``: each query attends its kept blocks' tokens and its raw band in one
-    softmax (``pattern(scores, visible)``), over its tile's shared key list."""
+    softmax (``pattern(scores, visible)``), over its tile's shared key list. ``None`` when a
+    key list would outgrow what the gather holds (the queries of a tile keep mostly different
+    blocks: the scores over the union would take more memory than the gathered keys)."""
     b, h, r, dh = q_rows.shape
     g = k.shape[2]
     rep, pad = h // g, -r % TILE
@@ -64,6 +69,10 @@ def attend_tiles(
         idx = torch.cat([idx, idx[:, :, -1:].expand(-1, -1, pad, -1)], 2)
         ok = torch.cat([ok, ok.new_zeros(b, h, pad, ok.shape[-1])], 2)
     ublk, seen = _union(idx.view(b, g, rep, nt, TILE, -1), ok, geo.block_used.shape[-1])
+    if ublk.shape[-1] * geo.stride + TILE + geo.band - 1 > dh * (
+        idx.shape[-1] * geo.stride + geo.band
+    ):
+        return None
     keys, visible = _key_list(geo, rows.view(b, nt, TILE), ublk, seen)
     kt, vt = _read(k, keys), _read(v, keys)  # [batch, kv_head, tile, key, d]
     qt = q_rows.view(b, g, rep, nt, TILE, dh).transpose(2, 3).flatten(3, 4)
