@@ -10,7 +10,10 @@ Variants (one thread, CPU; each a whole forward to the last block, no unembeddin
     * ``tl``: TransformerLens' own dense attention (explicit score matrix and mask), for
       reference only: no user runs it for speed;
     * each design (``route``, ``quest``, ``kpool``, ``evict``) applied post hoc to every layer
-      (d = 4, top-k 8, raw window 16 by default), with ``linear_layout``.
+      (d = 4, top-k 8, raw window 16 by default), with ``linear_layout``;
+    * with ``--gather``, each design again through the engine's per-query gather instead of
+      its tiles (``phasemech.attention.tiles``): the same outputs, the engine before the tiles.
+      ``--no-tl`` skips the (slow) TransformerLens reference.
 
 Per variant: ``forward_s`` (median of ``--repeats`` forwards; rounds rotate the order so load
 drift hits every variant alike), ``attn_s`` (time inside the attention modules, summed over
@@ -119,6 +122,8 @@ def variants(hf, base, args) -> dict[str, tuple]:
         "sdpa": (lambda x: sdpa(x, stop_at_layer=stop), [b.attn for b in sdpa.blocks]),
         "tl": (lambda x: base(x, stop_at_layer=stop), [b.attn for b in base.blocks]),
     }  # fmt: skip
+    if args.no_tl:
+        del out["tl"]
     for design in args.designs:
         extra = {"obs_window": args.obs_window} if design == "evict" else {}
         comp = CompressionConfig(design, stride=args.stride, top_k=args.top_k,
@@ -126,6 +131,12 @@ def variants(hf, base, args) -> dict[str, tuple]:
         model = PhaseTransformer.from_hooked(base, comp).eval()
         linear_layout(model)
         out[design] = (lambda x, m=model: m(x, stop_at_layer=stop), [b.attn for b in model.blocks])
+        if args.gather and design != "mean":  # the engine's per-query gather, for before/after
+            gathered = copy.deepcopy(model)
+            for b in gathered.blocks:
+                b.attn.tiled = False
+            out[f"{design}/gather"] = (lambda x, m=gathered: m(x, stop_at_layer=stop),
+                                       [b.attn for b in gathered.blocks])  # fmt: skip
     return out
 
 
@@ -197,6 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--obs-window", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--no-tl", action="store_true", help="skip TransformerLens' dense reference")
+    p.add_argument("--gather", action="store_true",
+                   help="also each design through the per-query gather (no tiles)")  # fmt: skip
     p.add_argument("--tiny", action="store_true", help="a random 2-layer llama (smoke test)")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)

@@ -25,12 +25,11 @@ def test_selection_benchmark_runs(tmp_path):
     dense and the selecting designs, at toy sizes."""
     out = tmp_path / "selection.json"
     cmd = [sys.executable, str(ROOT / "bench/selection.py"), "--tiny", "--seq-lens", "64", "128"]
-    cmd += ["--designs", "route", "quest", "--repeats", "1", "--out", str(out)]
+    cmd += ["--designs", "route", "quest", "--gather", "--repeats", "1", "--out", str(out)]
     subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, timeout=300)
     rows = json.loads(out.read_text())["rows"]
-    assert {(r["variant"], r["T"]) for r in rows} == {
-        (v, t) for v in ("hf", "sdpa", "tl", "route", "quest") for t in (64, 128)
-    }
+    names = ("hf", "sdpa", "tl", "route", "quest", "route/gather", "quest/gather")
+    assert {(r["variant"], r["T"]) for r in rows} == {(v, t) for v in names for t in (64, 128)}
     assert all(r["forward_s"] > 0 and r["attn_s"] > 0 for r in rows)
     assert all(0 < r["outside_s"] < r["forward_s"] for r in rows)
     assert all(r["forward_s_ratio"] == 1.0 for r in rows if r["variant"] == "hf")
