@@ -113,6 +113,21 @@ def test_patching_without_a_gap_is_nan_and_said(tmp_path):
     assert "no gap to normalise by" in lines[1]
     good = [dict(p, clean=p["corrupted"] + 1.0) for p in pairs]
     assert patching_table(good, n_boot=10, seed=0).effect.notna().all()
+    # nothing is ranked by a NaN (pandas' nlargest keeps NaN rows) and the summary is JSON
+    from phasemech.core.io import json_safe
+    from phasemech.experiments.explain_report import _head_lines, _layer_lines
+
+    atp = table[table.site == "head"].assign(site="atp", effect=1.0)
+    t = {"patching": pd.concat([table, atp], ignore_index=True)}
+    text = "\n".join(_layer_lines(t) + _head_lines(t))
+    assert text.count("no normalised effect to rank") == 2 and "nan" not in text
+    assert atp_check(t["patching"]) is None
+    f = findings(t, n_layers=2)
+    assert f["top_patching"] == [] and json.dumps(json_safe(f), allow_nan=False)
+    from phasemech.experiments.explain_claims import _run_lines
+
+    said = "\n".join(_run_lines("explain_x", _summary(f))[0])
+    assert "Patching phase 3 into phase 1 (40 pairs): the clean phase's" in said
 
 
 def test_layer_bands_are_named_by_the_selecting_layers_they_hold():

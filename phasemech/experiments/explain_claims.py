@@ -87,6 +87,13 @@ def _run_lines(stem: str, s: dict) -> tuple[list[str], int | None]:
             f"  - Patching phase {cp[0]} into phase {cp[1]} ({s['n_pairs']} pairs), normalised "
             f"effect (1 = restored): top heads {tops}{every}."
         )
+    elif f.get("top_patching") == [] and s.get("n_pairs"):  # patched, but nothing to rank
+        cp = s.get("contrast_phases") or [None, None]
+        lines.append(
+            f"  - Patching phase {cp[0]} into phase {cp[1]} ({s['n_pairs']} pairs): the clean "
+            "phase's logit difference is not above the corrupted one's, so no effect is "
+            "normalised and no head is ranked."
+        )
     dep = f.get("phase_dependent_heads")
     if dep is None:  # a run without the ablation step cannot count for or against the claim
         lines.append("  - Zero ablation: not run in this setting.")

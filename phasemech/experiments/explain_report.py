@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from phasemech.core.io import atomic_write, write_json_atomic
+from phasemech.core.io import atomic_write, json_safe, write_json_atomic
 
 
 def layer_span(layers) -> str:
@@ -98,6 +98,8 @@ def atp_check(patch: pd.DataFrame | None, top: int = 20) -> dict[str, Any] | Non
     top ``top``."""
     if patch is None or not {"atp", "head"} <= set(patch.site):
         return None
+    if patch[patch.site == "head"].effect.isna().all():  # no gap: nothing to check against
+        return None
     atp = patch[patch.site == "atp"].set_index(["layer", "head"]).effect
     exact = patch[patch.site == "head"].set_index(["layer", "head"]).effect
     picked = atp.abs().nlargest(top).index
@@ -117,7 +119,8 @@ def _layer_lines(t: dict, top: int = 5) -> list[str]:
     lines = ["", "## Layers by patching (1 = restored)", "", "| site | top layers (effect) |",
              "|---|---|"]  # fmt: skip
     for site in ("resid", "selection"):
-        g = p[(p.site == site) & (p.layer >= 0)].nlargest(top, "effect")
+        # NaN effects (no clean-corrupted gap; the header says so) rank nothing
+        g = p[(p.site == site) & (p.layer >= 0) & p.effect.notna()].nlargest(top, "effect")
         if g.empty:
             continue
         best = ", ".join(f"{r.layer} ({r.effect:.2f})" for r in g.itertuples())
@@ -126,14 +129,14 @@ def _layer_lines(t: dict, top: int = 5) -> list[str]:
             r = every.iloc[0]
             best += f"; every selecting layer: {r.effect:.2f} [{r.ci_low:.2f}, {r.ci_high:.2f}]"
         lines.append(f"| {site} | {best} |")
-    return lines
+    return lines if len(lines) > 5 else lines + ["| - | no normalised effect to rank |"]
 
 
 def _head_lines(t: dict, top: int = 10) -> list[str]:
     lines = []
     p = t.get("patching")
     if p is not None:
-        heads = p[p.site == "head"].nlargest(top, "effect")
+        heads = p[(p.site == "head") & p.effect.notna()].nlargest(top, "effect")
         lines += [
             "",
             "## Top heads by exact patching (clean phase into weak phase; 1 = restored)",
@@ -142,17 +145,21 @@ def _head_lines(t: dict, top: int = 10) -> list[str]:
             "|---|---|---|",
         ]
         atp = p[p.site == "atp"].set_index(["layer", "head"]).effect
+        if heads.empty:
+            lines.append("| - | no normalised effect to rank | - |")
         for r in heads.itertuples():
             est = atp.get((r.layer, r.head), np.nan)
             ci = f"[{r.ci_low:.3f}, {r.ci_high:.3f}]"
             lines.append(f"| {r.layer}.{r.head} | {r.effect:.3f} {ci} | {est:.3f} |")
         chk = atp_check(p)
-        r = "-" if chk["pearson_r"] is None else f"{chk['pearson_r']:.2f}"
-        lines += [
-            "",
-            f"AtP check on its top {chk['n']} heads: r = {r} with exact patching, largest gap "
-            f"{chk['max_abs_gap']:.3f}, {chk['overlap']} of them in the exact top {chk['n']}.",
-        ]
+        if chk is not None:
+            r = "-" if chk["pearson_r"] is None else f"{chk['pearson_r']:.2f}"
+            lines += [
+                "",
+                f"AtP check on its top {chk['n']} heads: r = {r} with exact patching, largest "
+                f"gap {chk['max_abs_gap']:.3f}, {chk['overlap']} of them in the exact top "
+                f"{chk['n']}.",
+            ]
     s = t.get("ablation_specialization")
     if s is not None:
         z = s[(s.metric == "logit_diff") & (s["mode"] == "zero")].nsmallest(top, "overall")
@@ -205,7 +212,7 @@ def findings(t: dict, n_layers: int, top: int = 10) -> dict[str, Any]:
         ]  # fmt: skip
     p = t.get("patching")
     if p is not None:
-        heads = p[p.site == "head"].nlargest(top, "effect")
+        heads = p[(p.site == "head") & p.effect.notna()].nlargest(top, "effect")
         out["top_patching"] = _records(heads, ["layer", "head", "effect", "ci_low", "ci_high"])
         sel = p[p.site == "selection"].sort_values("effect", ascending=False)
         out["selection_patching"] = _records(sel, ["layer", "effect", "ci_low", "ci_high", "kept"])
@@ -279,7 +286,7 @@ def write_report(
     lines += ["", f"Wall time {meta['wall_s']:.0f} s; worker time {meta['worker_s']:.0f} s."]
     out.mkdir(parents=True, exist_ok=True)
     atomic_write(out / "summary.md", lambda tmp: Path(tmp).write_text("\n".join(lines) + "\n"))
-    write_json_atomic(out / "summary.json", summary)
+    write_json_atomic(out / "summary.json", json_safe(summary))
     return summary
 
 

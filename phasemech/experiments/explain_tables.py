@@ -281,12 +281,15 @@ def run_explain(
         patch = patching_table(pair_rows, cfg.n_boot, cfg.seed) if pair_rows else None
         heads: list[dict] = []
         if "oracle" in cfg.analyses and patch is not None:
-            cand = patch[patch.site == "head"]
+            # NaN effects (no clean-corrupted gap to normalise by) rank no head
+            cand = patch[(patch.site == "head") & patch.effect.notna()]
             if cfg.layers is not None:  # a head of an uncompressed layer has no pick to force
                 cand = cand[cand.layer.isin(cfg.layers)]
             top = cand.nlargest(cfg.top_heads, "effect")
             units = [(int(r.layer), int(r.head)) for r in top.itertuples()]
-            heads = _prompts(launch(ensure, explain_jobs(cfg, "heads", ids, units=units))["heads"])
+            if units:
+                jobs = explain_jobs(cfg, "heads", ids, units=units)
+                heads = _prompts(launch(ensure, jobs)["heads"])
     tables = _tables(cfg, prompts, observed, inter, heads, patch, pair_rows, source)
     tables |= attention_tables(attended)
     for name, df in tables.items():
