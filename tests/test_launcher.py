@@ -113,7 +113,8 @@ def test_interrupted_launcher_rerun_runs_only_the_missing_jobs(tmp_path):
     # gate opened only after the launcher died), so exactly one is cached when it lands
     dest, gate = tmp_path / "jobs", tmp_path / "gate"
     jobs = [GateJob(v, str(gate)) for v in range(3)]
-    script = (
+    script = (  # Ctrl-C restored: a process started by a pytest-xdist worker inherits it ignored
+        "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r})\n"
         "from test_launcher import GateJob, launch\n"
         f"launch([GateJob(v, {str(gate)!r}) for v in range(3)], {str(dest)!r}, num_cpus=2)"
