@@ -69,9 +69,9 @@ def attend_tiles(
         idx = torch.cat([idx, idx[:, :, -1:].expand(-1, -1, pad, -1)], 2)
         ok = torch.cat([ok, ok.new_zeros(b, h, pad, ok.shape[-1])], 2)
     ublk, seen = _union(idx.view(b, g, rep, nt, TILE, -1), ok, geo.block_used.shape[-1])
-    if ublk.shape[-1] * geo.stride + TILE + geo.band - 1 > dh * (
-        idx.shape[-1] * geo.stride + geo.band
-    ):
+    # per query: a score for every key of the list, against the gather's m x d_head copies
+    n_keys, n_kept = ublk.shape[-1] * geo.stride + TILE + geo.band - 1, idx.shape[-1] * geo.stride
+    if n_keys > dh * (n_kept + geo.band):
         return None
     keys, visible = _key_list(geo, rows.view(b, nt, TILE), ublk, seen)
     kt, vt = _read(k, keys), _read(v, keys)  # [batch, kv_head, tile, key, d]

@@ -118,6 +118,7 @@ def _layer_lines(t: dict, top: int = 5) -> list[str]:
         return []
     lines = ["", "## Layers by patching (1 = restored)", "", "| site | top layers (effect) |",
              "|---|---|"]  # fmt: skip
+    header = len(lines)
     for site in ("resid", "selection"):
         # NaN effects (no clean-corrupted gap; the header says so) rank nothing
         g = p[(p.site == site) & (p.layer >= 0) & p.effect.notna()].nlargest(top, "effect")
@@ -129,7 +130,7 @@ def _layer_lines(t: dict, top: int = 5) -> list[str]:
             r = every.iloc[0]
             best += f"; every selecting layer: {r.effect:.2f} [{r.ci_low:.2f}, {r.ci_high:.2f}]"
         lines.append(f"| {site} | {best} |")
-    return lines if len(lines) > 5 else lines + ["| - | no normalised effect to rank |"]
+    return lines if len(lines) > header else lines + ["| - | no normalised effect to rank |"]
 
 
 def _head_lines(t: dict, top: int = 10) -> list[str]:
