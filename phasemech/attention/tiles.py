@@ -35,6 +35,8 @@ from phasemech.core.grid import Geometry
 
 #: query rows per tile (a smaller tile keeps a smaller union; a larger one, fewer matmuls)
 TILE = 16
+#: the longest key list served, in multiples of a query's own kept keys (else: the gather)
+MAX_SPREAD = 8
 
 
 def tiles_serve(geo: Geometry, rows: Int[Tensor, "batch row"]) -> bool:
@@ -56,8 +58,8 @@ def attend_tiles(
 ) -> Float[Tensor, "batch head row d_head"] | None:
     """``z`` at ``rows``: each query attends its kept blocks' tokens and its raw band in one
     softmax (``pattern(scores, visible)``), over its tile's shared key list. ``None`` when a
-    key list would outgrow what the gather holds (the queries of a tile keep mostly different
-    blocks: the scores over the union would take more memory than the gathered keys)."""
+    key list is more than ``MAX_SPREAD`` times a query's own keys (the queries of a tile keep
+    mostly different blocks: the gather is then faster, and smaller)."""
     b, h, r, dh = q_rows.shape
     g = k.shape[2]
     rep, pad = h // g, -r % TILE
@@ -69,9 +71,12 @@ def attend_tiles(
         idx = torch.cat([idx, idx[:, :, -1:].expand(-1, -1, pad, -1)], 2)
         ok = torch.cat([ok, ok.new_zeros(b, h, pad, ok.shape[-1])], 2)
     ublk, seen = _union(idx.view(b, g, rep, nt, TILE, -1), ok, geo.block_used.shape[-1])
-    # per query: a score for every key of the list, against the gather's m x d_head copies
+    # per query: a score for every key of the list against the gather's m keys; matrix
+    # products win while the list is a few times m (SmolLM2: ~4x), lose beyond (queries that
+    # keep unrelated blocks, e.g. random weights: ~25x, 2x slower); MAX_SPREAD keeps the
+    # gather there, and below d_head x the list's scores never outgrow the gathered keys
     n_keys, n_kept = ublk.shape[-1] * geo.stride + TILE + geo.band - 1, idx.shape[-1] * geo.stride
-    if n_keys > dh * (n_kept + geo.band):
+    if n_keys > min(MAX_SPREAD, dh) * (n_kept + geo.band):
         return None
     keys, visible = _key_list(geo, rows.view(b, nt, TILE), ublk, seen)
     kt, vt = _read(k, keys), _read(v, keys)  # [batch, kv_head, tile, key, d]
