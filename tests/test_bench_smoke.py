@@ -42,3 +42,10 @@ def test_selection_train_benchmark_runs():
     done = subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, text=True, timeout=300)
     row = done.stdout.strip().splitlines()[-1].split()
     assert row[0] == "partition" and all(float(x) > 0 for x in row[1:])
+
+
+def test_selection_tiles_benchmark_runs():
+    cmd = [sys.executable, str(ROOT / "bench/selection_tiles.py"), "--seq", "256", "--layer", "1"]
+    out = subprocess.run(cmd + ["--repeats", "1"], check=True, cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
+    assert "tiles" in out.stdout and "gather" in out.stdout and "union per chunk" in out.stdout
