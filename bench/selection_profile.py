@@ -72,17 +72,22 @@ def main(argv: list[str] | None = None) -> int:
     t_hf, t_ours = median_s(run_hf, args.repeats), median_s(run_ours, args.repeats)
     print(f"T={args.seq} transformers LlamaAttention (SDPA) {t_hf * 1e3:.0f} ms; "
           f"{args.design} {t_ours * 1e3:.0f} ms ({t_ours / t_hf:.2f}x)")  # fmt: skip
+    print_ops(run_ours, args.design, args.rows)
+    return 0
+
+
+def print_ops(fn, name: str, rows: int) -> None:
+    """One call of ``fn`` under ``torch.profiler``: its operators by self CPU time."""
     from torch.profiler import profile
 
     with profile() as prof:
-        run_ours()
+        fn()
     events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
     total = sum(e.self_cpu_time_total for e in events)
-    print(f"{args.design}: self CPU time by operator (total {total / 1e3:.0f} ms)")
-    for e in events[: args.rows]:
+    print(f"{name}: self CPU time by operator (total {total / 1e3:.0f} ms)")
+    for e in events[:rows]:
         share = e.self_cpu_time_total / total
         print(f"  {e.key:28s} {e.self_cpu_time_total / 1e3:8.1f} ms {share:6.1%}  x{e.count}")
-    return 0
 
 
 if __name__ == "__main__":

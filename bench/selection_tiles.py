@@ -4,7 +4,8 @@ per-query gather, side by side (one thread, CPU; random tokens as in ``bench/sel
 Prints the median time of ``attend`` (block scores, ranking and attention, no projections)
 with ``tiled`` on and off, and the key-list size the tiles used (blocks per tile's union).
 
-Usage: ``python bench/selection_tiles.py [--seq 4096] [--design route] [--layer 5]``.
+Usage: ``python bench/selection_tiles.py [--seq 4096] [--design route] [--layer 5] [--rows 8]``
+(``--rows N``: then the tiles' top N operators by self CPU time).
 """
 
 from __future__ import annotations
@@ -13,29 +14,28 @@ import argparse
 import statistics
 
 import torch
-from selection_profile import median_s
+from selection import load
+from selection_profile import median_s, print_ops
 
 
 @torch.inference_mode()
 def main(argv: list[str] | None = None) -> int:
     import phasemech.attention.tiles as tiles
     from phasemech import CompressionConfig, PhaseTransformer
-    from phasemech.model.pretrained import hf_model, hooked_from_hf
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--design", default="route")
     p.add_argument("--layer", type=int, default=5)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--rows", type=int, default=0, help="then profile the tiles: top operators")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    hf, tok = hf_model("smollm2-135m")
-    base = hooked_from_hf(hf, tok, n_ctx=args.seq)
+    _, base = load(False, args.seq)
     comp = CompressionConfig(args.design, stride=4, top_k=8, window=16)
     model = PhaseTransformer.from_hooked(base, comp).eval()
-    x = torch.randint(
-        0, base.cfg.d_vocab, (1, args.seq), generator=torch.Generator().manual_seed(0)
-    )
+    gen = torch.Generator().manual_seed(args.seq)  # bench/selection.py's tokens
+    x = torch.randint(0, base.cfg.d_vocab, (1, args.seq), generator=gen)
     names = [f"blocks.{args.layer}.attn.hook_{n}" for n in ("rot_q", "rot_k", "v", "grid_offset")]
     _, cache = model.run_with_cache(x, names_filter=names, stop_at_layer=args.layer + 1)
     attn = model.blocks[args.layer].attn
@@ -50,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.design} layer {args.layer}, T={args.seq}: tiles {t:.0f} ms, gather {g:.0f} ms "
           f"({t / g:.2f}x); union per chunk: median {statistics.median(unions)} blocks, "
           f"max {max(unions)}")  # fmt: skip
+    if args.rows:
+        attn.tiled = True
+        print_ops(lambda: attn.attend(None, q, k, v, geo), f"{args.design} (tiles)", args.rows)
     return 0
 
 

@@ -30,7 +30,7 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from phasemech.attention.rows import at_rows
+from phasemech.attention.rows import at_rows, gather_heads
 from phasemech.core.grid import Geometry
 
 #: query rows per tile (a smaller tile keeps a smaller union; a larger one, fewer matmuls)
@@ -79,7 +79,8 @@ def attend_tiles(
     if n_keys > min(MAX_SPREAD, dh) * (n_kept + geo.band):
         return None
     keys, visible = _key_list(geo, rows.view(b, nt, TILE), ublk, seen)
-    kt, vt = _read(k, keys), _read(v, keys)  # [batch, kv_head, tile, key, d]
+    # one key list per KV head: gather_heads with a "head" axis of KV heads
+    kt, vt = gather_heads(k, keys), gather_heads(v, keys)  # [batch, kv_head, tile, key, d]
     qt = q_rows.view(b, g, rep, nt, TILE, dh).transpose(2, 3).flatten(3, 4)
     scores = qt @ kt.transpose(-1, -2)  # [batch, kv_head, tile, rep x c, key]
     p = pattern(scores, visible.transpose(2, 3).flatten(3, 4))
@@ -139,15 +140,3 @@ def _key_list(
     band = inside & band_ok.gather(-1, w.clamp(0, wr - 1).expand(-1, g, -1, -1, -1, -1))
     keys = torch.cat([upos, bpos[:, None].expand(-1, g, -1, -1)], -1)
     return keys, torch.cat([kept, band.expand(-1, -1, seen.shape[2], -1, -1, -1)], -1)
-
-
-def _read(
-    x: Float[Tensor, "batch pos kv_head d"], keys: Int[Tensor, "batch kv_head tile key"]
-) -> Float[Tensor, "batch kv_head tile key d"]:
-    """``x`` at each tile's keys, per KV head: whole rows of a flat table (missing positions
-    read a clamped row, masked by the caller)."""
-    b, seq, g, dd = x.shape
-    base = torch.arange(b, device=keys.device)[:, None, None, None] * (seq * g)
-    head = torch.arange(g, device=keys.device)[None, :, None, None]
-    flat = base + keys.clamp(0, seq - 1) * g + head
-    return x.reshape(b * seq * g, dd).index_select(0, flat.flatten()).view(*keys.shape, dd)

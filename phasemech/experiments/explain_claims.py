@@ -76,8 +76,8 @@ def _run_lines(stem: str, s: dict) -> tuple[list[str], int | None]:
     orc = _oracle(f)
     if orc:
         lines.append(f"  - Oracle: {orc}.")
+    cp = s.get("contrast_phases") or [None, None]
     if f.get("top_patching"):
-        cp = s.get("contrast_phases") or [None, None]
         tops = ", ".join(
             f"L{h['layer']}H{h['head']} {h['effect']:.2f}" for h in f["top_patching"][:5]
         )
@@ -88,7 +88,6 @@ def _run_lines(stem: str, s: dict) -> tuple[list[str], int | None]:
             f"effect (1 = restored): top heads {tops}{every}."
         )
     elif f.get("top_patching") == [] and s.get("n_pairs"):  # patched, but nothing to rank
-        cp = s.get("contrast_phases") or [None, None]
         lines.append(
             f"  - Patching phase {cp[0]} into phase {cp[1]} ({s['n_pairs']} pairs): the clean "
             "phase's logit difference is not above the corrupted one's, so no effect is "

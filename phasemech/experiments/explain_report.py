@@ -110,6 +110,15 @@ def atp_check(patch: pd.DataFrame | None, top: int = 20) -> dict[str, Any] | Non
                 overlap=sum(k in best for k in picked))  # fmt: skip
 
 
+def top_heads(patch: pd.DataFrame, top: int, layers=None) -> pd.DataFrame:
+    """Heads by exact patching effect, largest first (of ``layers`` if given). A NaN effect
+    (no clean-corrupted gap to normalise by) ranks nothing: pandas' ``nlargest`` keeps NaN."""
+    heads = patch[(patch.site == "head") & patch.effect.notna()]
+    if layers is not None:
+        heads = heads[heads.layer.isin(layers)]
+    return heads.nlargest(top, "effect")
+
+
 def _layer_lines(t: dict, top: int = 5) -> list[str]:
     """The layers whose residual stream or selection, patched from the clean phase, restore
     the most."""
@@ -137,7 +146,7 @@ def _head_lines(t: dict, top: int = 10) -> list[str]:
     lines = []
     p = t.get("patching")
     if p is not None:
-        heads = p[(p.site == "head") & p.effect.notna()].nlargest(top, "effect")
+        heads = top_heads(p, top)
         lines += [
             "",
             "## Top heads by exact patching (clean phase into weak phase; 1 = restored)",
@@ -213,7 +222,7 @@ def findings(t: dict, n_layers: int, top: int = 10) -> dict[str, Any]:
         ]  # fmt: skip
     p = t.get("patching")
     if p is not None:
-        heads = p[(p.site == "head") & p.effect.notna()].nlargest(top, "effect")
+        heads = top_heads(p, top)
         out["top_patching"] = _records(heads, ["layer", "head", "effect", "ci_low", "ci_high"])
         sel = p[p.site == "selection"].sort_values("effect", ascending=False)
         out["selection_patching"] = _records(sel, ["layer", "effect", "ci_low", "ci_high", "kept"])
@@ -291,4 +300,4 @@ def write_report(
     return summary
 
 
-__all__ = ["atp_check", "findings", "layer_span", "write_report"]
+__all__ = ["atp_check", "findings", "layer_span", "top_heads", "write_report"]

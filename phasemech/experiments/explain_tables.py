@@ -243,7 +243,7 @@ def run_explain(
 ) -> dict[str, Any]:
     """Run (or finish from the cache) the explanation ``cfg`` into ``out``; returns the summary."""
     from phasemech.experiments.experiment import launch_results, ray_session
-    from phasemech.experiments.explain_report import write_report
+    from phasemech.experiments.explain_report import top_heads, write_report
     from phasemech.viz.explain import write_explain_html
 
     source = check_explain(cfg)
@@ -281,11 +281,8 @@ def run_explain(
         patch = patching_table(pair_rows, cfg.n_boot, cfg.seed) if pair_rows else None
         heads: list[dict] = []
         if "oracle" in cfg.analyses and patch is not None:
-            # NaN effects (no clean-corrupted gap to normalise by) rank no head
-            cand = patch[(patch.site == "head") & patch.effect.notna()]
-            if cfg.layers is not None:  # a head of an uncompressed layer has no pick to force
-                cand = cand[cand.layer.isin(cfg.layers)]
-            top = cand.nlargest(cfg.top_heads, "effect")
+            # a head of an uncompressed layer has no pick to force
+            top = top_heads(patch, cfg.top_heads, cfg.layers)
             units = [(int(r.layer), int(r.head)) for r in top.itertuples()]
             if units:
                 jobs = explain_jobs(cfg, "heads", ids, units=units)
