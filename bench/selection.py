@@ -7,6 +7,9 @@ Variants (one thread, CPU; each a whole forward to the last block, no unembeddin
     * ``sdpa``: phasemech's dense model (the same weights as a ``HookedTransformer``) with its
       attention through SDPA (``use_eval_sdpa``) and no per-forward weight copies
       (``linear_layout``), what the audit runs uncompressed;
+    * ``floor``: ``hf`` with the attention step itself skipped (the query passed through as its
+      output): projections, RoPE and the rest of the forward, the time no design that keeps
+      the model's projections can go below (its attention ratio is the floor of ``attn_s``);
     * ``tl``: TransformerLens' own dense attention (explicit score matrix and mask), for
       reference only: no user runs it for speed;
     * each design (``route``, ``quest``, ``kpool``, ``evict``) applied post hoc to every layer
@@ -110,15 +113,33 @@ def load(tiny: bool, n_ctx: int):
     return hf, hooked_from_hf(hf, tok, n_ctx=n_ctx)
 
 
+def _no_attention(module, query, key, value, attention_mask, **kwargs):
+    """An attention step that attends nothing: the query, in SDPA's output layout."""
+    return query.transpose(1, 2), None
+
+
+def floor_model(hf):
+    """``hf`` with every attention step skipped (its projections and RoPE kept)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register("phasemech_floor", _no_attention)
+    floor = copy.deepcopy(hf)
+    floor.config._attn_implementation = "phasemech_floor"
+    return floor
+
+
 def variants(hf, base, args) -> dict[str, tuple]:
     """``name -> (forward callable, attention modules)``."""
     stop = base.cfg.n_layers
+    floor = floor_model(hf)
     sdpa = copy.deepcopy(base)
     use_eval_sdpa(sdpa)
     linear_layout(sdpa)
     out = {
         "hf": (lambda x: hf.model(input_ids=x, use_cache=False),
                [b.self_attn for b in hf.model.layers]),
+        "floor": (lambda x: floor.model(input_ids=x, use_cache=False),
+                  [b.self_attn for b in floor.model.layers]),
         "sdpa": (lambda x: sdpa(x, stop_at_layer=stop), [b.attn for b in sdpa.blocks]),
         "tl": (lambda x: base(x, stop_at_layer=stop), [b.attn for b in base.blocks]),
     }  # fmt: skip

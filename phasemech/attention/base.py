@@ -311,6 +311,7 @@ class CompressedAttentionMixin(RowsMixin):
             self.visibility,
             self.cfg.compression.block_scope,
             self.local_window,
+            self.cfg.compression.sink_tokens,
             torch.is_inference_mode_enabled(),
         )
         geo = _GEO_CACHE.pop(key, None)
@@ -335,6 +336,7 @@ class CompressedAttentionMixin(RowsMixin):
             key_valid,
             c.block_scope,
             self.local_window,
+            c.sink_tokens or 0,
         )
 
     def attend(

@@ -107,6 +107,8 @@ def sub_geometry(geo: Geometry, batch: int | None, blocks: slice) -> Geometry:
         block_used=geo.block_used[b, ..., blocks],
         band_valid=geo.band_valid[b],
         key_valid=None if geo.key_valid is None else geo.key_valid[b],
+        sink=None if geo.sink is None else geo.sink[b],
+        sink_pos=None if geo.sink_pos is None else geo.sink_pos[b],
     )
 
 
@@ -117,7 +119,7 @@ def tiled_slots(
     (``block_len == stride``, the same offset in every sequence and KV head, no padding): the
     keys are padded with ``fill`` (or cropped) to the blocks' span and folded, the values a slot
     gather reads, without the gather and the mask. ``None`` otherwise."""
-    if geo.key_valid is not None or geo.block_len != geo.stride:
+    if geo.key_valid is not None or geo.sink is not None or geo.block_len != geo.stride:
         return None
     pos = geo.slot_pos
     first, span = int(pos[0, 0, 0, 0]), pos.shape[2] * pos.shape[3]
@@ -264,6 +266,8 @@ class SelectingAttention(CompressedAttentionMixin):
         sub = sub_geometry(geo, None, slice(0, reach))
         if geo.key_valid is not None:  # the key axis is cut too (a padded batch)
             sub = dataclasses.replace(sub, key_valid=geo.key_valid[:, : t + 1])
+        if geo.sink is not None:
+            sub = dataclasses.replace(sub, sink=geo.sink[:, : t + 1])
         return summary, k[:, : t + 1], sub
 
     def _chunk(self, summary, q, k, v, geo, rows, hooked: bool):
@@ -288,8 +292,9 @@ class SelectingAttention(CompressedAttentionMixin):
         if bias is not None and geo.block_len > geo.stride:
             # _kept_tokens re-sorts overlapping blocks: the bias would land on the wrong ones
             raise NotImplementedError(f"{self.design}: a kept-block bias needs disjoint blocks")
-        if bias is not None:  # one bias per kept block, on each of its slots
-            bias = bias.repeat_interleave(pos.shape[-1] // idx.shape[-1], -1)
+        if bias is not None:  # one bias per kept block, on each of its slots (none on a sink)
+            bias = bias.repeat_interleave(geo.block_len, -1)
+            bias = F.pad(bias, (0, pos.shape[-1] - bias.shape[-1]))
         band_ok = self._repeat_kv(at_rows(geo.band_valid, rows), 1)  # [batch, head, row, w]
         if dense:
             return self._attend_dense(q_rows, k, v, geo, rows, (pos, keep, bias, band_ok))
@@ -409,7 +414,9 @@ class SelectingAttention(CompressedAttentionMixin):
         seq: int,
     ) -> tuple[Int[Tensor, "batch head row m"], Bool[Tensor, "batch head row m"]]:
         """Positions of the kept blocks' tokens and which to attend: real tokens (in the
-        sequence, not padding), not already in the raw band, not already in a kept block."""
+        sequence, not padding, not the sink), not already in the raw band, not already in a
+        kept block; then the sink's tokens, each attended from its position on until the raw
+        band reaches it."""
         d, length = geo.stride, geo.block_len
         # block i of offset o covers [i*d + o - l, i*d + o - 1]; block_last[..., 0] = o - 1
         origin = self._repeat_kv(geo.block_last[:, :, :1] + 1, 1)[..., None]  # [b, h, 1, 1]
@@ -428,10 +435,15 @@ class SelectingAttention(CompressedAttentionMixin):
             prev_last = torch.where(ok, idx * d + origin - 1, -1)[..., :-1]
             prev_last = torch.cat([torch.full_like(idx[..., :1], -1), prev_last], -1)
             keep &= pos > prev_last[..., None]
+        b = torch.arange(pos.shape[0], device=pos.device)[:, None, None, None, None]
         if geo.key_valid is not None:
-            b = torch.arange(pos.shape[0], device=pos.device)[:, None, None, None, None]
             keep &= geo.key_valid[b, pos.clamp(0, seq - 1)]
-        return pos.flatten(-2), keep.flatten(-2)
+        if geo.sink is None:
+            return pos.flatten(-2), keep.flatten(-2)
+        keep &= ~geo.sink[b, pos.clamp(0, seq - 1)]
+        sink = geo.sink_pos[:, None, None, :].expand(*idx.shape[:3], -1)  # [b, h, row, n]
+        seen = (sink <= rows[:, None, :, None]) & (sink < raw_start[..., None])
+        return torch.cat([pos.flatten(-2), sink], -1), torch.cat([keep.flatten(-2), seen], -1)
 
     # ------------------------------------------------------------------ shared by rules
     def _block_key_scores(

@@ -75,7 +75,9 @@ def attend_tiles(
     # products win while the list is a few times m (SmolLM2: ~4x), lose beyond (queries that
     # keep unrelated blocks, e.g. random weights: ~25x, 2x slower); MAX_SPREAD keeps the
     # gather there, and below d_head x the list's scores never outgrow the gathered keys
-    n_keys, n_kept = ublk.shape[-1] * geo.stride + TILE + geo.band - 1, idx.shape[-1] * geo.stride
+    n_sink = 0 if geo.sink_pos is None else geo.sink_pos.shape[1]
+    n_keys = ublk.shape[-1] * geo.stride + TILE + geo.band - 1 + n_sink
+    n_kept = idx.shape[-1] * geo.stride + n_sink
     if n_keys > min(MAX_SPREAD, dh) * (n_kept + geo.band):
         return None
     keys, visible = _key_list(geo, rows.view(b, nt, TILE), ublk, seen)
@@ -132,6 +134,9 @@ def _key_list(
     raw_start = at_rows(geo.raw_start, rows.flatten(1)).view(b, g, 1, nt, -1, 1)
     up = upos[:, :, None, :, None]  # [batch, kv_head, 1, tile, 1, u x slot]
     kept = seen.repeat_interleave(d, -1) & (up >= 0) & (up <= row) & (up < raw_start)
+    if geo.sink is not None:  # a block's sink tokens are read as the sink (below), once
+        flat = upos.clamp(0, geo.sink.shape[1] - 1).flatten(1)
+        kept &= ~geo.sink.gather(1, flat).view_as(upos)[:, :, None, :, None]
     span = torch.arange(TILE + wr - 1, device=ublk.device)
     bpos = rows[:, :, :1] - wr + 1 + span  # [batch, tile, span]
     w = bpos[:, None, None, :, None, :] - row + wr - 1  # band slot of each key, per row
@@ -139,4 +144,10 @@ def _key_list(
     inside = (w >= 0) & (w < wr)
     band = inside & band_ok.gather(-1, w.clamp(0, wr - 1).expand(-1, g, -1, -1, -1, -1))
     keys = torch.cat([upos, bpos[:, None].expand(-1, g, -1, -1)], -1)
-    return keys, torch.cat([kept, band.expand(-1, -1, seen.shape[2], -1, -1, -1)], -1)
+    visible = torch.cat([kept, band.expand(-1, -1, seen.shape[2], -1, -1, -1)], -1)
+    if geo.sink_pos is None:
+        return keys, visible
+    sink = geo.sink_pos[:, None, None, None, None, :]  # [batch, 1, 1, 1, 1, n]
+    seen_sink = (sink <= row) & (sink < raw_start)  # until the raw band reaches it
+    keys = torch.cat([keys, geo.sink_pos[:, None, None].expand(-1, g, nt, -1)], -1)
+    return keys, torch.cat([visible, seen_sink.expand(-1, -1, seen.shape[2], -1, -1, -1)], -1)

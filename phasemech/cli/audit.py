@@ -88,6 +88,9 @@ def audit(
     ] = None,  # fmt: skip
     block_len: Annotated[int | None, typer.Option(help="block length (default: stride)")] = None,
     obs_window: Annotated[int | None, typer.Option(help="evict's observation queries")] = None,
+    sink_tokens: Annotated[
+        int, typer.Option(min=0, help="first tokens every query reads raw (selecting designs)")
+    ] = 0,
     regime: Annotated[str, typer.Option(help="decode (default) or trained")] = "decode",
     context: Annotated[str, typer.Option(help="prompt lengths in tokens, e.g. 512,2048")] = "1024",
     depths: Annotated[str, typer.Option(help="needle depths (fractions)")] = "0.1,0.3,0.5,0.7,0.9",
@@ -113,7 +116,7 @@ def audit(
             model=model, stride=stride, window=window, top_k=top_k,
             layers=_layer_set(layers, model),
             offsets=offsets, block_len=block_len, obs_window=obs_window,
-            regime=regime, contexts=_ints(context, "--context"),
+            sink_tokens=sink_tokens or None, regime=regime, contexts=_ints(context, "--context"),
             depths=_depths(depths), task=task,
             distractors=distractors, contents=contents, seed=seed, variants=_variants(fix),
             attention_groups=attention_groups,

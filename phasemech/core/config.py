@@ -50,7 +50,12 @@ SELECTING_DESIGNS = ("route", "evict", "quest", "kpool", "dsa", "partition")
 TOP_K_DESIGNS = ("route", "evict", "quest", "kpool", "dsa", "nsa")
 #: fields that only some designs use; ``to_dict`` leaves them out while ``None`` so that the
 #: cache keys of configs written before they existed do not change
-_OPTIONAL_FIELDS = ("select_len", "index_heads", "indexer_train", "pool_rope", "gate_hidden")
+_OPTIONAL_FIELDS = (
+    "select_len", "index_heads", "indexer_train", "pool_rope", "gate_hidden", "sink_tokens"
+)  # fmt: skip
+#: designs that take ``sink_tokens``: those that rank blocks by a rule (``nsa`` always reads its
+#: initial block already; ``partition`` ranks nothing)
+SINK_DESIGNS = ("route", "evict", "quest", "kpool", "dsa")
 #: DeepSeek-V4's compressors: entries and the raw window in one softmax by default
 SERIES_DESIGNS = ("csa", "hca")
 #: designs whose compressed entries and raw window overlap by default (``block_scope="all"``)
@@ -155,6 +160,11 @@ class CompressionConfig:
             the main loss through the kept pools).
         pool_rope: ``csa`` / ``hca`` only: ``"pre"`` (default, as DeepSeek-V4: pool pre-RoPE
             keys, rotate the entry at its block's stride start) or ``"post"`` (pool rotated keys).
+        sink_tokens: ``route``, ``quest``, ``kpool``, ``evict`` and ``dsa`` only: ``N``, the
+            attention sink: the first ``N`` real tokens of a sequence are read raw by every
+            later query (StreamingLLM's initial tokens), counted in its KV budget, and never
+            ranked: a block's sink tokens leave its score (it is scored on its other tokens;
+            a block of only sink tokens is no candidate). ``None`` or ``0``: no sink.
 
     The exact coverage rule (which past token is reached raw, which through a block) is in
     ``phasemech.core.grid``.
@@ -177,6 +187,7 @@ class CompressionConfig:
     index_heads: int | None = None
     indexer_train: Literal["kl", "end_to_end"] | None = None
     pool_rope: Literal["pre", "post"] | None = None
+    sink_tokens: int | None = None
 
     def __post_init__(self) -> None:
         # Frozen dataclass: normalise with object.__setattr__ (``_set``), validate before any
@@ -191,6 +202,7 @@ class CompressionConfig:
         self._check_select_len()
         self._check_indexer()
         self._check_series()
+        self._check_sink()
         self._check_rest()
 
     def _set(self, name: str, value: Any) -> None:
@@ -308,6 +320,13 @@ class CompressionConfig:
                 f"{self.design} needs a multiple of stride={self.stride} (one projection series "
                 "per stride)",
             )
+
+    def _check_sink(self) -> None:
+        if self.sink_tokens == 0 and is_int(self.sink_tokens):
+            self._set("sink_tokens", None)  # no sink: the config (and its cache key) of before
+        refusal = f"only designs {SINK_DESIGNS} rank blocks a sink could win, not {self.design!r}"
+        if self._takes("sink_tokens", SINK_DESIGNS, refusal) and self.sink_tokens is not None:
+            self._positive_int("sink_tokens", 1, "must be an int >= 0 (tokens read raw)")
 
     def _check_rest(self) -> None:
         """``gate``, ``eval_offset`` and ``block_scope``, and how they fit the design."""

@@ -36,6 +36,11 @@ Coverage rule (one rule for every design; tested in ``tests/test_coverage.py``):
 * ``route`` uses the same candidates but attends only the raw tokens of its top-k blocks (plus
   the block the query closes, forced): tokens of unselected blocks are dropped on purpose.
 
+* the **sink** (``sink_tokens = N``, the selecting designs only): the first ``N`` real tokens
+  are no block's real tokens (a block is placed, scored and used by its other tokens; one of
+  only sink tokens is never used); the selecting engine reads them raw for every query ``t``
+  from their position on, until ``r_t`` passes them and the raw span holds them.
+
 * a **sliding-window layer** (``local_window = S``, Gemma's local layers) reads nothing before
   ``t - S + 1``: it uses only the blocks whose first real token lies at or after it, and its raw
   span starts there at the latest, ``max(r_t, t - S + 1)``. A block straddling ``t - S + 1`` is
@@ -55,6 +60,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from jaxtyping import Bool, Int
 from torch import Tensor
 
@@ -182,6 +188,10 @@ class Geometry:
     block_used: Bool[Tensor, "batch kv_head pos block"]
     band_valid: Bool[Tensor, "batch kv_head pos w"]
     key_valid: Bool[Tensor, "batch pos"] | None = None
+    #: the attention sink (``sink_tokens``): which keys are sink tokens, and their positions
+    #: (``pos`` = the sequence length where a sequence has fewer real tokens: never visible)
+    sink: Bool[Tensor, "batch pos"] | None = None
+    sink_pos: Int[Tensor, "batch n_sink"] | None = None
     #: every sequence of the batch on the same grid (no per-sequence shift): slots can be
     #: gathered once per KV head instead of per sequence
     shared: bool = False
@@ -202,11 +212,19 @@ def build_geometry(
     key_valid: Bool[Tensor, "batch pos"] | None = None,
     block_scope: str = "outside_window",
     local_window: int | None = None,
+    sink_tokens: int = 0,
 ) -> Geometry:
     """Blocks, raw band and the coverage rule of the module docstring, as tensors.
-    ``local_window``: a sliding-window layer's span ``S`` (the module docstring's last rule)."""
+    ``local_window``: a sliding-window layer's span ``S`` (the module docstring's last rule).
+    ``sink_tokens``: the first ``N`` real tokens are the sink (read raw by the selecting
+    engine): they are no block's real tokens, so a block is scored, used and placed by its
+    other tokens and a block of only sink tokens is never used."""
     o = offsets.long()[:, :, None]  # [batch, kv_head, 1]
     slot_pos, slot_valid, last = _block_slots(o, seq_len, stride, block_len, key_valid)
+    sink, sink_pos = _sink(offsets.shape[0], seq_len, sink_tokens, key_valid, o.device)
+    if sink is not None:
+        at = sink[:, None, None, :].expand(-1, o.shape[1], slot_pos.shape[2], -1)
+        slot_valid = slot_valid & ~torch.gather(at, -1, slot_pos.clamp(0, seq_len - 1))
     # First real token of a block (a block of only padding gets seq_len: never used).
     first = torch.where(slot_valid, slot_pos, torch.full_like(slot_pos, seq_len)).amin(-1)
     raw_start = _raw_start(o, seq_len, stride, window, visibility, block_scope)
@@ -228,8 +246,24 @@ def build_geometry(
         block_used=block_used,
         band_valid=_band_valid(raw_start, band, key_valid),
         key_valid=None if key_valid is None else key_valid.bool(),
+        sink=sink,
+        sink_pos=sink_pos,
         shared=bool((offsets == offsets[:1]).all()),
     )
+
+
+def _sink(
+    batch: int, seq_len: int, n: int, key_valid: Bool[Tensor, "batch pos"] | None, device
+) -> tuple[Bool[Tensor, "batch pos"] | None, Int[Tensor, "batch n_sink"] | None]:
+    """``(sink, sink_pos)``: the first ``n`` real tokens of each sequence (after its left
+    padding), as a key mask and as positions (``seq_len`` where a sequence has fewer)."""
+    if not n:
+        return None, None
+    pos = torch.arange(seq_len, device=device).expand(batch, -1)
+    real = torch.ones_like(pos, dtype=torch.bool) if key_valid is None else key_valid.bool()
+    sink = real & (real.long().cumsum(-1) <= n)
+    first = torch.where(sink, pos, seq_len).sort(-1).values[:, :n]
+    return sink, F.pad(first, (0, n - first.shape[1]), value=seq_len)
 
 
 def _block_slots(

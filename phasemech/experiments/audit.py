@@ -31,7 +31,7 @@ from typing import Any, ClassVar
 
 import pandas as pd
 
-from phasemech.core.config import TOP_K_DESIGNS, CompressionConfig
+from phasemech.core.config import SINK_DESIGNS, TOP_K_DESIGNS, CompressionConfig
 from phasemech.core.validation import is_int
 from phasemech.data.retrieval import TASK_KINDS, RetrievalTask
 from phasemech.experiments.audit_fixes import apply_variant, check_variants, kv_budget, random_shift
@@ -78,6 +78,8 @@ class AuditConfig:
     n_boot: int = 1000
     n_perm: int = 1000
     variants: tuple[str, ...] = ("aligned",)
+    #: the attention sink of the selecting designs (``CompressionConfig.sink_tokens``)
+    sink_tokens: int | None = None
 
     def __post_init__(self) -> None:
         bad = [d for d in self.designs if d not in AUDIT_DESIGNS]
@@ -97,6 +99,7 @@ class AuditConfig:
                 "(phases are reported on the aligned grid, which these share)"
             )
         check_variants(self.variants)
+        self._check_sink()
         for name in ("contents", "attention_groups"):
             v = getattr(self, name)
             if not is_int(v) or v < 1:
@@ -120,6 +123,21 @@ class AuditConfig:
                 f"{'; '.join(self.skipped())}"
             )
         self.retrieval_task(self.contexts[0])
+
+    def _check_sink(self) -> None:
+        if self.sink_tokens is None:
+            return
+        if not is_int(self.sink_tokens) or self.sink_tokens < 0:
+            raise ValueError(
+                f"AuditConfig: sink_tokens={self.sink_tokens!r} is invalid: expected an int >= 0"
+            )
+        if self.sink_tokens == 0:
+            object.__setattr__(self, "sink_tokens", None)  # no sink: the audit's key of before
+        elif not any(d in SINK_DESIGNS for d in self.designs):
+            raise ValueError(
+                f"AuditConfig: sink_tokens={self.sink_tokens} applies to none of designs "
+                f"{list(self.designs)}: allowed with {SINK_DESIGNS}"
+            )
 
     @functools.cached_property
     def _grids(self) -> dict[tuple[str, str], CompressionConfig | str]:
@@ -156,6 +174,7 @@ class AuditConfig:
             offsets=self.offsets,
             block_len=self.block_len,
             obs_window=self.obs_window if design == "evict" else None,
+            sink_tokens=self.sink_tokens if design in SINK_DESIGNS else None,
         )
 
     def retrieval_task(self, context: int) -> RetrievalTask:
@@ -174,8 +193,9 @@ class AuditConfig:
     def setting_name(self, design: str, variant: str = "aligned") -> str:
         c = self.compression(design, variant)
         k = f"_k{c.top_k}" if c.top_k is not None else ""
+        sink = f"_s{c.sink_tokens}" if c.sink_tokens else ""
         suffix = "" if variant == "aligned" else f"_{variant}"
-        return f"{design}_d{c.stride}_w{c.window}{k}{suffix}"
+        return f"{design}_d{c.stride}_w{c.window}{k}{sink}{suffix}"
 
     def setting_meta(self, n_heads: int = 0) -> dict[str, dict[str, Any]]:
         """Per setting name: its design, variant and KV budget per context (``n_heads``: the
@@ -189,7 +209,10 @@ class AuditConfig:
         return out
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        if out["sink_tokens"] is None:  # the cache keys of audits written before it existed
+            del out["sink_tokens"]
+        return out
 
 
 # ------------------------------------------------------------------------------ worker side

@@ -127,7 +127,8 @@ def kv_budget(comp: CompressionConfig | None, context: int, n_heads: int = 0) ->
             raise ValueError("kv_budget: partition's budget needs the model's n_heads")
         return min(context, (-(-ranked // n_heads) + 1) * comp.block_len + band)
     if comp.top_k is not None:  # never more blocks than the last query can rank
-        return min(context, min(comp.top_k, ranked) * comp.block_len + band)
+        sink = comp.sink_tokens or 0  # read raw beside the band and the kept blocks
+        return min(context, min(comp.top_k, ranked) * comp.block_len + band + sink)
     return min(context, used + band)
 
 
