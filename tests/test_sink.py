@@ -237,3 +237,35 @@ def test_sink_in_the_audit():
     assert "sink_tokens" not in AuditConfig().to_dict()
     with pytest.raises(ValueError, match="applies to none of designs"):
         AuditConfig(designs=("mean",), sink_tokens=2)
+
+
+def test_sink_fixes_table(tmp_path):
+    """``analyses/sink_fixes.py`` joins two fixes audits on (context, design, fix), keeps only
+    the pairs both scored and lists the fixes the sink audit says meet the goal."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "analyses"))
+    import sink_fixes
+
+    def record(fix, verdict, reduction):
+        return dict(context=1024, design="route", fix=fix, accuracy_baseline=0.6,
+                    gap_baseline=0.35, reduction=reduction, reduction_lo=0.2, reduction_hi=0.9,
+                    accuracy_diff=0.01, accuracy_diff_lo=-0.005, accuracy_diff_hi=0.03,
+                    budget=52, budget_baseline=52, verdict=verdict)  # fmt: skip
+
+    plain = [record("per_head", "does not meet it", -0.5), record("random", "does not", 0.1)]
+    sink = [record("per_head", "meets the goal", 0.8), record("overlap", "meets the goal", 0.9)]
+    paths = []
+    for name, recs in (("plain", plain), ("sink", sink)):
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps({"fixes": recs}))
+    joined = sink_fixes.side_by_side(*(sink_fixes.fixes_frame(p) for p in paths))
+    assert joined.fix.tolist() == ["per_head"]
+    assert sink_fixes.meeting(joined) == ["route/per_head at T=1024"]
+    out = tmp_path / "t.md"
+    assert sink_fixes.main([str(paths[0]), str(paths[1]), "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "-50% [+20%, +90%]" in text and "+80% [+20%, +90%]" in text
+    assert text.strip().endswith("route/per_head at T=1024")
