@@ -56,7 +56,7 @@ first block after the offset); block 0 lies before the grid offset (all padding,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -66,8 +66,20 @@ from torch import Tensor
 
 from phasemech.core.validation import is_int
 
-if TYPE_CHECKING:  # annotations only: phasemech.core.config builds on this module
-    from phasemech.core.config import CompressionConfig
+
+class GridSpec(Protocol):
+    """What :func:`reference_grid` reads of a compression config (a
+    :class:`~phasemech.core.config.CompressionConfig`, which builds on this module: the grid
+    names the fields it needs instead of importing it)."""
+
+    @property
+    def stride(self) -> int: ...
+
+    @property
+    def offsets(self) -> Any: ...  # a mode name ("aligned", "random", ...), an int or a table
+
+    @property
+    def eval_offset(self) -> int: ...
 
 
 def phase_of(pos, stride: int, offset=0):
@@ -91,7 +103,7 @@ def phase_of(pos, stride: int, offset=0):
     return int((pos - offset) % stride)
 
 
-def reference_grid(compression: CompressionConfig) -> tuple[int, int]:
+def reference_grid(compression: GridSpec) -> tuple[int, int]:
     """``(stride, offset)`` of the grid phases are reported on.
 
     Aligned or one explicit offset: the model's own grid. Staggered, random or per-head offsets

@@ -29,6 +29,7 @@ from phasemech.interventions.ablation_plan import (
     _Run,
     unit_kind,
 )
+from phasemech.interventions.specialization import specialization
 
 
 @dataclass(frozen=True, eq=False)  # frames inside: == would be ambiguous
@@ -79,8 +80,6 @@ class AblationResult:
         self, metric: str = "accuracy", n_perm: int = 1000, seed: int = 0
     ) -> pd.DataFrame:
         """:func:`specialization` of this result."""
-        from phasemech.interventions.specialization import specialization
-
         return specialization(self, metric=metric, n_perm=n_perm, seed=seed)
 
     def save(self, folder: str | Path, specialization: pd.DataFrame | None = None) -> Path:

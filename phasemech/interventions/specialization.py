@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import pandas as pd
@@ -19,11 +19,24 @@ from jaxtyping import Float, Int
 
 from phasemech.core.validation import check_int
 from phasemech.interventions.ablation_plan import METRICS, UNIT_KEYS, VALID_MODES, _names
-from phasemech.interventions.ablation_result import AblationResult
 from phasemech.measure.stats.omnibus import holm
 
 #: relative tolerance of "a permuted statistic is at least the observed one" (float rounding)
 _TIE_RTOL = 1e-9
+
+
+@runtime_checkable
+class Ablated(Protocol):
+    """What the tests read of an ablation's result (an
+    :class:`~phasemech.interventions.ablation_result.AblationResult`, which builds on this
+    module: it names the fields it needs instead of importing it): the targets frame and the
+    grid's stride."""
+
+    @property
+    def targets(self) -> pd.DataFrame: ...
+
+    @property
+    def stride(self) -> int: ...
 
 
 def _permuted_labels(
@@ -86,11 +99,11 @@ def _check_frame(
     where: str, data: Any, metric: Any, n_perm: Any, seed: Any, stride: Any
 ) -> tuple[pd.DataFrame, int, int, int]:
     """Checked ``(targets frame, n_perm, seed, stride)``."""
-    if isinstance(data, AblationResult):
+    if isinstance(data, pd.DataFrame):
+        df = data
+    elif isinstance(data, Ablated):
         df = data.targets
         stride = data.stride if stride is None else stride
-    elif isinstance(data, pd.DataFrame):
-        df = data
     else:
         raise ValueError(
             f"{where}: data is a {type(data).__name__}: expected an AblationResult or its "
@@ -273,7 +286,7 @@ def _specialization_frame(
 
 
 def specialization(
-    data: AblationResult | pd.DataFrame,
+    data: Ablated | pd.DataFrame,
     metric: str = "accuracy",
     n_perm: int = 1000,
     seed: int = 0,
@@ -307,7 +320,7 @@ def specialization(
 
 
 def rank_heads(
-    data: AblationResult | pd.DataFrame,
+    data: Ablated | pd.DataFrame,
     metric: str = "accuracy",
     n_perm: int = 1000,
     seed: int = 0,
@@ -317,8 +330,9 @@ def rank_heads(
 ) -> pd.DataFrame:
     """:func:`specialization` of the ``head`` ablations only (optionally one ``mode``), Holm and
     ranks taken among those rows, sorted by rank."""
-    df = data.targets if isinstance(data, AblationResult) else data
-    if isinstance(data, AblationResult) and stride is None:
+    ablated = not isinstance(data, pd.DataFrame) and isinstance(data, Ablated)
+    df = data.targets if ablated else data
+    if ablated and stride is None:
         stride = data.stride
     if not isinstance(df, pd.DataFrame) or "component" not in df.columns:
         raise ValueError("rank_heads: data must be an AblationResult or its targets frame")
@@ -332,4 +346,4 @@ def rank_heads(
     return out.sort_values("rank", ignore_index=True)
 
 
-__all__ = ["rank_heads", "specialization"]
+__all__ = ["Ablated", "rank_heads", "specialization"]
