@@ -33,7 +33,7 @@ import typer
 from rich.console import Console
 
 from phasemech import viz
-from phasemech.cli import _fail
+from phasemech.cli.base import _fail
 from phasemech.core.io import write_text_atomic
 from phasemech.core.progress import progress_bar
 from phasemech.experiments.configs import experiment

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from phasemech.cli import DeviceOpt, _device, _fail, app, console
+from phasemech.cli.base import DeviceOpt, _device, _fail, app, console
 
 LAYERS_HELP = "compressed layers: e.g. 2-29, or global / local / all (by the model's layer types)"
 

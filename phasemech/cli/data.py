@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from phasemech.cli import _fail, app, console
+from phasemech.cli.base import _fail, app, console
 
 data_app = typer.Typer(no_args_is_help=True, help="Write a phase-controlled retrieval dataset.")
 app.add_typer(data_app, name="data")

@@ -9,7 +9,7 @@ import torch
 import typer
 from rich.table import Table
 
-from phasemech.cli import DeviceOpt, _device, _fail, _load_model_and_data, app, console
+from phasemech.cli.base import DeviceOpt, _device, _fail, _load_model_and_data, app, console
 from phasemech.model.phase import phase_attention
 
 

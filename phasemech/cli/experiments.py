@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
-from phasemech.cli import DeviceOpt, _device, _fail, _split, app, console
+from phasemech.cli.base import DeviceOpt, _device, _fail, _split, app, console
 
 
 @app.command()

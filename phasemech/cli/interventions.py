@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 import torch
 import typer
 
-from phasemech.cli import (
+from phasemech.cli.base import (
     DeviceOpt,
     _device,
     _fail,

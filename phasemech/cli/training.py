@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 
 import typer
 
-from phasemech.cli import DeviceOpt, _device, _fail, app, console
+from phasemech.cli.base import DeviceOpt, _device, _fail, app, console
 from phasemech.core.config import DESIGNS, OFFSET_MODES, TOP_K_DESIGNS
 
 #: compression fields whose default depends on the design: reset when ``--design`` changes it
