@@ -33,7 +33,7 @@ from phasemech.core.io import write_json_atomic
 from phasemech.experiments.experiment import Experiment, Profile, run_experiment
 from phasemech.experiments.jobs import TrainJob
 from phasemech.experiments.lr_search import steps_to
-from phasemech.experiments.sweep import PROFILES, RunSpec, train_config
+from phasemech.experiments.sweep.profiles import PROFILES, RunSpec, train_config
 from phasemech.training.config import TrainConfig
 
 SETTINGS = {"mlp_h2": ("mlp", 2), "gated_h4": ("gated", 4), "mlp_h4": ("mlp", 4)}

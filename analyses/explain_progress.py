@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from phasemech.experiments.explain_tables import _long, oracle_summary, prompts_frame
+from phasemech.experiments.explain.tables import _long, oracle_summary, prompts_frame
 
 
 def observed(folder: Path) -> list[dict]:

@@ -38,7 +38,8 @@ from phasemech.core.io import write_text_atomic
 from phasemech.core.progress import progress_bar
 from phasemech.experiments.configs import experiment
 from phasemech.experiments.experiment import run_experiment
-from phasemech.experiments.showcase import SHOWCASE_DIR, best_head, pick_showcase
+from phasemech.experiments.showcase.jobs import best_head, pick_showcase
+from phasemech.experiments.showcase.profiles import SHOWCASE_DIR
 from phasemech.interventions.clustering import cluster_heads
 from phasemech.measure.learning import seeds_off_plateau
 from phasemech.viz.dashboard import example_target, render_dashboard

@@ -30,7 +30,7 @@ RESULTS = Path(__file__).resolve().parent / "results" / "audit_tiles.json"
 
 def run(job, tiled: bool) -> tuple[pd.DataFrame, float]:
     """``(the job's rows, its wall seconds)`` with every compressed model's tiles on or off."""
-    from phasemech.experiments.audit import _WORKER
+    from phasemech.experiments.audit.jobs import _WORKER
 
     a = job.audit
     _WORKER.model(a.model, job.context + 64, torch.device("cpu"))
@@ -45,7 +45,8 @@ def run(job, tiled: bool) -> tuple[pd.DataFrame, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from phasemech.experiments.audit import AuditConfig, AuditJob
+    from phasemech.experiments.audit.config import AuditConfig
+    from phasemech.experiments.audit.jobs import AuditJob
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--design", default="route")

@@ -23,7 +23,8 @@ TOP_K = {"route": 1, "quest": 2, "evict": 2}
 
 
 def _forward_seconds(design: str, copies: int, repeats: int) -> tuple[float, int]:
-    from phasemech.experiments.explain import ExplainConfig, _models, _run
+    from phasemech.experiments.explain.config import ExplainConfig
+    from phasemech.experiments.explain.jobs import _models, _run
     from phasemech.interventions.prompts import bound
 
     cfg = ExplainConfig(design=design, top_k=TOP_K.get(design, 2), layers=tuple(range(2, 30)),

@@ -34,14 +34,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
 
-    from phasemech.experiments.explain import (
-        ExplainConfig,
-        _attend,
-        _forces,
-        _models,
-        _observe,
-        _run,
-    )
+    from phasemech.experiments.explain.config import ExplainConfig
+    from phasemech.experiments.explain.jobs import _attend, _forces, _models, _observe, _run
     from phasemech.interventions.attribution import attribution_patch
     from phasemech.interventions.oracle import copy_selection
     from phasemech.interventions.patching_fast import patch_heads

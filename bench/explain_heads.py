@@ -24,7 +24,8 @@ def _load(design: str, top_k: int, context: int, contents: int) -> None:
     import torch
 
     torch.set_num_threads(1)
-    from phasemech.experiments.explain import ExplainConfig, _models
+    from phasemech.experiments.explain.config import ExplainConfig
+    from phasemech.experiments.explain.jobs import _models
 
     cfg = ExplainConfig(design=design, top_k=top_k, layers=tuple(range(2, 30)),
                         context=context, contents=contents)  # fmt: skip
@@ -34,7 +35,7 @@ def _load(design: str, top_k: int, context: int, contents: int) -> None:
 def _pair(clean_i: int, corrupt_i: int) -> float:
     import torch
 
-    from phasemech.experiments.explain import _run
+    from phasemech.experiments.explain.jobs import _run
     from phasemech.interventions.patching_fast import patch_heads
     from phasemech.interventions.prompts import bound, clean_run, cross_source, self_contrast
 

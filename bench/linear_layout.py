@@ -21,7 +21,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    from phasemech.experiments.explain import ExplainConfig, _models, _run
+    from phasemech.experiments.explain.config import ExplainConfig
+    from phasemech.experiments.explain.jobs import _models, _run
     from phasemech.interventions.patching_fast import patch_heads, zero_source
     from phasemech.interventions.prompts import bound, self_contrast
     from phasemech.model.fast import linear_layout

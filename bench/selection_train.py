@@ -16,7 +16,7 @@ import torch
 import typer
 
 import phasemech.attention.selection as selection
-from phasemech.experiments.sweep import PROFILES, RunSpec, train_config
+from phasemech.experiments.sweep.profiles import PROFILES, RunSpec, train_config
 from phasemech.training.trainer import _train_step
 
 

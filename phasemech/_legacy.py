@@ -45,7 +45,26 @@ MOVED: dict[str, tuple[str, ...]] = {
         "phasemech.measure.readout",
     ),
     "phasemech.theory_fit": ("phasemech.theory.fit",),
-    "phasemech.dashboard": ("phasemech.experiments.panels", "phasemech.viz.dashboard"),
+    "phasemech.dashboard": ("phasemech.experiments.showcase.panels", "phasemech.viz.dashboard"),
+    # the experiments room, one folder per study (issue 37); an old module that became its
+    # study's folder (``experiments.sweep``, ``fixes``, ``audit``, ...) re-exports its names
+    "phasemech.experiments.sweep_summary": ("phasemech.experiments.sweep.summary",),
+    "phasemech.experiments.fixes_summary": ("phasemech.experiments.fixes.summary",),
+    "phasemech.experiments.theory_summary": ("phasemech.experiments.theory_trained.summary",),
+    "phasemech.experiments.interventions_summary": ("phasemech.experiments.interventions.summary",),
+    "phasemech.experiments.panels": ("phasemech.experiments.showcase.panels",),
+    "phasemech.experiments.audit_fixes": (
+        "phasemech.experiments.audit.fixes",
+        "phasemech.experiments.fixes.profiles",
+    ),
+    "phasemech.experiments.audit_score": ("phasemech.experiments.audit.score",),
+    "phasemech.experiments.audit_report": ("phasemech.experiments.audit.summary",),
+    "phasemech.experiments.explain_tables": ("phasemech.experiments.explain.tables",),
+    "phasemech.experiments.explain_report": ("phasemech.experiments.explain.summary",),
+    "phasemech.experiments.converged_claims": ("phasemech.experiments.claims.converged",),
+    "phasemech.experiments.systems_claims": ("phasemech.experiments.claims.systems",),
+    "phasemech.experiments.audit_fixes_claims": ("phasemech.experiments.claims.real_fixes",),
+    "phasemech.experiments.explain_claims": ("phasemech.experiments.claims.specialisation",),
 }
 
 

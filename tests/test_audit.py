@@ -15,7 +15,8 @@ import pandas as pd
 import pytest
 import torch
 
-from phasemech.experiments.audit import AuditConfig, check_audit, run_audit
+from phasemech.experiments.audit.config import AuditConfig
+from phasemech.experiments.audit.jobs import check_audit, run_audit
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -81,7 +82,7 @@ def test_score_prompt_matches_plain_forwards(smollm, regime):
     """The scorer's verdict for the null equals a plain full forward's argmax (both regimes
     share the null's numbers: a dense prefill + cached rows is the dense forward)."""
     from phasemech.data.retrieval import RetrievalTask, build_retrieval_prompts
-    from phasemech.experiments.audit_score import score_prompt
+    from phasemech.experiments.audit.score import score_prompt
     from phasemech.model.decode import prefill, read_rows
 
     a = AuditConfig(designs=("route",), contexts=(128,), regime=regime, layers=tuple(range(2, 30)))
@@ -136,7 +137,7 @@ def test_tiny_audit_end_to_end(tmp_path):
     assert sorted(t.setting.unique()) == settings
     assert sorted(t.phase.unique()) == [0, 1, 2, 3] and len(t) == 4 * 4
     # partition's budget is one head's share of SmolLM2's 9 query heads, not a top-k
-    from phasemech.experiments.audit_fixes import kv_budget
+    from phasemech.experiments.audit.fixes import kv_budget
 
     budget = {r["setting"]: r["budget"] for r in summary["rows"]}
     assert budget["partition_d4_w16"] == kv_budget(a.compression("partition"), 128, 9) < 128

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from phasemech.core.config import CompressionConfig
-from phasemech.experiments.audit import AuditConfig
-from phasemech.experiments.audit_fixes import (
+from phasemech.experiments.audit.config import AuditConfig
+from phasemech.experiments.audit.fixes import (
     FIXES,
     apply_variant,
     drawn_grid_accuracy,
@@ -84,7 +84,7 @@ def test_random_shift_is_seeded_and_uniform():
 def test_random_offsets_score_as_the_drawn_explicit_offset(smollm, regime):
     """A setting with ``random`` offsets, given shift s, scores exactly as offsets = s."""
     from phasemech.data.retrieval import RetrievalTask, build_retrieval_prompts
-    from phasemech.experiments.audit_score import score_prompt
+    from phasemech.experiments.audit.score import score_prompt
     from phasemech.model.transformer import PhaseTransformer
 
     batch = build_retrieval_prompts(smollm.tokenizer, RetrievalTask(context=128), 1, seed=0)
@@ -183,7 +183,7 @@ def smollm():
 
 
 def test_claims_section_reads_recorded_fix_audits(tmp_path):
-    from phasemech.experiments.audit_fixes_claims import audit_command, claim_real_fixes
+    from phasemech.experiments.claims.real_fixes import audit_command, claim_real_fixes
 
     assert "*Not measured yet*" in claim_real_fixes(tmp_path)
     a = AuditConfig(designs=("route",), contexts=(256,), top_k=1, layers=(2, 3, 4, 7),
@@ -253,7 +253,7 @@ def test_same_grid_variants_are_refused_and_budgets_capped():
 
 
 def test_retrieval_mass_follows_the_null_heads():
-    from phasemech.experiments.audit_fixes import retrieval_mass
+    from phasemech.experiments.audit.fixes import retrieval_mass
 
     rows = []
     for setting, strong in (("null", 0.9), ("fix", 0.3)):
@@ -269,7 +269,7 @@ def test_retrieval_mass_follows_the_null_heads():
 
 
 def test_rules_are_compared_with_route_at_the_same_grid():
-    from phasemech.experiments.audit_fixes import fix_pairs
+    from phasemech.experiments.audit.fixes import fix_pairs
 
     a = AuditConfig(designs=("mean", "quest", "route", "kpool"), contexts=(256,),
                     variants=("aligned", "per_head"))  # fmt: skip
@@ -303,7 +303,7 @@ def test_partition_budget_is_a_heads_share():
     """partition reads its own blocks (a 1/H share), the block it closes and its raw band;
     without the model's head count there is no budget to give."""
     from phasemech import CompressionConfig
-    from phasemech.experiments.audit_fixes import kv_budget
+    from phasemech.experiments.audit.fixes import kv_budget
 
     comp = CompressionConfig("partition", stride=4, window=16)
     with pytest.raises(ValueError, match="n_heads"):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from phasemech.experiments.converged_claims import (
+from phasemech.experiments.claims.converged import (
     converged_claim_lines,
     converged_settings,
     interventions_claim_lines,

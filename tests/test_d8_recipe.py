@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "analyses"))
 import d8_recipe  # noqa: E402
 
-from phasemech.experiments.sweep import PROFILES, RunSpec, train_config  # noqa: E402
+from phasemech.experiments.sweep.profiles import PROFILES, RunSpec, train_config  # noqa: E402
 
 
 def _changed(a, b) -> dict:

@@ -17,7 +17,7 @@ from phasemech import CompressionConfig
 from phasemech.core.device import model_device, resolve_device
 from phasemech.data.passkey import PasskeyBatch, score
 from phasemech.data.tasks import MQARTask, generate, to_tensors
-from phasemech.experiments.panels import PanelConfig, model_panel
+from phasemech.experiments.showcase.panels import PanelConfig, model_panel
 from phasemech.interventions.ablation import ablate
 from phasemech.interventions.attribution import attribution_patch
 from phasemech.interventions.contrasts import make_contrast

@@ -253,7 +253,7 @@ def test_ablation_and_patching_rows_are_complete():
     ],
 )
 def test_config_refuses_bad_input(kw, match):
-    from phasemech.experiments.explain import ExplainConfig
+    from phasemech.experiments.explain.config import ExplainConfig
 
     with pytest.raises(ValueError, match=match) as err:
         ExplainConfig(**kw)
@@ -265,9 +265,10 @@ def test_cli_takes_the_audits_grid_and_task_flags(tmp_path, monkeypatch):
     config; an aligned grid keeps the cache key of runs recorded before ``offsets`` existed."""
     from typer.testing import CliRunner
 
-    import phasemech.experiments.explain_tables as tables
+    import phasemech.experiments.explain.tables as tables
     from phasemech.cli import app
-    from phasemech.experiments.explain import ExplainConfig, ExplainJob
+    from phasemech.experiments.explain.config import ExplainConfig
+    from phasemech.experiments.explain.jobs import ExplainJob
 
     seen = {}
 
@@ -298,8 +299,9 @@ def test_cli_takes_the_audits_grid_and_task_flags(tmp_path, monkeypatch):
 
 
 def test_no_gap_and_no_clean_prompt_are_refused():
-    from phasemech.experiments.explain import ExplainConfig, contrast_phases
-    from phasemech.experiments.explain_tables import _pairs
+    from phasemech.experiments.explain.config import ExplainConfig
+    from phasemech.experiments.explain.jobs import contrast_phases
+    from phasemech.experiments.explain.tables import _pairs
 
     cfg = ExplainConfig()
     with pytest.raises(ValueError, match="no gap") as err:
@@ -325,8 +327,8 @@ def test_explain_end_to_end_and_cached_rerun(tmp_path):
     """SmolLM2 at a short context, one content (the pipeline, not the findings): every table,
     the summary, and a rerun that reads every job from the cache. Ablation (270 heads x 2 per
     prompt) is left to the in-process job test below, for time."""
-    from phasemech.experiments.explain import ExplainConfig
-    from phasemech.experiments.explain_tables import run_explain
+    from phasemech.experiments.explain.config import ExplainConfig
+    from phasemech.experiments.explain.tables import run_explain
 
     cfg = ExplainConfig(design="route", top_k=1, layers=tuple(range(2, 30)), context=128,
                         contents=1, contrast_phases=(0, 1), per_layer_oracle=False,
@@ -361,13 +363,14 @@ def test_explain_jobs_on_a_tiny_model(tmp_path, monkeypatch):
     """Every step's job, in process on a tiny model: observe feeds the mean ablation's means,
     intervene ablates every head on each prompt and patches the pair, heads forces the top
     heads; the ablation tables follow."""
-    import phasemech.experiments.explain as ex
-    from phasemech.experiments.explain_tables import ablation_tables, patching_table
+    import phasemech.experiments.explain.jobs as ex
+    from phasemech.experiments.explain.config import ExplainConfig
+    from phasemech.experiments.explain.tables import ablation_tables, patching_table
 
     tl, model = _models()
     batch = _batch()
     monkeypatch.setattr(ex, "_models", lambda cfg: (tl, model, batch))
-    cfg = ex.ExplainConfig(contents=1, per_layer_oracle=True, n_boot=20, n_perm=20)
+    cfg = ExplainConfig(contents=1, per_layer_oracle=True, n_boot=20, n_perm=20)
     obs = ex.ExplainJob(cfg, "observe", (0, 1)).run(tmp_path)["prompts"]
     assert len(obs[0]["oracle"]) == 1 + 4 + 2 * 3  # none, all x 4 forms, per layer x 2
     means = (sum(np.array(p["z_sums"]) for p in obs) / sum(p["z_rows"] for p in obs)).tolist()
@@ -387,8 +390,8 @@ def test_explain_jobs_on_a_tiny_model(tmp_path, monkeypatch):
 def test_ablation_tables_are_the_labs_effects_and_specialization():
     """Per-prompt margins become the lab's effects (accuracy = margin > 0) and its
     specialisation test; a head that only hurts phase 2 is found serving phase 2."""
-    from phasemech.experiments.explain import ExplainConfig
-    from phasemech.experiments.explain_tables import ablation_tables
+    from phasemech.experiments.explain.config import ExplainConfig
+    from phasemech.experiments.explain.tables import ablation_tables
 
     rng = np.random.default_rng(0)
     items = []

@@ -8,8 +8,8 @@ import numpy as np
 import pandas as pd
 from test_explain_html import _tables
 
-from phasemech.experiments.explain_claims import real_model_lines
-from phasemech.experiments.explain_report import atp_check, findings
+from phasemech.experiments.claims.specialisation import real_model_lines
+from phasemech.experiments.explain.summary import atp_check, findings
 
 
 def _spec() -> pd.DataFrame:
@@ -99,8 +99,8 @@ def test_patching_without_a_gap_is_nan_and_said(tmp_path):
     are NaN, never a number, and the summary says why; a skipped head oracle is said too."""
     from types import SimpleNamespace
 
-    from phasemech.experiments.explain_report import _skips
-    from phasemech.experiments.explain_tables import patching_table
+    from phasemech.experiments.explain.summary import _skips
+    from phasemech.experiments.explain.tables import patching_table
 
     pairs = [dict(clean=c, corrupted=x, heads=[[x + 0.1, x]], resid=[x])
              for c, x in [(1.0, 2.0), (0.5, 0.5)]]  # fmt: skip
@@ -115,7 +115,7 @@ def test_patching_without_a_gap_is_nan_and_said(tmp_path):
     assert patching_table(good, n_boot=10, seed=0).effect.notna().all()
     # nothing is ranked by a NaN (pandas' nlargest keeps NaN rows) and the summary is JSON
     from phasemech.core.io import json_safe
-    from phasemech.experiments.explain_report import _head_lines, _layer_lines
+    from phasemech.experiments.explain.summary import _head_lines, _layer_lines
 
     atp = table[table.site == "head"].assign(site="atp", effect=1.0)
     t = {"patching": pd.concat([table, atp], ignore_index=True)}
@@ -124,7 +124,7 @@ def test_patching_without_a_gap_is_nan_and_said(tmp_path):
     assert atp_check(t["patching"]) is None
     f = findings(t, n_layers=2)
     assert f["top_patching"] == [] and json.dumps(json_safe(f), allow_nan=False)
-    from phasemech.experiments.explain_claims import _run_lines
+    from phasemech.experiments.claims.specialisation import _run_lines
 
     said = "\n".join(_run_lines("explain_x", _summary(f))[0])
     assert "Patching phase 3 into phase 1 (40 pairs): the clean phase's" in said

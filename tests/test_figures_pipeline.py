@@ -18,7 +18,7 @@ from browser import CHROMIUM, browser, cell_xy, page_data
 from typer.testing import CliRunner
 
 from phasemech.cli import app
-from phasemech.experiments.panels import (
+from phasemech.experiments.showcase.panels import (
     PanelConfig,
     collect_panels,
     find_runs,

@@ -12,12 +12,17 @@ import numpy as np
 import pandas as pd
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "analyses"))
-import report  # noqa: E402
+from phasemech.experiments.claims.converged import TABLES
+from phasemech.experiments.claims.fixes import _fixes_training_lines, claim_fixes, fix_runs
+from phasemech.experiments.claims.from_scratch import _converged_sweep_lines
+from phasemech.experiments.claims.sources import Sources, _load_json
+from phasemech.experiments.claims.specialisation import _converged_interventions
+from phasemech.experiments.claims.theory import _theory_run_lines
+from phasemech.experiments.showcase.panels import find_runs
 
-from phasemech.experiments.converged_claims import TABLES  # noqa: E402
-from phasemech.experiments.panels import find_runs  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "analyses" / "results"
+CLAIMS = ROOT / "phasemech" / "experiments" / "claims"
 
 
 def _run(name: str, runs: Path) -> str:
@@ -102,75 +107,79 @@ def test_theory_trained_tiny_maps_gated_models_onto_the_theory(tmp_path):
 def test_theory_search_reuses_the_recipe_runs_and_keeps_each_h_budget():
     """The converged profiles search rates on seed 0; the recipe's rate keeps its plain name
     (so its runs are the ones a profile without a search trains), other rates are named."""
-    from phasemech.experiments import theory_trained as tt
     from phasemech.experiments.experiment import Done
+    from phasemech.experiments.theory_trained.jobs import search_jobs, seed_jobs
+    from phasemech.experiments.theory_trained.profiles import PROFILES
 
-    jobs = tt.search_jobs(tt.PROFILES["converged"], Done())
+    jobs = search_jobs(PROFILES["converged"], Done())
     names = {j.name: j.train for j in jobs}
     assert set(names) == {f"gated_h{h}_s0{s}" for h in (2, 4, 8) for s in ("", "_lr0.001")}
     assert names["gated_h8_s0"].lr == 3e-3 and names["gated_h8_s0_lr0.001"].lr == 1e-3
     assert all(c.steps == 8000 and c.seed == 0 for c in names.values())
     # without a search every seed trains at the recipe's rate on its H's own budget
-    default = {j.name: j.train.steps for j in tt.search_jobs(tt.PROFILES["default"], Done())}
+    default = {j.name: j.train.steps for j in search_jobs(PROFILES["default"], Done())}
     assert default == {f"gated_h{h}_s{s}": 4000 if h == 8 else 2000 for h in (2, 4, 8)
                        for s in (0, 1)}  # fmt: skip
-    assert tt.seed_jobs(tt.PROFILES["default"], Done()) == []
+    assert seed_jobs(PROFILES["default"], Done()) == []
 
 
 def test_theory_models_are_d_head_16_at_d4_and_wider_at_d8():
-    from phasemech.experiments import theory_trained as tt
+    from phasemech.experiments.theory_trained.jobs import make_jobs
+    from phasemech.experiments.theory_trained.profiles import PROFILES, train_config
 
     for h in (2, 4, 8):
-        d4 = tt.train_config(h, 0, tt.PROFILES["converged"]).model
-        d8 = tt.train_config(h, 0, tt.PROFILES["converged_d8"]).model
+        d4 = train_config(h, 0, PROFILES["converged"]).model
+        d8 = train_config(h, 0, PROFILES["converged_d8"]).model
         assert (d4.d_model, d4.n_heads, d4.d_head) == (64, h, 16)
         assert (d8.d_model, d8.n_heads, d8.d_head) == (128, h, 32)
     # the d = 4 runs keep the cache keys they were recorded under
-    jobs = tt.make_jobs(tt.PROFILES["converged"], None, (0,))
+    jobs = make_jobs(PROFILES["converged"], None, (0,))
     assert jobs[0].name == "gated_h2_s0" and jobs[0].key == "3d3182e301c3ca96"
 
 
 def test_report_states_each_theory_runs_width():
-    recorded = json.loads((report.RESULTS / "theory_trained_converged.json").read_text())
+    recorded = json.loads((RESULTS / "theory_trained_converged.json").read_text())
     assert "d_model" not in recorded["profile"]  # recorded before the summary stated it
-    text = "\n".join(report._theory_run_lines("converged", recorded))
+    text = "\n".join(_theory_run_lines("converged", recorded))
     assert "d_model 64, d_head 16," in text
     wide = {**recorded, "profile": {**recorded["profile"], "d_model": 128, "d_head": 32}}
-    assert "d_model 128, d_head 32," in "\n".join(report._theory_run_lines("converged_d8", wide))
+    assert "d_model 128, d_head 32," in "\n".join(_theory_run_lines("converged_d8", wide))
 
 
 def test_report_reads_json_results_never_markdown():
-    text = (ROOT / "analyses" / "report.py").read_text()
-    assert '.md"' not in text.replace('"REPORT.md"', "") and "md_table" not in text
-    sweep = report._load_json(report.RESULTS / "phase_sweep_default.json")
+    for path in [ROOT / "analyses" / "report.py", *sorted(CLAIMS.glob("*.py"))]:
+        text = path.read_text()
+        assert '.md"' not in text.replace('"REPORT.md"', "") and "md_table" not in text, path
+    sweep = _load_json(RESULTS / "phase_sweep_default.json")
     rows = [r for r in sweep["rows"] if r["targets"] == "all"]
     assert rows and {"design", "debiased_gap", "null_p95", "acc_by_phase"} <= set(rows[0])
     assert all(r["debiased_lo"] <= r["debiased_gap"] <= r["debiased_hi"] for r in rows)
-    pre = report._load_json(report.RESULTS / "pretrained_default.json")
+    pre = _load_json(RESULTS / "pretrained_default.json")
     assert {r["setting"] for r in pre["rows"]} >= {"null"}
 
 
 def test_fixes_profile_names_a_fix_without_its_baseline():
     from dataclasses import replace
 
-    from phasemech.experiments import fixes
+    from phasemech.experiments.fixes.jobs import train_jobs
+    from phasemech.experiments.fixes.profiles import PROFILES, train_config
     from phasemech.measure.learning import PLATEAU_EXIT, off_plateau
 
-    base = fixes.PROFILES["tiny"]
+    base = PROFILES["tiny"]
     lonely = replace(base, extra=(("fixes", ("staggered_head",)), ("jitter", 1)))
     with pytest.raises(ValueError, match="needs its baseline 'aligned'"):
-        fixes.train_jobs(lonely)
+        train_jobs(lonely)
     with pytest.raises(ValueError, match="fix='shuffled' is invalid"):
-        fixes.train_config("shuffled", 0, base)
+        train_config("shuffled", 0, base)
     assert off_plateau(PLATEAU_EXIT) and not off_plateau(0.21)
 
 
 def test_fixes_profiles_decide_early_stopping():
     """The budget profiles train every step; the converged one stops at its target."""
-    from phasemech.experiments import fixes
+    from phasemech.experiments.fixes.profiles import PROFILES, train_config
 
     for name, want in (("default", None), ("long", None), ("converged", 0.99)):
-        cfg = fixes.train_config("aligned", 0, fixes.PROFILES[name])
+        cfg = train_config("aligned", 0, PROFILES[name])
         assert cfg.target_accuracy == want, name
 
 
@@ -221,28 +230,28 @@ def _fixes_summary(fix_acc: list[float], reduction: float, meets: bool) -> dict:
 
 
 def test_report_calls_a_fix_whose_models_never_learned_no_fix(tmp_path):
-    src = report.Sources(pd.DataFrame(), [], {}, {}, "cmd", results=tmp_path)
-    assert "**Open**" in report.claim_fixes(src)
+    src = Sources(pd.DataFrame(), [], {}, {}, "cmd", results=tmp_path)
+    assert "**Open**" in claim_fixes(src)
     stuck = _fixes_summary([0.21, 0.2, 0.35], reduction=0.9, meets=False)
     (tmp_path / "fixes_default.json").write_text(json.dumps(stuck))
-    text = report.claim_fixes(src)
+    text = claim_fixes(src)
     assert "2 of 3 seeds below 0.3 accuracy" in text and "costs mean accuracy" in text
     assert "1 of 3 seeds left the loss plateau" in text and "**Goal not met**" in text
     assert "every seed left the loss plateau for 0 of 1 fixes" in text
     assert "3 of 3 baseline seeds" not in text  # the baseline (0.5-0.6) left the plateau
     good = _fixes_summary([0.6, 0.58, 0.61], reduction=0.8, meets=True)
     (tmp_path / "fixes_long.json").write_text(json.dumps(good))
-    text = report.claim_fixes(src)
+    text = claim_fixes(src)
     assert "**Goal met** by random_offset (long)" in text
     assert "(long, 100 steps): every seed left the loss plateau for 1 of 1 fixes" in text
     assert "significantly narrower for 1 (random_offset)" in text
     assert text.index("Profile default") < text.index("Profile long")
-    assert report.fix_runs(tmp_path)[-1][0] == "long"
+    assert fix_runs(tmp_path)[-1][0] == "long"
     # the converged profile counts a seed at its min_accuracy, the baseline's seeds too
     conv = _fixes_summary([0.99, 0.98, 0.97], reduction=0.8, meets=False)
     conv["profile"]["min_accuracy"] = 0.95
     (tmp_path / "fixes_converged.json").write_text(json.dumps(conv))
-    text = report.claim_fixes(src)
+    text = claim_fixes(src)
     assert "3 of 3 seeds converged (accuracy >= 0.95)" in text
     assert "3 of 3 baseline seeds below 0.95 accuracy" in text  # aligned: 0.5-0.6
     assert "(converged, 100 steps): every seed converged for 1 of 1 fixes" in text
@@ -250,17 +259,17 @@ def test_report_calls_a_fix_whose_models_never_learned_no_fix(tmp_path):
 
 
 def test_report_reads_every_converged_sweep_profile_as_one_table(tmp_path):
-    src = report.Sources(pd.DataFrame(), [], {}, {}, "cmd", results=tmp_path)
-    lines, verdict = report._converged_sweep_lines(src)
+    src = Sources(pd.DataFrame(), [], {}, {}, "cmd", results=tmp_path)
+    lines, verdict = _converged_sweep_lines(src)
     assert verdict is None and "phase_sweep_converged.json` is missing" in lines[0]
-    recorded = json.loads((report.RESULTS / "phase_sweep_converged.json").read_text())
+    recorded = json.loads((RESULTS / "phase_sweep_converged.json").read_text())
     d8 = {t: [{**r, "stride": 8} for r in recorded[t]] for t in TABLES}
     (tmp_path / "phase_sweep_converged_d8.json").write_text(json.dumps(d8))
-    text = "\n".join(report._converged_sweep_lines(src)[0])
+    text = "\n".join(_converged_sweep_lines(src)[0])
     assert "phase_sweep_converged_d8.json" in text and "phase_sweep_converged.json`" not in text
     assert "| mean | 8 | 2 | 64 | 64 | 3 of 3 |" in text and "| mean | 4 | 2 | 64 |" not in text
     (tmp_path / "phase_sweep_converged.json").write_text(json.dumps(recorded))
-    lines, verdict = report._converged_sweep_lines(src)
+    lines, verdict = _converged_sweep_lines(src)
     text = "\n".join(lines)
     assert "| mean | 8 | 2 | 64 | 64 | 3 of 3 |" in text
     assert "| mean | 4 | 2 | 64 | 64 | 3 of 3 |" in text
@@ -268,7 +277,7 @@ def test_report_reads_every_converged_sweep_profile_as_one_table(tmp_path):
     assert "mean d=4 H=2 T=64" in verdict and "mean d=8 H=2 T=64" in verdict
     # the wide d = 8 profile is the same settings at d_model 128: rows of their own
     (tmp_path / "phase_sweep_converged_d8_wide.json").write_text(json.dumps(d8))
-    text = "\n".join(report._converged_sweep_lines(src)[0])
+    text = "\n".join(_converged_sweep_lines(src)[0])
     assert "| mean | 8 | 2 | 64 | 128 | 3 of 3 |" in text
     assert "| mean | 8 | 2 | 64 | 64 | 3 of 3 |" in text
 
@@ -285,7 +294,7 @@ def test_report_sets_each_fix_beside_its_baseline_along_training():
          "n": 5},
     ]  # fmt: skip
     conv += [{"fix": "random_offset", "seed": 0, "steps_to_95": None}]
-    lines = report._fixes_training_lines({"convergence": conv, "matched": matched})
+    lines = _fixes_training_lines({"convergence": conv, "matched": matched})
     text = "\n".join(lines)
     assert (
         "- staggered_head vs aligned: steps to 0.95 median 700 (3 of 3 seeds) vs median "
@@ -294,21 +303,21 @@ def test_report_sets_each_fix_beside_its_baseline_along_training():
     assert "random_offset vs aligned: steps to 0.95 never (1)" in text
     assert "no evaluations of both at accuracy 0.9-0.99" in text
     assert "aligned vs" not in text  # the baseline itself has none
-    assert report._fixes_training_lines({"convergence": conv}) == []  # older recordings
+    assert _fixes_training_lines({"convergence": conv}) == []  # older recordings
 
 
 def test_report_merges_the_converged_interventions_of_every_profile(tmp_path):
-    src = report.Sources(pd.DataFrame(), [], {}, {}, "cmd", results=tmp_path)
-    assert report._converged_interventions(src) is None
-    recorded = json.loads((report.RESULTS / "interventions_converged.json").read_text())
+    src = Sources(pd.DataFrame(), [], {}, {}, "cmd", results=tmp_path)
+    assert _converged_interventions(src) is None
+    recorded = json.loads((RESULTS / "interventions_converged.json").read_text())
     (tmp_path / "interventions_converged.json").write_text(json.dumps(recorded))
     n4 = len(recorded["models"])
-    _, lines4, _ = report._converged_interventions(src)
+    _, lines4, _ = _converged_interventions(src)
     d8 = {**recorded, "models": [{**m, "model": m["model"].replace("d4", "d8"), "stride": 8}
                                   for m in recorded["models"]]}  # fmt: skip
     d8["models"][0] = {**d8["models"][0], "phase_dependent_heads": 3}  # a dense control's head
     (tmp_path / "interventions_converged_d8.json").write_text(json.dumps(d8))
-    header, lines, verdict = report._converged_interventions(src)
+    header, lines, verdict = _converged_interventions(src)
     assert len(lines4) == n4 and len(lines) == 2 * n4
     assert "interventions_converged.json" in header and "interventions_converged_d8" in header
     comp = [m for m in recorded["models"] if m["design"] != "none"]
@@ -321,7 +330,7 @@ def test_report_merges_the_converged_interventions_of_every_profile(tmp_path):
     wide = {**d8, "profile": {**d8["profile"], "d_model": 128}, "models": recorded["models"]}
     wide["models"] = [{**m, "stride": 8} for m in recorded["models"]]
     (tmp_path / "interventions_converged_d8_wide.json").write_text(json.dumps(wide))
-    header, lines, verdict = report._converged_interventions(src)
+    header, lines, verdict = _converged_interventions(src)
     assert len(lines) == 3 * n4 and "interventions_converged_d8_wide" in header
     assert f"d = 8 d_model=128: {sig} of {len(comp)} converged compressed" in verdict
     assert f"d = 8: {sig} of {len(comp)} converged compressed models" in verdict

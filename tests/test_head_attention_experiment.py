@@ -11,13 +11,9 @@ import pytest
 
 from phasemech.experiments import jobs
 from phasemech.experiments.experiment import run_experiment
-from phasemech.experiments.head_attention import (
-    HEAD_ATTENTION,
-    LOSS_FILE,
-    STATE_FILE,
-    CopyTaskJob,
-    train_copy_model,
-)
+from phasemech.experiments.head_attention.jobs import CopyTaskJob, train_copy_model
+from phasemech.experiments.head_attention.profiles import LOSS_FILE, STATE_FILE
+from phasemech.experiments.head_attention.study import HEAD_ATTENTION
 
 
 def test_tiny_profile_end_to_end_then_fully_cached(tmp_path):

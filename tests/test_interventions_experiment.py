@@ -10,16 +10,11 @@ import pandas as pd
 import pytest
 
 from phasemech.experiments.experiment import Done, run_experiment
-from phasemech.experiments.interventions import (
-    INTERVENTIONS,
-    OUT_DIR,
-    PROFILES,
-    InterventionJob,
-    detailed,
-    intervention_jobs,
-)
-from phasemech.experiments.sweep import PROFILES as SWEEP_PROFILES
-from phasemech.experiments.sweep import train_jobs
+from phasemech.experiments.interventions.jobs import InterventionJob, intervention_jobs
+from phasemech.experiments.interventions.profiles import OUT_DIR, PROFILES
+from phasemech.experiments.interventions.study import INTERVENTIONS, detailed
+from phasemech.experiments.sweep.jobs import train_jobs
+from phasemech.experiments.sweep.profiles import PROFILES as SWEEP_PROFILES
 
 MODELS = ["none_d4_h2_T32_s0", "gated_d4_h2_T32_s0"]
 
@@ -52,7 +47,7 @@ def test_train_jobs_are_the_phase_sweeps():
 def test_converged_profile_reads_the_converged_sweeps_models():
     """The search stage's jobs are the converged sweep's (one cache); only models that reached
     the pooling threshold, seed 0, get analysed."""
-    from phasemech.experiments.sweep import search_jobs
+    from phasemech.experiments.sweep.jobs import search_jobs
 
     ours, sweep = PROFILES["converged"], SWEEP_PROFILES["converged"]
     assert {j.key for j in search_jobs(ours, Done())} == {j.key for j in search_jobs(sweep, Done())}
@@ -124,7 +119,7 @@ def test_rerun_computes_nothing(runs):
 
 
 def test_weak_phase_server_names_the_unit_serving_the_weak_phase_specifically():
-    from phasemech.experiments.interventions_summary import weak_phase_server
+    from phasemech.experiments.interventions.summary import weak_phase_server
 
     rows = []
     # the head costs more at the weak phase than the branch does, but as much everywhere
@@ -151,7 +146,7 @@ def test_weak_phase_server_names_the_unit_serving_the_weak_phase_specifically():
 def test_each_sweep_profile_runs_in_its_sweeps_folder(name):
     """An interventions profile on a sweep's models runs in that sweep's folder, so it reads
     the trained models from their cache instead of training them again."""
-    from phasemech.experiments.sweep import search_jobs
+    from phasemech.experiments.sweep.jobs import search_jobs
 
     assert INTERVENTIONS.folders[name] == f"phase_sweep_{name}"
     ours, sweep = PROFILES[name], SWEEP_PROFILES[name]

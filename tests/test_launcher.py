@@ -22,7 +22,8 @@ ray = pytest.importorskip("ray")
 
 from phasemech.experiments import Job, experiment, launch  # noqa: E402
 from phasemech.experiments.launcher import read_cached  # noqa: E402
-from phasemech.experiments.sweep import PROFILES, train_jobs  # noqa: E402
+from phasemech.experiments.sweep.jobs import train_jobs  # noqa: E402
+from phasemech.experiments.sweep.profiles import PROFILES  # noqa: E402
 
 # jobs defined here travel to the workers by value (the workers cannot import tests/)
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])

@@ -21,7 +21,8 @@ from phasemech.experiments.lr_search import (
     setting,
     steps_to,
 )
-from phasemech.experiments.sweep import PROFILES, make_jobs
+from phasemech.experiments.sweep.jobs import make_jobs
+from phasemech.experiments.sweep.profiles import PROFILES
 
 ROOT = Path(__file__).resolve().parents[1]
 P = PROFILES["tiny_search"]  # none and gated, d 4, H 2, seeds 0 and 1, rates 1e-3 and 3e-2

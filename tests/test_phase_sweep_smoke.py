@@ -54,7 +54,7 @@ def test_far_targets_of_a_short_context_give_no_row():
     error that fails the sweep's statistics)."""
     import pandas as pd
 
-    from phasemech.experiments.sweep import report_row
+    from phasemech.experiments.sweep.jobs import report_row
 
     df = pd.DataFrame({"distance": [3, 20, 46], "source_pos": [10, 20, 30]})
     assert report_row({"targets": "far"}, df, 16, 10, 10) is None
@@ -63,7 +63,7 @@ def test_far_targets_of_a_short_context_give_no_row():
 def test_systems_profiles_build_the_systems_they_name():
     """The systems' own geometry and training, and the rotary profiles' positions and pooling
     (a profile option that silently fell away would compare a design with itself)."""
-    from phasemech.experiments.sweep import PROFILES, run_specs, train_config
+    from phasemech.experiments.sweep.profiles import PROFILES, run_specs, train_config
 
     def configs(profile):
         p = PROFILES[profile]
@@ -94,7 +94,8 @@ def test_recorded_profiles_keep_their_job_keys():
     """A new optional config field or profile option must not move the keys of recorded runs'
     jobs (their cache): the ``systems`` sweep's first-stage keys as recorded."""
     from phasemech.experiments.experiment import Done
-    from phasemech.experiments.sweep import PROFILES, search_jobs
+    from phasemech.experiments.sweep.jobs import search_jobs
+    from phasemech.experiments.sweep.profiles import PROFILES
 
     keys = sorted(j.key for j in search_jobs(PROFILES["systems"], Done()))
     assert keys == ["459b87352ff692f5", "510a7071ff1dc72d", "9378acd838cc7360",
@@ -105,8 +106,8 @@ def test_recorded_profiles_keep_their_job_keys():
 def test_the_systems_fixes_profiles_at_t128():
     """``fixes --profile systems_<design>_T128`` trains at T = 128; the T = 64 profiles keep
     their recorded job keys (their cache)."""
-    from phasemech.experiments.fixes import PROFILES as FIXES
-    from phasemech.experiments.fixes import train_jobs
+    from phasemech.experiments.fixes.jobs import train_jobs
+    from phasemech.experiments.fixes.profiles import PROFILES as FIXES
 
     long = train_jobs(FIXES["systems_partition_T128"])
     assert {j.train.task.seq_len for j in long} == {128} and len(long) == 9

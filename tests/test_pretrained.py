@@ -130,9 +130,10 @@ def test_pretrained_experiment_jobs_and_tables(tmp_path, smol, monkeypatch):
     # would cost a minute here)
     import json
 
-    from phasemech.experiments import pretrained as exp
     from phasemech.experiments.experiment import Done
-    from phasemech.experiments.pretrained import PRETRAINED, finish, passkey_jobs
+    from phasemech.experiments.pretrained import jobs as exp
+    from phasemech.experiments.pretrained.jobs import passkey_jobs
+    from phasemech.experiments.pretrained.study import PRETRAINED, finish
     from phasemech.measure.pretrained import Scorer
 
     profile = PRETRAINED.profile("tiny")

@@ -8,9 +8,10 @@ from dataclasses import replace
 import numpy as np
 import pandas as pd
 
-from phasemech.experiments import showcase
 from phasemech.experiments.experiment import Done
-from phasemech.experiments.sweep import PROFILES, make_jobs
+from phasemech.experiments.showcase import study as showcase
+from phasemech.experiments.sweep.jobs import make_jobs
+from phasemech.experiments.sweep.profiles import PROFILES
 
 P = PROFILES["tiny_search"]  # none and gated, d 4, H 2, seeds 0 and 1
 

@@ -223,7 +223,7 @@ def test_sink_in_the_decode_regime(design):
 def test_sink_in_the_audit():
     """``--sink-tokens``: named in the setting, counted in the budget, kept by every fix;
     no sink leaves the audit's cache key as it was; a design without a ranking refuses."""
-    from phasemech.experiments.audit import AuditConfig
+    from phasemech.experiments.audit.config import AuditConfig
 
     a = AuditConfig(designs=("route", "mean"), sink_tokens=4, top_k=1, variants=("aligned",
                     "per_head", "topk_x2"))  # fmt: skip

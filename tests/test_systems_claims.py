@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from phasemech.experiments.systems_claims import claim_systems, systems_table
+from phasemech.experiments.claims.systems import claim_systems, systems_table
 
 
 def _summary() -> dict:

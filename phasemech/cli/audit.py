@@ -50,7 +50,7 @@ def _depths(value: str) -> tuple[float, ...]:
 
 def _variants(fix: str | None) -> tuple[str, ...]:
     """``--fix``: the aligned baseline first, then the named fixes (``all``: every fix)."""
-    from phasemech.experiments.audit_fixes import FIXES
+    from phasemech.experiments.audit.fixes import FIXES
 
     if fix is None:
         return ("aligned",)
@@ -107,7 +107,8 @@ def audit(
 ) -> None:
     """Per-phase retrieval of each design against the uncompressed model (the null), on the
     same paired prompts (every content at every phase at every depth), through the launcher."""
-    from phasemech.experiments.audit import AuditConfig, run_audit
+    from phasemech.experiments.audit.config import AuditConfig
+    from phasemech.experiments.audit.jobs import run_audit
 
     _device(device)
     try:
@@ -172,8 +173,8 @@ def explain(
 ) -> None:
     """Which selections, layers and heads make a design's weak phase weak, on the audit's
     prompts: needle selection, oracle forcing, head ablation and patching across phases."""
-    from phasemech.experiments.explain import ExplainConfig
-    from phasemech.experiments.explain_tables import run_explain
+    from phasemech.experiments.explain.config import ExplainConfig
+    from phasemech.experiments.explain.tables import run_explain
 
     _device(device)
     try:

@@ -30,7 +30,7 @@ def dashboard(
     device: DeviceOpt = "auto",
 ) -> None:
     """One self-contained HTML dashboard (plotly.js inlined) for head-attribution exploration."""
-    from phasemech.experiments.panels import PanelConfig, build_dashboard
+    from phasemech.experiments.showcase.panels import PanelConfig, build_dashboard
 
     dev = _device(device)
     try:

@@ -9,13 +9,13 @@ experiment's seconds-long smoke profile.
 from __future__ import annotations
 
 from phasemech.experiments.experiment import Experiment
-from phasemech.experiments.fixes import FIXES_EXPERIMENT
-from phasemech.experiments.head_attention import HEAD_ATTENTION
-from phasemech.experiments.interventions import INTERVENTIONS
-from phasemech.experiments.pretrained import PRETRAINED
-from phasemech.experiments.showcase import FIGURES
-from phasemech.experiments.sweep import PHASE_SWEEP
-from phasemech.experiments.theory_trained import THEORY_TRAINED
+from phasemech.experiments.fixes.study import FIXES_EXPERIMENT
+from phasemech.experiments.head_attention.study import HEAD_ATTENTION
+from phasemech.experiments.interventions.study import INTERVENTIONS
+from phasemech.experiments.pretrained.study import PRETRAINED
+from phasemech.experiments.showcase.study import FIGURES
+from phasemech.experiments.sweep.study import PHASE_SWEEP
+from phasemech.experiments.theory_trained.study import THEORY_TRAINED
 
 EXPERIMENTS: dict[str, Experiment] = {
     e.name: e

@@ -5,7 +5,7 @@ compressed entries one query reads; log scale), ``accuracy`` (mean over phases),
 debiased best-minus-worst phase accuracy, with its 95% cluster-bootstrap CI).
 
 Input: the audit's ``summary`` rows of one context, with ``design``, ``variant``, ``budget``,
-``accuracy``, ``debiased_gap``, ``gap_lo``, ``gap_hi`` (:mod:`phasemech.experiments.audit_report`).
+``accuracy``, ``debiased_gap``, ``gap_lo``, ``gap_hi`` (:mod:`phasemech.experiments.audit.summary`).
 Each design keeps one colour; its budget path (``aligned`` then more top-k) is a line, every
 other fix a marker by variant, so a fix above and left of the line beats buying budget.
 """

@@ -1,6 +1,6 @@
 """The interactive head-attribution dashboard: ONE self-contained HTML page, rendered from
-panels (:mod:`phasemech.experiments.panels` computes them from trained runs; nothing here runs
-a model).
+panels (:mod:`phasemech.experiments.showcase.panels` computes them from trained runs; nothing
+here runs a model).
 
 Axes: ``layer, head, phase`` (phase = the needle's offset in its compression chunk on the model's
 reference grid), ``pos`` / ``key_pos`` for the example pattern.

@@ -4,7 +4,7 @@ self-contained HTML page.
 Axes: ``layer``, ``head``, ``phase`` (the needle's offset inside its chunk, ``0..stride-1``),
 ``site`` (what a patch copies: ``head``, ``resid``, ``selection``, ``atp``).
 
-Inputs are the tables :mod:`phasemech.experiments.explain_tables` writes (by name, without
+Inputs are the tables :mod:`phasemech.experiments.explain.tables` writes (by name, without
 ``.parquet``) and its ``summary.json``; nothing here runs a model. Every table but ``prompts``
 is optional: a missing one drops its figure.
 

@@ -1,21 +1,9 @@
-"""``phasemech audit``: does a compression design's retrieval depend on the needle's phase, on a
-real model, at long context, in the regime the design serves?
+"""What an audit is: one :class:`AuditConfig` (a model, one or more
+designs, each a post-hoc :class:`~phasemech.core.config.CompressionConfig` on the model's own
+weights, a regime, contexts, a retrieval task, fix variants) and what it may take
+(:data:`AUDIT_DESIGNS`, :data:`AUDIT_OFFSETS`, :data:`HOSTS`).
 
-Axes: ``setting`` (``null``: the uncompressed model; then one per design), ``phase``, ``depth``,
-``layer``, ``head``; prompts are rows of tidy frames.
-
-An audit is one :class:`AuditConfig`: a model, one or more designs (each a post-hoc
-:class:`~phasemech.core.config.CompressionConfig` on the model's own weights), a regime
-(``trained``: every query reads the compressed history; ``decode``: a full-attention prefill of
-the document, then the question and answer read the compressed cache,
-:mod:`phasemech.model.decode`), contexts and a retrieval task whose prompts put every content
-at every phase at every depth (:mod:`phasemech.data.retrieval`). The null and every design
-score the SAME prompts (paired). Prompts run in chunks as jobs on the experiment launcher
-(embedded Ray, or a cluster by ``address``), cached by config under ``OUT/jobs``: a rerun (or
-one with other statistics sizes) computes nothing, a killed one resumes; other prompts,
-designs or grids are a new audit. In the decode regime one prefill serves the null and every
-design. :mod:`phasemech.experiments.audit_report` turns the scored prompts into the
-audit's tables, ``summary.md`` and ``audit.html``.
+Axes: ``setting`` (``null``: the uncompressed model; then one per design and variant).
 """
 
 from __future__ import annotations
@@ -23,25 +11,19 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-import json
-import time
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, ClassVar
-
-import pandas as pd
+from typing import Any
 
 from phasemech.core.config import SINK_DESIGNS, TOP_K_DESIGNS, CompressionConfig
 from phasemech.core.validation import is_int
 from phasemech.data.retrieval import TASK_KINDS, RetrievalTask
-from phasemech.experiments.audit_fixes import apply_variant, check_variants, kv_budget, random_shift
-from phasemech.experiments.jobs import Job, job_device, report_progress
+from phasemech.experiments.audit.fixes import apply_variant, check_variants, kv_budget
 from phasemech.model.decode import REGIMES
 
 #: position encodings a compressed layer can host (keys carry their positions)
 HOSTS = ("standard", "shortformer", "rotary")
 #: grid offsets an audit takes: phases are reported on the aligned reference grid (``random``:
-#: one shift per prompt, :func:`~phasemech.experiments.audit_fixes.random_shift`)
+#: one shift per prompt, :func:`~phasemech.experiments.audit.fixes.random_shift`)
 AUDIT_OFFSETS = ("aligned", "per_layer", "per_head", "per_layer_head", "random")
 #: designs an audit applies post hoc (no trained parameters)
 AUDIT_DESIGNS = ("mean", "route", "evict", "quest", "kpool", "partition")
@@ -56,7 +38,7 @@ class AuditConfig:
     ``attention_groups``: the first contents (consecutive contents cycle through the depths)
     whose prompts, at every phase, also give per-head attention onto the needle.
     ``variants``: ``aligned`` (the grid above) and the fixes to compare with it, each applied to
-    every design that can take it (:mod:`phasemech.experiments.audit_fixes`)."""
+    every design that can take it (:mod:`phasemech.experiments.audit.fixes`)."""
 
     designs: tuple[str, ...] = ("route",)
     model: str = "smollm2-135m"
@@ -215,168 +197,4 @@ class AuditConfig:
         return out
 
 
-# ------------------------------------------------------------------------------ worker side
-class _Worker:
-    """One per worker process: the model (loaded once), its compressed copies, the prompts."""
-
-    def __init__(self) -> None:
-        self.key: tuple | None = None
-        self.base = None
-        self.compressed: dict[str, Any] = {}
-        self.prompts: dict[tuple, Any] = {}
-        self.bos = False  # the model's prompts start with BOS (ModelSource.prepend_bos)
-
-    def model(self, spec: str, n_ctx: int, device):
-        from phasemech.model.fast import linear_layout, use_eval_sdpa
-        from phasemech.model.sources import describe, load
-
-        if self.key != (spec, str(device)) or self.base.cfg.n_ctx < n_ctx:
-            self.prompts = {}
-            source = describe(spec)
-            self.bos = source.prepend_bos
-            self.base = load(source, min(source.max_context, max(n_ctx, 2048)), device)
-            use_eval_sdpa(self.base)  # dense attention through SDPA where nothing reads scores
-            linear_layout(self.base)  # no per-forward weight copies (shared by the designs)
-            self.key, self.compressed = (spec, str(device)), {}
-        return self.base
-
-    def setting(self, comp: CompressionConfig | None):
-        from phasemech.model.fast import use_eval_sdpa
-        from phasemech.model.transformer import PhaseTransformer
-
-        if comp is None:
-            return self.base
-        name = json.dumps(comp.to_dict(), sort_keys=True)  # the whole config, not a label
-        if name not in self.compressed:
-            model = PhaseTransformer.from_hooked(self.base, comp).eval()
-            # post hoc designs add no parameters: share the base's tensors instead of a copy
-            # per design (a worker holds the model once, however many designs it scores)
-            model.load_state_dict(self.base.state_dict(), strict=False, assign=True)
-            use_eval_sdpa(model)  # its uncompressed layers
-            self.compressed[name] = model
-        return self.compressed[name]
-
-    def batch(self, task: RetrievalTask, contents: int, seed: int):
-        from phasemech.data.retrieval import build_retrieval_prompts
-
-        key = (self.key, task, contents, seed)  # prompts are the model's tokenizer's
-        if key not in self.prompts:
-            tok, bos = self.base.tokenizer, self.bos
-            self.prompts = {key: build_retrieval_prompts(tok, task, contents, seed, bos=bos)}
-        return self.prompts[key]
-
-
-_WORKER = _Worker()
-
-
-@dataclass(frozen=True)
-class AuditJob(Job):
-    """Prompts ``start`` to ``stop`` of one context's prompt set, scored by the null and
-    every design of ``audit`` (the prompts of the first ``attention_groups`` contents also
-    give per-head attention from the answer onto the needle)."""
-
-    kind: ClassVar[str] = "audit"
-    audit: AuditConfig
-    context: int
-    start: int
-    stop: int
-
-    @property
-    def label(self) -> str:
-        return f"T={self.context} [{self.start}:{self.stop}]"
-
-    def run(self, workdir: Path) -> dict[str, Any]:
-        from phasemech.experiments.audit_score import score_prompt
-
-        a = self.audit
-        base = _WORKER.model(a.model, self.context + 64, job_device())
-        batch = _WORKER.batch(a.retrieval_task(self.context), a.contents, a.seed)
-        models = [(n, _WORKER.setting(c)) for n, c in a.settings()]
-        rows, heads = [], []
-        t0 = time.perf_counter()
-        for i in range(self.start, self.stop):
-            attend = int(batch.frame.group_id.iloc[i]) < a.attention_groups
-            shift = random_shift(a.seed, self.context, int(batch.frame.prompt_id.iloc[i]), a.stride)
-            r, h = score_prompt(base, models, batch, i, a.regime, attend, shift)
-            rows += [dict(x, context=self.context) for x in r]
-            heads += [dict(x, context=self.context) for x in h]
-            report_progress(i + 1 - self.start, self.stop - self.start)
-        seconds = time.perf_counter() - t0
-        return {"targets": rows, "heads": heads, "seconds": seconds}
-
-
-def audit_jobs(a: AuditConfig, chunks_per_context: int = 8) -> list[AuditJob]:
-    """Every context's prompts in chunks (a few chunks per CPU balance the load; the model
-    loads once per worker process). The statistics' sizes are not part of a job's key."""
-    a = dataclasses.replace(a, n_boot=0, n_perm=0)
-    jobs = []
-    for context in a.contexts:
-        n = a.contents * a.stride
-        chunk = max(1, -(-n // chunks_per_context))
-        jobs += [AuditJob(a, context, i, min(i + chunk, n)) for i in range(0, n, chunk)]
-    return jobs
-
-
-def check_audit(a: AuditConfig):
-    """Every bad input fails here, in one line, before any forward: the model spec, contexts
-    longer than the model was trained for, a tokenizer that cannot place the needle on every
-    phase, a design the model's attention cannot host, layers the model lacks. Returns the
-    model's resolved source (``phasemech.model.sources.ModelSource``)."""
-    from phasemech.data.retrieval import check_task
-    from phasemech.model.sources import describe, tokenizer
-
-    source = describe(a.model)
-    too_long = [c for c in a.contexts if c > source.max_context]
-    if too_long:
-        raise ValueError(
-            f"contexts {too_long} are invalid: {a.model!r} was trained to {source.max_context} "
-            f"tokens; allowed 64..{source.max_context}"
-        )
-    tok = tokenizer(source)
-    for c in a.contexts:
-        check_task(tok, a.retrieval_task(c), source.max_context, bos=source.prepend_bos)
-    _check_host(a, source)
-    return source
-
-
-def _check_host(a: AuditConfig, source) -> None:
-    if a.layers is not None and max(a.layers) >= source.n_layers:
-        raise ValueError(
-            f"layers={list(a.layers)} is invalid: {a.model!r} has {source.n_layers} layers; "
-            f"allowed 0..{source.n_layers - 1}"
-        )
-    if source.positional not in HOSTS:
-        raise ValueError(
-            f"model {a.model!r} uses {source.positional} position encoding, which compressed "
-            f"attention cannot host (an additive bias over [pos, key_pos]); allowed {HOSTS}"
-        )
-
-
-def run_audit(
-    a: AuditConfig,
-    out: str | Path,
-    *,
-    address: str | None = None,
-    num_cpus: int | None = None,
-    device: str = "cpu",
-    progress: bool = True,
-) -> dict[str, Any]:
-    """Run (or finish from the cache) the audit ``a`` into ``out``: tables, ``summary.md``,
-    ``summary.json`` and ``audit.html``. Returns the summary."""
-    from phasemech.experiments.audit_report import write_report
-    from phasemech.experiments.experiment import launch_results, ray_session
-
-    source = check_audit(a)
-    out = Path(out)
-    t0 = time.perf_counter()
-    with ray_session(address, num_cpus) as ensure:
-        results = launch_results(ensure, audit_jobs(a), out, "audit", progress, device)
-    targets = pd.DataFrame([r for res in results for r in res["targets"]])
-    heads = pd.DataFrame([h for res in results for h in res["heads"]])
-    worker_s = sum(res["seconds"] for res in results)
-    # partition's KV budget is a head's share
-    wall_s = time.perf_counter() - t0
-    return write_report(a, targets, heads, out, wall_s, worker_s, source.n_heads)
-
-
-__all__ = ["AUDIT_DESIGNS", "AuditConfig", "AuditJob", "audit_jobs", "check_audit", "run_audit"]
+__all__ = ["AUDIT_DESIGNS", "AUDIT_OFFSETS", "AuditConfig", "HOSTS"]

@@ -1,14 +1,21 @@
-"""The real-model part of the claims report's section 3 (different components handle different
-phases), from the recorded explanations.
+"""The claims report's section 3: phase specialisation under interventions (different
+components handle different source phases).
 
-Axes: ``phase``, ``layer``, ``head``; each recorded run is one ``phasemech explain`` summary
-(``analyses/results/explain_*.json``: a copy of the run's ``summary.json``).
+Axes: ``phase``, ``layer``, ``head``; rows are models (trained from scratch) or recorded
+explanation runs (a real model).
 
-Per run it states the setting (model, design, grid, regime, context, prompt count), the
-design's accuracy by phase beside the null, where the selection loses the needle (recall by
-layer band), whether forcing the needle's block restores the weak phase (the oracle: then the
-weak spot is the selection), what patching from the strong phase restores, and the heads whose
-zero ablation depends on the phase. The verdict's rule is the lab's: a head whose
+From scratch: the figures run's model panels (each compressed model's most phase-specific
+head), the theory comparison's gated models (:mod:`phasemech.experiments.claims.theory`) and,
+where recorded, the converged interventions runs (``interventions_<profile>.json``), judged by
+:func:`~phasemech.experiments.claims.converged.interventions_claim_lines`.
+
+On a real model, from the recorded explanations (each one ``phasemech explain`` summary,
+``analyses/results/explain_*.json``: a copy of the run's ``summary.json``). Per run it states
+the setting (model, design, grid, regime, context, prompt count), the design's accuracy by
+phase beside the null, where the selection loses the needle (recall by layer band), whether
+forcing the needle's block restores the weak phase (the oracle: then the weak spot is the
+selection), what patching from the strong phase restores, and the heads whose zero ablation
+depends on the phase. The verdict's rule is the lab's: a head whose
 zero-ablation effect on accuracy differs across phases (Holm p < 0.05, range >= 10 points).
 The real model has no ablated dense control, which the verdict says. The oracle's reading
 (where the unforced range exceeds 5 points): forcing that leaves a per-phase range of at most 5
@@ -22,8 +29,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from phasemech.experiments.explain_report import _fmt as _f
-from phasemech.experiments.explain_report import layer_span
+from phasemech.experiments.claims.converged import D_MODEL, interventions_claim_lines
+from phasemech.experiments.claims.sources import Sources, _fig, _load_json, _missing, f3
+from phasemech.experiments.claims.theory import _learned, theory_runs
+from phasemech.experiments.explain.summary import _fmt as _f
+from phasemech.experiments.explain.summary import layer_span
 
 RULE = "a head whose zero-ablation effect on accuracy differs across phases (Holm p < 0.05, range >= 10 points)"  # noqa: E501
 
@@ -142,4 +152,127 @@ def real_model_lines(results: Path) -> tuple[list[str], str]:
     return lines, verdict
 
 
-__all__ = ["RULE", "explain_runs", "real_model_lines"]
+# interventions.py's converged profiles (the converged sweeps' models, d = 4 and d = 8 at
+# d_model 64 and 128)
+INTERVENTION_PROFILES = ("converged", "converged_d8", "converged_d8_wide")
+
+
+def _converged_interventions(src: Sources) -> tuple[str, list[str], str] | None:
+    """The header, lines and verdict of the specialisation claim over every recorded
+    converged interventions run (None where none is recorded)."""
+    found = [
+        (n, s)
+        for n in INTERVENTION_PROFILES
+        if (s := _load_json(src.results / f"interventions_{n}.json")) is not None
+    ]
+    if not found:
+        return None
+    files = ", ".join(
+        f"`analyses/results/interventions_{n}.json` (`phasemech run interventions --profile {n}`)"
+        for n, _ in found
+    )
+    at = found[0][1]["profile"]["pool_min_accuracy"]
+    # each model with its run's width (recordings made before they stated one: the default)
+    merged = {
+        "models": [
+            {"d_model": s["profile"].get("d_model", D_MODEL), **m}
+            for _, s in found
+            for m in s.get("models", [])
+        ]
+    }
+    lines, verdict = interventions_claim_lines(merged, files)
+    header = (
+        f"On the converged phase sweeps' models (the first seed of each setting with held-out "
+        f"accuracy >= {at}; {files}; the verdict reads these):"
+    )
+    return header, lines, verdict
+
+
+def claim_specialisation(src: Sources) -> str:
+    out = ["## 3. Phase specialisation under interventions", ""]
+    out.append(
+        "*Paper*: activation patching and ablation show different components handle different "
+        "source phases."
+    )
+    out.append("")
+    sig = 0
+    for p in src.panels:
+        comp = [h for h in p["heads"] if h["compressed"]]
+        if not comp:
+            continue
+        best = max(
+            comp,
+            key=lambda h: (
+                h.get("p_holm") is not None and h["p_holm"] < 0.05,
+                h.get("effect_range") or 0.0,
+            ),
+        )
+        ok = best.get("p_holm") is not None and best["p_holm"] < 0.05
+        sig += ok
+        eff = " / ".join(f3(x) for x in best["effect"])
+        out.append(
+            f"- {p['name']}: head {best['label']} zero-ablation effect on accuracy by phase "
+            f"{eff}; specialisation index {f3(best['si'])}, Holm p {best['p_holm']}"
+            + (
+                f", serves phase {best['served_phase']}"
+                if best.get("served_phase") is not None
+                else ""
+            )
+            + "."
+        )
+    out.append(f"  (`{src.command}`: model panels.)")
+    name, tt = (theory_runs(src.results) or [(None, None)])[0]
+    learned = [m for m in tt["models"] if _learned(m)] if tt else []
+    if learned:
+        spec = sum(m["specialised_heads"] for m in learned)
+        heads = sum(m["heads"] for m in learned)
+        served = ", ".join(f"{m['served_phases']}" for m in learned)
+        out.append(
+            f"- Gated models of the theory comparison ({len(learned)} of {len(tt['models'])} "
+            f"learned, accuracy >= {tt.get('learned_at', tt['plateau_exit'])}): {spec} of "
+            f"their {heads} heads put at least half of their pooled entry on targets of one "
+            f"phase; distinct phases served per model: {served} "
+            f"(`analyses/results/theory_trained_{name}.md`)."
+        )
+    n = sum(1 for p in src.panels if any(h["compressed"] for h in p["heads"]))
+    verdict = (
+        f"**Supported**: {sig} of {n} compressed models have a head whose ablation effect "
+        "depends on the phase (Holm-corrected p < 0.05)"
+        if sig
+        else f"**Not supported** in this run: none of {n} compressed models has a head with "
+        "Holm-corrected p < 0.05"
+    )
+    rule = "some compressed head's ablation effect differs across phases, Holm p < 0.05"
+    conv = _converged_interventions(src)
+    if conv is not None:
+        header, lines, verdict = conv
+        out += ["", header, "", *lines]
+        rule = (
+            "at a given d, a larger share of converged compressed models than of that d's "
+            "dense controls has a head whose zero-ablation effect differs across phases "
+            "(Holm p < 0.05, range >= 10 points)"
+        )
+    else:
+        cmd = "phasemech run interventions --profile converged"
+        out.append("- " + _missing("analyses/results/interventions_converged.json", cmd))
+    real, real_verdict = real_model_lines(src.results)
+    out += [
+        "",
+        f"Verdict (rule: {rule}): " + verdict + ".",
+        "",
+        *real,
+        "",
+        real_verdict,
+        "",
+        _fig(src, "ablation_effects", "patching_grid", "specialization", "head_phase_attention"),
+    ]
+    return "\n".join(out)
+
+
+__all__ = [
+    "INTERVENTION_PROFILES",
+    "RULE",
+    "claim_specialisation",
+    "explain_runs",
+    "real_model_lines",
+]

@@ -1,34 +1,8 @@
-"""``phasemech explain``: which components make a real model's weak phase weak? Selection,
-layers and heads, by causal intervention on the audit's own prompts.
+"""The explanation's jobs: an :class:`ExplainJob` runs one step
+(``observe``, ``attend``, ``intervene``, ``heads``) on a few prompts or pairs, with the
+worker's models and prompts shared with the audit's worker.
 
-Axes: ``prompt`` (the audit's paired prompts: every content at every phase), ``pair`` (one
-content: clean at its strong phase, corrupted at its weak one), ``layer``, ``head``, ``phase``.
-
-An explanation is one :class:`ExplainConfig`: one design and grid on one model, in one regime,
-at one context, on the prompts ``phasemech audit`` scores (the same task, contents and seed
-give the same prompts). It runs in three steps through the experiment launcher, each step's
-jobs cached under ``OUT/jobs`` (a rerun computes nothing, a killed one resumes):
-
-1. ``observe`` (every prompt): the answer under the null and the design, the needle's
-   selection in every selecting layer and head (:func:`~phasemech.interventions.oracle.
-   needle_selection`), the oracle forcing the needle's block in every layer (four forms: add
-   or replace, at the answer rows or every row after the needle) and in each layer alone (add
-   and replace at every row after the needle; :func:`~phasemech.interventions.oracle.
-   force_needle`), and each head's mean output;
-2. ``intervene``: zero and mean ablation of every head on every prompt, and on each content's
-   (strong, weak) pair the exact patching of every head and every layer's residual, and
-   attribution patching of every head (:mod:`phasemech.interventions.prompt_patching`). The
-   strong and weak phases are the design's best and worst accuracy in step 1 unless
-   ``contrast_phases`` names them; only contents whose strong-phase prompt is answered right
-   (first token) are paired;
-3. ``heads``: the oracle again, in the ``top_heads`` heads that matter most (largest exact
-   patching effect).
-
-Beside step 2 runs ``attend`` (every prompt): each head's attention from the row predicting
-the first answer token onto the needle's first answer token, under the null and the design
-(as the audit reads it: ``hook_pattern``, or ``hook_token_pattern`` on compressed layers).
-
-:mod:`phasemech.experiments.explain_tables` turns the results into the tables and the page.
+Axes: ``prompt``, ``pair``, ``layer``, ``head``, ``phase``.
 """
 
 from __future__ import annotations
@@ -41,120 +15,15 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from phasemech.core.validation import is_int
-from phasemech.experiments.audit import AuditConfig
+from phasemech.experiments.explain.config import ExplainConfig
 from phasemech.experiments.jobs import Job, job_device, payload, report_progress
-
-ANALYSES = ("selection", "oracle", "ablation", "patching")
-#: designs whose selection the selection and oracle analyses read
-SELECTING = ("route", "quest", "kpool", "evict")
-
-
-@dataclass(frozen=True)
-class ExplainConfig:
-    """What to explain: ``design`` with the audit's grid fields (``offsets`` among them: phases
-    stay those of the aligned reference grid, as the audit reports them), ``regime``, ``context``,
-    ``contents`` (each at every phase), ``contrast_phases`` (``(clean, corrupted)``; default the
-    strongest and weakest phase), ``analyses`` (any of :data:`ANALYSES`), ``per_layer_oracle``
-    (the oracle in each layer alone; default in ``decode`` only, where a copy is cheap) and
-    ``top_heads`` (heads the step-3 oracle forces)."""
-
-    design: str = "route"
-    model: str = "smollm2-135m"
-    stride: int = 4
-    window: int | None = 16
-    top_k: int | None = 1
-    layers: tuple[int, ...] | None = None
-    offsets: str = "aligned"
-    block_len: int | None = None
-    obs_window: int | None = None
-    regime: str = "decode"
-    context: int = 1024
-    depths: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9)
-    task: str = "passkey"
-    distractors: int | None = None
-    contents: int = 50
-    seed: int = 0
-    contrast_phases: tuple[int, int] | None = None
-    analyses: tuple[str, ...] = ANALYSES
-    per_layer_oracle: bool | None = None
-    top_heads: int = 10
-    n_boot: int = 1000
-    n_perm: int = 1000
-
-    def __post_init__(self) -> None:
-        bad = [a for a in self.analyses if a not in ANALYSES]
-        if not self.analyses or bad:
-            raise ValueError(
-                f"ExplainConfig: analyses={self.analyses!r} is invalid: allowed any of {ANALYSES}"
-            )
-        picks = [a for a in self.analyses if a in ("selection", "oracle")]
-        if picks and self.design not in SELECTING:
-            raise ValueError(
-                f"ExplainConfig: analyses {picks} are invalid for design {self.design!r}: it "
-                f"selects no blocks; allowed designs {SELECTING} (or analyses ablation, patching)"
-            )
-        if self.contrast_phases is not None:
-            cp = tuple(self.contrast_phases)
-            if (
-                len(cp) != 2
-                or not all(is_int(p) and 0 <= p < self.stride for p in cp)
-                or cp[0] == cp[1]
-            ):
-                raise ValueError(
-                    f"ExplainConfig: contrast_phases={self.contrast_phases!r} is invalid: "
-                    f"expected two different phases in 0..{self.stride - 1} (clean, corrupted)"
-                )
-        if not is_int(self.top_heads) or self.top_heads < 1:
-            raise ValueError(
-                f"ExplainConfig: top_heads={self.top_heads!r} is invalid: expected an int >= 1"
-            )
-        self.audit()  # the design, grid, task and sizes, checked as the audit checks them
-
-    def audit(self) -> AuditConfig:
-        """The audit whose prompts and grid this explains (its null and one design)."""
-        return AuditConfig(
-            designs=(self.design,),
-            model=self.model,
-            stride=self.stride,
-            window=self.window,
-            top_k=self.top_k,
-            layers=self.layers,
-            offsets=self.offsets,
-            block_len=self.block_len,
-            obs_window=self.obs_window,
-            regime=self.regime,
-            contexts=(self.context,),
-            depths=self.depths,
-            task=self.task,
-            distractors=self.distractors,
-            contents=self.contents,
-            seed=self.seed,
-        )
-
-    @property
-    def setting(self) -> str:
-        name = self.audit().setting_name(self.design)
-        return name if self.offsets == "aligned" else f"{name}_{self.offsets}"
-
-    def to_dict(self) -> dict[str, Any]:
-        """The cache key's form: the aligned grid leaves ``offsets`` out, so runs recorded
-        before the field existed keep their keys."""
-        out = dataclasses.asdict(self)
-        if out["offsets"] == "aligned":
-            del out["offsets"]
-        return out
-
-    @property
-    def oracle_per_layer(self) -> bool:
-        return self.regime == "decode" if self.per_layer_oracle is None else self.per_layer_oracle
 
 
 # ------------------------------------------------------------------------------ worker side
 def _models(cfg: ExplainConfig):
     """The worker's null model, the design's model and the prompts (shared with the audit's
     worker: loaded once per process)."""
-    from phasemech.experiments.audit import _WORKER
+    from phasemech.experiments.audit.jobs import _WORKER
 
     a = cfg.audit()
     base = _WORKER.model(a.model, cfg.context + 64, job_device())
@@ -193,7 +62,7 @@ def _attend(run, base, model) -> list[dict[str, Any]]:
     """Per (setting, layer, head): attention from the answer row onto the needle."""
     import torch
 
-    from phasemech.experiments.audit_score import _attention_hooks
+    from phasemech.experiments.audit.score import _attention_hooks
     from phasemech.interventions.prompts import bound
 
     rows = []
@@ -310,7 +179,7 @@ def explain_jobs(
 def check_explain(cfg: ExplainConfig):
     """Every bad input, in one line, before any forward (the audit's checks: model, context,
     tokenizer, layers); returns the model's source."""
-    from phasemech.experiments.audit import check_audit
+    from phasemech.experiments.audit.jobs import check_audit
 
     return check_audit(cfg.audit())
 
@@ -329,11 +198,4 @@ def contrast_phases(cfg: ExplainConfig, accuracy: np.ndarray) -> tuple[int, int]
     return int(np.nanargmax(accuracy)), int(np.nanargmin(accuracy))
 
 
-__all__ = [
-    "ANALYSES",
-    "ExplainConfig",
-    "ExplainJob",
-    "check_explain",
-    "contrast_phases",
-    "explain_jobs",
-]
+__all__ = ["ExplainJob", "check_explain", "contrast_phases", "explain_jobs"]

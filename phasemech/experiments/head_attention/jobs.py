@@ -1,23 +1,9 @@
-"""Head-by-source-phase attention of a small compressed model trained on a copy task, as an
-experiment (it replaces the standalone script ``analyses/head_phase_attention.py``).
+"""The head-attention experiment's job: a
+:class:`CopyTaskJob` per seed trains the copy-task model in its own folder (resumable, ending
+with the weights an uninterrupted run would have), then measures attention by source phase
+(query mean and answer -> needle) and copy accuracy by needle phase.
 
-The model: a 2-layer attention-only ``PhaseTransformer`` whose layers both use ``gated``
-compression (stride d = 4, raw window 2d = 8, 4 heads), trained on a repeated-random-sequence
-task: tokens ``x_0..x_{P-1}`` followed by the same ``P`` tokens. Predicting the second copy
-needs the token after the previous occurrence, ``P`` positions back: far outside the raw window,
-so it must be read through compressed blocks.
-
-One stage: a :class:`CopyTaskJob` per seed trains the model in its own folder (resumable: a
-checkpoint holds the weights, the optimizer, the schedule and the batch generator, so a resumed
-run ends with the weights an uninterrupted one would have), then measures the attention mass per
-(layer, head, source phase), averaged over the second copy's queries and from each answer
-position onto its needle (the source token, ``P - 1`` back), and the copy accuracy by needle
-phase. The finish writes ``phase_attention_mean.parquet``, ``phase_attention_needle.parquet``,
-``copy_accuracy.parquet``, ``train_loss.parquet``, ``summary.json``, ``summary.md`` and the two
-heatmaps ``head_phase_attention.html`` (query mean) and ``head_phase_needle.html`` (answer ->
-needle) into the experiment folder.
-
-Axes: ``layer, head, phase`` (source or needle phase on the model's grid); ``seed`` rows.
+Axes: ``layer, head, phase`` (source or needle phase on the model's grid).
 """
 
 from __future__ import annotations
@@ -29,42 +15,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-import numpy as np
 import pandas as pd
 
-from phasemech.core.io import atomic_write, json_safe, write_json_atomic, write_text_atomic
-from phasemech.experiments.experiment import Done, Experiment, Profile
+from phasemech.core.io import atomic_write, json_safe, write_json_atomic
+from phasemech.experiments.experiment import Done, Profile
+from phasemech.experiments.head_attention.profiles import LOSS_FILE, MODEL_DIR, STATE_FILE, VOCAB
 from phasemech.experiments.jobs import Job, job_device, payload, report_progress
 
 # torch and the model are imported inside the functions that use them: the CLI imports every
 # experiment just to list them, and importing torch costs seconds
-
-# one model for every profile (the old script's); the profiles differ in training and
-# evaluation sizes only. `half` is P, the length of the random sequence that is then repeated.
-_MODEL = dict(designs=("gated",), strides=(4,), heads=(4,), d_model=64)
-PROFILES = {
-    # seconds; the end-to-end test
-    "tiny": Profile(
-        steps=20, test_sequences=32, checkpoint_every=None,
-        extra=(("batch", 16), ("half", 16)), **_MODEL,
-    ),
-    # 128 s of training on one thread of a shared 2-core machine (146 s in all)
-    "default": Profile(
-        steps=1200, test_sequences=256, checkpoint_every=400,
-        extra=(("batch", 32), ("half", 32)), **_MODEL,
-    ),
-    "full": Profile(
-        steps=4000, test_sequences=2048, checkpoint_every=1000,
-        extra=(("batch", 64), ("half", 32)), **_MODEL,
-    ),
-}  # fmt: skip
-
-VOCAB = 64
-MODEL_DIR = "model"  # the trained model (PhaseTransformer.save), read by phasemech's CLI
-STATE_FILE = "train_state.pt"  # the latest checkpoint of an unfinished training
-LOSS_FILE = "train_loss.json"
-#: the result's tables, each written as ``<name>.parquet`` with a ``seed`` column
-TABLES = ("phase_attention_mean", "phase_attention_needle", "copy_accuracy", "train_loss")
 
 
 @dataclass(frozen=True)
@@ -282,138 +241,12 @@ def copy_jobs(p: Profile, done: Done | None = None) -> list[CopyTaskJob]:
     ]
 
 
-def tables(done: Done) -> dict[str, pd.DataFrame]:
-    """Every table of :data:`TABLES` over the seeds (a ``seed`` column)."""
-    runs = done.of(CopyTaskJob)
-    return {
-        name: pd.concat(
-            [pd.DataFrame(r[name]).assign(seed=j.seed) for j, r in runs], ignore_index=True
-        )
-        for name in TABLES
-    }
-
-
-def over_seeds(frame: pd.DataFrame) -> pd.DataFrame:
-    """A phase-attention table averaged over seeds (``n`` summed): one heatmap cell per
-    (layer, head, phase), as ``head_phase_heatmap`` expects; one seed is left as it is."""
-    keys = ["layer", "head", "phase", "exact", "kind"]
-    return frame.groupby(keys, as_index=False).agg(mass=("mass", "mean"), n=("n", "sum"))
-
-
-def write_figures(mean: pd.DataFrame, needle: pd.DataFrame, stride: int, out: Path) -> list[str]:
-    """The old script's two heatmaps, self-contained HTML, into the experiment folder (not
-    ``figures/``, where a ``make figures`` figure has the first one's name)."""
-    from phasemech.viz import head_phase_heatmap
-
-    names = {layer: f"layer {layer} (gated, d={stride})" for layer in sorted(mean["layer"])}
-    figures = {
-        "head_phase_attention.html": (mean, "Attention mass by source phase, mean over queries"),
-        "head_phase_needle.html": (needle, "Attention from answer to needle, by needle phase"),
-    }
-    for name, (frame, title) in figures.items():
-        fig = head_phase_heatmap(over_seeds(frame), title=title, layer_names=names)
-        atomic_write(out / name, lambda tmp, fig=fig: fig.write_html(tmp, include_plotlyjs=True))
-    return list(figures)
-
-
-def _accuracy_by_phase(acc: pd.DataFrame) -> dict[int, float]:
-    """Copy accuracy per needle phase, pooled over seeds (correct / n)."""
-    pooled = acc.groupby("phase")[["correct", "n"]].sum()
-    return {int(p): float(r.correct / r.n) for p, r in pooled.iterrows()}
-
-
-def finish(p: Profile, done: Done, out: Path) -> dict[str, Any]:
-    t = tables(done)
-    for name, frame in t.items():
-        atomic_write(out / f"{name}.parquet", lambda tmp, f=frame: f.to_parquet(tmp))
-    stride = p.strides[0]
-    figures = write_figures(t["phase_attention_mean"], t["phase_attention_needle"], stride, out)
-    acc = t["copy_accuracy"]
-    models = [
-        {
-            "seed": j.seed,
-            "copy_accuracy": r["copy_accuracy_all"],
-            "copy_accuracy_by_needle_phase": _accuracy_by_phase(pd.DataFrame(r["copy_accuracy"])),
-            "final_loss": float(np.mean(r["train_loss"]["loss"][-20:])),
-            "train_seconds": r["train_seconds"],
-        }
-        for j, r in done.of(CopyTaskJob)
-    ]
-    profile = {
-        "steps": p.steps, "batch": p.get("batch"), "half": p.get("half"),
-        "eval_sequences": p.test_sequences, "seeds": list(p.seeds), "stride": stride,
-        "window": 2 * stride, "heads": p.heads[0], "d_model": p.d_model, "vocab": VOCAB,
-        "checkpoint_every": p.checkpoint_every,
-    }  # fmt: skip
-    summary = json_safe(
-        {
-            "profile": profile,
-            "copy_accuracy": float(acc["correct"].sum() / acc["n"].sum()),
-            "copy_accuracy_by_needle_phase": _accuracy_by_phase(acc),
-            "eval_sequences": p.test_sequences,
-            "models": models,
-            "figures": figures,
-        }
-    )
-    write_json_atomic(out / "summary.json", summary)
-    write_text_atomic(out / "summary.md", summary_markdown(t, summary))
-    return summary
-
-
-def _wide(frame: pd.DataFrame) -> list[str]:
-    """A phase-attention table as markdown: rows ``L{layer}H{head}``, columns phases."""
-    wide = over_seeds(frame).pivot_table(
-        index=["layer", "head"], columns="phase", values="mass", sort=True, dropna=False
-    )
-    lines = [
-        "| head | " + " | ".join(f"phase {c}" for c in wide.columns) + " |",
-        "|---|" + "---|" * len(wide.columns),
-    ]
-    for (layer, head), row in wide.iterrows():
-        cells = " | ".join("" if np.isnan(v) else f"{v:.3f}" for v in row)
-        lines.append(f"| L{layer}H{head} | {cells} |")
-    return lines
-
-
-def summary_markdown(t: dict[str, pd.DataFrame], summary: dict[str, Any]) -> str:
-    """``summary.md``: copy accuracy by needle phase, then both attention tables."""
-    pr = summary["profile"]
-    by_phase = summary["copy_accuracy_by_needle_phase"]
-    lines = [
-        f"# Head attention by source phase: copy task, gated d = {pr['stride']}",
-        "",
-        f"2-layer attention-only model, both layers gated (d = {pr['stride']}, W = "
-        f"{pr['window']}, {pr['heads']} heads), trained {pr['steps']} steps (batch "
-        f"{pr['batch']}) on a random sequence of P = {pr['half']} tokens repeated once; "
-        f"measured on {pr['eval_sequences']} fresh sequences, seeds {pr['seeds']} (tables: "
-        "mean over seeds).",
-        "",
-        f"Copy accuracy {summary['copy_accuracy']:.3f}; by needle phase: "
-        + ", ".join(f"{p}: {a:.3f}" for p, a in by_phase.items())
-        + "; final training loss (mean of the last 20 steps): "
-        + ", ".join(f"seed {m['seed']}: {m['final_loss']:.3f}" for m in summary["models"]),
-        "",
-        "## Attention mass by source phase, mean over the second copy's queries",
-        "",
-        "Each row sums to 1; 1/d is no phase preference.",
-        "",
-        *_wide(t["phase_attention_mean"]),
-        "",
-        "## Attention from answer to needle, by needle phase",
-        "",
-        *_wide(t["phase_attention_needle"]),
-        "",
-        f"Figures: {', '.join(summary['figures'])}.",
-    ]
-    return "\n".join(lines) + "\n"
-
-
-HEAD_ATTENTION = Experiment(
-    name="head_attention",
-    profiles=PROFILES,
-    stages=(copy_jobs,),
-    finish=finish,
-    about="attention by source phase and copy accuracy by needle phase of a gated copy model",
-)
-
-__all__ = ["HEAD_ATTENTION", "PROFILES", "CopyTaskJob", "copy_batch", "train_copy_model"]
+__all__ = [
+    "CopyTaskJob",
+    "build_model",
+    "copy_batch",
+    "copy_jobs",
+    "copy_loss",
+    "measure",
+    "train_copy_model",
+]

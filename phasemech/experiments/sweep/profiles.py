@@ -1,49 +1,21 @@
-"""The from-scratch phase sweep as an experiment: do compressed models retrieve worse at some
-phases?
+"""The phase sweep's profiles and the model each of their runs trains.
 
-Same-size 2-layer attention-only models (``d_model`` 64) on phase-uniform MQAR (V = 64, 8
-pairs), layer 2 compressed with a raw window of 2d; designs ``none`` (the dense control) and
-every compression; every model scored on one shared phase-balanced test set per length at each
-checkpoint. Stages: (1) :class:`TrainJob` per model; (2) :class:`SweepStatsJob` per (design,
-stride, heads, T): the full statistics template, seeds pooled (clusters: seed, then content) at
-the final checkpoint, for all targets and for those beyond the raw window, and per seed at every
-scored checkpoint. The finish writes ``results.parquet`` (one row per design x stride x heads x
-T x seed|pooled x step x targets), ``gap_vs_accuracy.parquet`` (held-out gap along training)
-and ``summary.json``.
+A profile names designs x strides x heads x seeds at ``seq_lens[0]`` (and longer contexts for
+some designs); :func:`run_specs` lists its runs, :func:`train_config` is one run's
+:class:`~phasemech.training.config.TrainConfig` (2-layer attention-only model on phase-uniform
+MQAR, layer 2 compressed with a raw window of 2d, the systems' own geometry and training).
 
-Axes: ``target`` rows; ``phase`` on each reported grid.
+Axes: rows are runs (design x stride x heads x T x seed).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, ClassVar
-
-import numpy as np
-import pandas as pd
+from typing import Any
 
 from phasemech.core.config import CompressionConfig
-from phasemech.core.grid import phase_of
-from phasemech.core.io import atomic_write, json_safe, write_json_atomic, write_text_atomic
 from phasemech.data.tasks import MQARTask
-from phasemech.experiments.experiment import Done, Experiment, Profile
-from phasemech.experiments.jobs import Job, TrainJob, payload, scored_targets
-from phasemech.experiments.lr_search import (
-    analysed_runs,
-    chosen_runs,
-    convergence_table,
-    curves,
-    search_stages,
-    search_table,
-    with_lr,
-)
-from phasemech.experiments.sweep_summary import (
-    convergence_markdown,
-    matched_gaps,
-    summary_markdown,
-)
+from phasemech.experiments.experiment import Profile
 from phasemech.training.config import ModelSpec, TrainConfig
 
 _SWEEP = dict(strides=(4, 8), heads=(2, 4), seeds=(0, 1, 2))
@@ -236,241 +208,13 @@ def train_config(spec: RunSpec, p: Profile) -> TrainConfig:
     )
 
 
-def make_jobs(
-    p: Profile, lr: float | None, seeds: tuple[int, ...], steps: int | None = None
-) -> list[TrainJob]:
-    """The train jobs of ``seeds`` at learning rate ``lr`` (None: the config's default), on a
-    budget of ``steps`` (None: the profile's)."""
-    jobs = []
-    for s in run_specs(p):
-        if s.seed in seeds:
-            name = s.name if lr is None else f"{s.name}_lr{lr:g}"
-            cfg = with_lr(train_config(s, p), lr)
-            if steps is not None and steps != cfg.steps:
-                cfg = dataclasses.replace(cfg, steps=steps)
-            jobs.append(TrainJob(cfg, name=name, test_sequences=p.test_sequences, score_all=True))
-    return jobs
-
-
-search_jobs, seed_jobs = search_stages(make_jobs)
-
-
-def train_jobs(p: Profile, done: Done | None = None) -> list[TrainJob]:
-    """Every model of a profile without a learning-rate search (each seed at the default)."""
-    return make_jobs(p, None, p.seeds, p.steps)
-
-
-def grids(design: str, stride: int, strides: tuple[int, ...]) -> list[int]:
-    """Phase grids a run is reported on: its own stride (a dense control is trained per stride,
-    on that stride's data)."""
-    return [stride]
-
-
-# --------------------------------------------------------------------------------- statistics
-
-
-@dataclass(frozen=True)
-class SweepStatsJob(Job):
-    """The statistics of one (design, stride, heads, T) group of runs. Its config names the
-    runs (their train jobs); their results travel as payload."""
-
-    kind: ClassVar[str] = "sweep_stats"
-    group: tuple[tuple[str, Any], ...]  # (design, stride, heads, seq_len) as pairs
-    runs: tuple[TrainJob, ...]
-    grids: tuple[int, ...]
-    n_boot: int
-    n_perm: int
-    results: tuple[dict[str, Any], ...] = payload(default=())
-
-    @property
-    def label(self) -> str:
-        g = dict(self.group)
-        return f"stats {g['design']}_d{g['stride']}_h{g['heads']}_T{g['seq_len']}"
-
-    def run(self, workdir: Path) -> dict[str, Any]:
-        from threadpoolctl import threadpool_limits
-
-        frames = []
-        for job, result in zip(self.runs, self.results, strict=True):
-            frames.append(scored_targets(job, result).assign(seed=job.train.seed))
-        df = pd.concat(frames, ignore_index=True)
-        # one BLAS thread: the workers already fill the cores
-        with threadpool_limits(1):
-            return {"rows": self._rows(df)}
-
-    def _rows(self, df: pd.DataFrame) -> list[dict[str, Any]]:
-        key = dict(self.group)
-        final_of = df.groupby("seed")["step"].transform("max")
-        fin = df[df["step"] == final_of]
-        rows = []
-        for stride in self.grids:
-            for targets in ("all", "far"):
-                pooled = {**key, "seed": "pooled", "step": "final", "targets": targets}
-                row = report_row(pooled, fin, stride, self.n_boot, self.n_perm)
-                rows += [] if row is None else [row]
-            for (seed, step), g in df.groupby(["seed", "step"]):
-                final = int(step) == int(final_of[g.index[0]])
-                stage = "final" if final else str(int(step))
-                k = {**key, "seed": str(int(seed)), "step": stage, "targets": "all"}
-                rows.append(report_row(k, g, stride, min(self.n_boot, 200), min(self.n_perm, 200)))
-        return rows
-
-
-def report_row(key: dict, df: pd.DataFrame, stride: int, n_boot: int, n_perm: int) -> dict | None:
-    """One row of ``results.parquet``: the statistics template of ``df`` on grid ``stride``
-    (None for the ``far`` targets of a context too short to have any)."""
-    from phasemech.measure.stats import phase_report
-
-    if key["targets"] == "far":
-        # sources at least W + d - 1 = 3d - 1 back are read only through blocks (W = 2d);
-        # at d = 16 and T = 64 no target lies that far back
-        df = df[df["distance"] >= 3 * stride - 1]
-        if not len(df):
-            return None
-    sdf = df.assign(phase=phase_of(df["source_pos"].to_numpy(), stride))
-    # clusters: contents; with several seeds, seeds then contents (stats resamples both)
-    sdf["seq_id"] = sdf["group_id"] + 1_000_000 * sdf["seed"]
-    # paired blocks: one target of one content (and seed) seen at every shift
-    sdf["pair_id"] = sdf["seq_id"] * 1024 + sdf["target"]
-    if key.get("seed") != "pooled":
-        sdf = sdf.drop(columns="seed")
-    rep = phase_report(sdf, stride, n_boot=n_boot, n_perm=n_perm, seed=0)
-    pp, gap = rep.per_phase, rep.gap
-    return {
-        **key,
-        "phase_stride": stride,
-        "n": rep.n,
-        "accuracy": rep.accuracy,
-        "acc_by_phase": [round(float(x), 4) for x in pp["accuracy"]],
-        "n_per_phase": int(pp["n"].min()),
-        **{k: gap[k] for k in ("raw_gap", "null_median", "null_p95", "p_perm", "debiased_gap")},
-        "debiased_lo": gap["debiased_lo"],
-        "debiased_hi": gap["debiased_hi"],
-        "weak_phase": gap["argmin_phase"],
-        "p_logistic": rep.logistic["p"],
-        "p_chi2": rep.chi2["p"],
-        "p_paired": rep.paired.get("p", float("nan")),
-        "p_harmonic_min_holm": float(rep.harmonics["p_holm"].min()),
-        "guard_uniform_p": rep.guard["uniform_p"],
-        "guard_independence_p": rep.guard["independence_p"],
-    }
-
-
-def stats_jobs(p: Profile, done: Done) -> list[SweepStatsJob]:
-    """Stage 2: one statistics job per (design, stride, heads, T) group of trained runs."""
-    groups: dict[tuple, list[tuple[TrainJob, dict]]] = {}
-    # models below the profile's pooling threshold never enter a gap
-    for job, result in analysed_runs(done, p.get("pool_min_accuracy", 0.0)):
-        c = job.train
-        key = (c.compression.design, c.compression.stride, c.model.n_heads, c.task.seq_len)
-        groups.setdefault(key, []).append((job, result))
-    jobs = []
-    for (design, stride, heads, seq_len), members in groups.items():
-        group = (("design", design), ("stride", stride), ("heads", heads), ("seq_len", seq_len))
-        jobs.append(
-            SweepStatsJob(
-                group=group,
-                runs=tuple(j for j, _ in members),
-                grids=tuple(grids(design, stride, p.strides)),
-                n_boot=p.n_boot,
-                n_perm=p.n_perm,
-                results=tuple(r for _, r in members),
-            )
-        )
-    return jobs
-
-
-# ------------------------------------------------------------------------------------ finish
-
-
-def gap_curve(done: Done, p: Profile) -> pd.DataFrame:
-    """Held-out raw gap along training, per evaluation of every run (for matching compressed
-    runs to dense ones at equal accuracy)."""
-    rows = []
-    for job, result in chosen_runs(done):
-        c = job.train
-        for m in result["curve"]:
-            by = np.asarray(m["accuracy_by_phase"], dtype=float)
-            for stride in grids(c.compression.design, c.compression.stride, p.strides):
-                # accuracy by phase on a coarser grid: phases fold (mod), counts are equal
-                folded = by.reshape(-1, stride).mean(0) if len(by) != stride else by
-                rows.append(
-                    {
-                        "design": c.compression.design,
-                        "stride": stride,
-                        "heads": c.model.n_heads,
-                        "seq_len": c.task.seq_len,
-                        "seed": c.seed,
-                        "step": m["step"],
-                        "accuracy": m["accuracy"],
-                        "raw_gap": float(folded.max() - folded.min()),
-                    }
-                )
-    return pd.DataFrame(rows)
-
-
-def finish(p: Profile, done: Done, out: Path) -> dict[str, Any]:
-    """``results.parquet``, ``gap_vs_accuracy.parquet`` and ``summary.json`` under ``out``."""
-    rows = [r for _, res in done.of(SweepStatsJob) for r in res["rows"]]
-    results = pd.DataFrame(rows)
-    atomic_write(out / "results.parquet", lambda tmp: results.to_parquet(tmp))
-    curve = gap_curve(done, p)
-    atomic_write(out / "gap_vs_accuracy.parquet", lambda tmp: curve.to_parquet(tmp))
-    conv, search = convergence_table(done), search_table(done)
-    for name, df in (("convergence", conv), ("lr_search", search), ("curves", curves(done))):
-        atomic_write(out / f"{name}.parquet", lambda tmp, df=df: df.to_parquet(tmp))
-    trained = chosen_runs(done)
-    summary = {
-        # the width travels with the recording (the report reads it, not today's profile)
-        "profile": {
-            "d_model": p.d_model,
-            "n_pairs": p.n_pairs,
-            "steps": p.steps,
-            "positional": p.get("positional", "standard"),
-            "design_options": {d: dict(o) for d, o in p.get("design_options", ())},
-        },
-        "models": len(trained),
-        "train_seconds": sum(r["train_seconds"] for _, r in trained),
-        "runs": [
-            {
-                "name": j.name,
-                "step": r["step"],
-                "heldout_accuracy": r["heldout_accuracy"],
-                "test_accuracy": r["test_accuracy"],
-                "seconds": r["seconds"],
-            }
-            for j, r in trained
-        ],
-        "rows": rows,
-        "matched": matched_gaps(curve).to_dict("records"),
-        "convergence": conv.to_dict("records"),
-        "lr_search": search.to_dict("records"),
-    }
-    summary = json_safe(summary)
-    write_json_atomic(out / "summary.json", summary)
-    text = summary_markdown(out.name, results, curve, summary["train_seconds"], p, len(trained))
-    text += convergence_markdown(conv, search)
-    write_text_atomic(out / "summary.md", text)
-    return summary
-
-
-PHASE_SWEEP = Experiment(
-    name="phase_sweep",
-    profiles=PROFILES,
-    stages=(search_jobs, seed_jobs, stats_jobs),
-    finish=finish,
-    about="from-scratch models of every design, trained, scored and reported per phase",
-)
-
-
 __all__ = [
-    "PHASE_SWEEP",
     "PROFILES",
     "RunSpec",
-    "SweepStatsJob",
-    "grids",
-    "report_row",
+    "SYSTEM_GEOMETRY_STRIDES",
+    "SYSTEM_TRAINING",
+    "design_options",
     "run_specs",
+    "system_geometry",
     "train_config",
-    "train_jobs",
 ]

@@ -8,7 +8,7 @@ seeds, the dense controls) and ``interventions_systems.json`` (``phasemech run i
 per system (``fixes_systems_<design>.json``), the systems at T = 128 and the systems' own
 variants (:data:`VARIANTS`: csa / hca pooled before or after RoPE in rotary models, nsa with
 an MLP gate). The gap rule is the converged
-sweeps' (:mod:`phasemech.experiments.converged_claims`): a system *has a gap* when its debiased
+sweeps' (:mod:`phasemech.experiments.claims.converged`): a system *has a gap* when its debiased
 gap's CI lies above 0 and above its dense control's, and a system none of whose seeds converged
 has no gap at all.
 
@@ -23,8 +23,8 @@ from typing import Any
 
 import pandas as pd
 
-from phasemech.experiments.converged_claims import converged_settings, merge_summaries
-from phasemech.experiments.sweep_summary import _fmt
+from phasemech.experiments.claims.converged import converged_settings, merge_summaries
+from phasemech.experiments.sweep.summary import _fmt
 
 SWEEP_FILE = "phase_sweep_systems.json"
 #: the same systems at T = 128 (``phasemech run phase_sweep --profile systems_T128``), merged

@@ -1,6 +1,6 @@
 """The explanation's summary: ``summary.md`` and ``summary.json`` from its tables.
 
-Axes: ``layer``, ``head``, ``phase``; tables as :mod:`phasemech.experiments.explain_tables`
+Axes: ``layer``, ``head``, ``phase``; tables as :mod:`phasemech.experiments.explain.tables`
 writes them.
 
 The summary states what the models support: the setting (model, design, grid, regime, context,

@@ -10,8 +10,8 @@ import numpy as np
 import pandas as pd
 
 from phasemech.experiments.experiment import Profile
-from phasemech.experiments.fixes import GOAL_REDUCTION, NONINFERIORITY
-from phasemech.experiments.sweep_summary import BAND_LABELS
+from phasemech.experiments.fixes.profiles import GOAL_REDUCTION, NONINFERIORITY
+from phasemech.experiments.sweep.summary import BAND_LABELS
 from phasemech.measure.learning import PLATEAU_EXIT, seeds_off_plateau
 
 

@@ -27,7 +27,7 @@ import numpy as np
 import pandas as pd
 
 from phasemech.experiments.experiment import Profile
-from phasemech.experiments.sweep_summary import ACC_BINS, BAND_LABELS, _fmt
+from phasemech.experiments.sweep.summary import ACC_BINS, BAND_LABELS, _fmt
 
 KEYS = ["stride", "heads", "seq_len", "d_model"]
 #: the width of a summary row that carries none: a profile's default (every sweep profile

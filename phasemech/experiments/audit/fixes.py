@@ -37,7 +37,7 @@ import pandas as pd
 
 from phasemech.core.config import CompressionConfig
 from phasemech.core.grid import last_query_blocks, raw_band_width
-from phasemech.experiments.fixes import GOAL_REDUCTION, NONINFERIORITY
+from phasemech.experiments.fixes.profiles import GOAL_REDUCTION, NONINFERIORITY
 
 
 @dataclass(frozen=True)

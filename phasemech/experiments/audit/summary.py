@@ -3,7 +3,7 @@
 Axes: ``context``, ``setting`` (``null`` first), ``phase``, ``depth``, ``layer``, ``head``.
 
 With fix variants (``AuditConfig.variants``) also ``fixes`` (context, design, fix: accuracy and
-gap against the aligned baseline, budgets, verdict; :mod:`phasemech.experiments.audit_fixes`),
+gap against the aligned baseline, budgets, verdict; :mod:`phasemech.experiments.audit.fixes`),
 ``drawn_grid`` and ``frontier_T<context>.html``/``.png``.
 
 Tables (parquet, one row per): ``targets`` (context, setting, prompt: correct, first_correct,
@@ -26,7 +26,7 @@ import numpy as np
 import pandas as pd
 
 from phasemech.core.io import atomic_write, json_safe, write_json_atomic, write_text_atomic
-from phasemech.experiments.audit_fixes import drawn_grid_accuracy, fix_table, fixes_markdown
+from phasemech.experiments.audit.fixes import drawn_grid_accuracy, fix_table, fixes_markdown
 from phasemech.measure.pretrained import Setting, report
 
 

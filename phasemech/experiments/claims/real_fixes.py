@@ -5,7 +5,7 @@ Axes: ``run`` (one recorded fixes audit: a regime and its contexts), ``design``,
 
 Reads every ``RESULTS/audit_fixes_*.json`` (an audit folder's ``summary.json``, copied there
 once the run is done, with its frontier as ``RESULTS/<same stem>_frontier.png``; its ``fixes``
-records are :func:`phasemech.experiments.audit_fixes.fix_table` rows). Numbers come from those
+records are :func:`phasemech.experiments.audit.fixes.fix_table` rows). Numbers come from those
 files only; the verdict is the rule written next to it.
 """
 
@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from phasemech.experiments.audit import AuditConfig
-from phasemech.experiments.audit_fixes import GOAL_REDUCTION, NONINFERIORITY, pct
+from phasemech.experiments.audit.config import AuditConfig
+from phasemech.experiments.audit.fixes import pct
+from phasemech.experiments.fixes.profiles import GOAL_REDUCTION, NONINFERIORITY
 
 TITLE = "## 7. The fixes on a real model, post hoc, at no training cost"
 #: ``AuditConfig`` fields and the ``phasemech audit`` flags that set them

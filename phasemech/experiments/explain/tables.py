@@ -41,8 +41,8 @@ import numpy as np
 import pandas as pd
 
 from phasemech.core.io import atomic_write
-from phasemech.experiments.explain import (
-    ExplainConfig,
+from phasemech.experiments.explain.config import ExplainConfig
+from phasemech.experiments.explain.jobs import (
     ExplainJob,
     check_explain,
     contrast_phases,
@@ -243,7 +243,7 @@ def run_explain(
 ) -> dict[str, Any]:
     """Run (or finish from the cache) the explanation ``cfg`` into ``out``; returns the summary."""
     from phasemech.experiments.experiment import launch_results, ray_session
-    from phasemech.experiments.explain_report import top_heads, write_report
+    from phasemech.experiments.explain.summary import top_heads, write_report
     from phasemech.viz.explain import write_explain_html
 
     source = check_explain(cfg)
