@@ -1,11 +1,13 @@
-"""The package's layers, as the tree shows them: a layer imports only the layers below it.
+"""The package's layers, as the tree shows them: a layer imports only the layers below it, and
+no module imports one that imports it back (no import cycle, inside a layer either).
 
-Every ``import`` in every module counts, including those inside functions (a lazy import is
-still a dependency). ``phasemech/__init__.py`` and the old-path shim ``_legacy.py`` are exempt:
-they only re-export.
+Every ``import`` in every module counts, including those inside functions and under
+``TYPE_CHECKING`` (a lazy import is still a dependency). ``phasemech/__init__.py`` and the
+old-path shim ``_legacy.py`` are exempt from the layer order: they only re-export.
 """
 
 import ast
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -83,6 +85,110 @@ def violations(rel: Path, source: str) -> list[str]:
     return bad
 
 
+def module_name(rel: Path) -> str:
+    """``phasemech/a/b.py`` -> ``phasemech.a.b``; a package's ``__init__.py`` is the package."""
+    parts = rel.with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(sources: dict[str, str]) -> dict[str, dict[str, int]]:
+    """``module -> {module it imports: line}`` among ``sources`` (module name -> source).
+
+    Every import counts (inside functions too); ``from pkg import sub`` names the submodule
+    ``pkg.sub`` where one exists, else the package (``from pkg import name``). Importing a
+    submodule runs its package's ``__init__`` too, but that is no edge: a package may re-export
+    its own modules."""
+    graph: dict[str, dict[str, int]] = {}
+    for mod, source in sources.items():
+        edges: dict[str, int] = {}
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                subs = [f"{node.module}.{a.name}" for a in node.names]
+                targets = [t if t in sources else node.module for t in subs]
+            else:
+                continue
+            for target in targets:
+                if target in sources and target != mod:
+                    edges.setdefault(target, node.lineno)
+        graph[mod] = edges
+    return graph
+
+
+def import_cycles(graph: dict[str, dict[str, int]]) -> list[str]:
+    """One line per import cycle (per strongly connected group of modules), as a path through
+    it with the line of each import: ``a:3 -> b:10 -> a``."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    groups: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while not group or group[-1] != v:
+                group.append(stack.pop())
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return [_cycle_path(graph, group) for group in groups]
+
+
+def _cycle_path(graph: dict[str, dict[str, int]], group: list[str]) -> str:
+    """The shortest way from the group's first module back to it, inside the group."""
+    start, inside = group[0], set(group)
+    came: dict[str, str] = {}  # module -> the module it was first reached from
+    frontier = [start]
+    while start not in came:
+        reached = []
+        for v in frontier:
+            for w in graph[v]:
+                if w in inside and w not in came:
+                    came[w] = v
+                    reached.append(w)
+        frontier = reached
+    path = [start, came[start]]
+    while path[-1] != start:
+        path.append(came[path[-1]])
+    path.reverse()
+    return " -> ".join(f"{a}:{graph[a][b]}" for a, b in pairwise(path)) + f" -> {start}"
+
+
+def test_no_import_cycles():
+    sources = {module_name(p.relative_to(ROOT)): p.read_text() for p in sorted(PKG.rglob("*.py"))}
+    cycles = import_cycles(import_graph(sources))
+    assert not cycles, "import cycles (move the shared piece to the lower module):\n" + "\n".join(
+        cycles
+    )
+
+
+def test_the_cycle_check_catches_lazy_and_package_cycles():
+    planted = {
+        "phasemech.a": "from phasemech.b import f\n",
+        "phasemech.b": "def f():\n    from phasemech.a import g\n",  # lazy: still a cycle
+        "phasemech.p": "from phasemech.p.q import h\n",  # a package re-exporting its module
+        "phasemech.p.q": "import numpy\n",
+        "phasemech.r": "from phasemech.p import q\n",  # the submodule, not the package
+    }
+    assert import_cycles(import_graph(planted)) == ["phasemech.a:1 -> phasemech.b:2 -> phasemech.a"]
+    planted["phasemech.p.q"] = "from phasemech.p import h\n"  # the package's name: a cycle
+    assert (
+        import_cycles(import_graph(planted))[1] == "phasemech.p:1 -> phasemech.p.q:1 -> phasemech.p"
+    )
+
+
 def test_every_module_sits_in_a_layer():
     tops = {p.relative_to(PKG).parts[0].removesuffix(".py") for p in module_files()}
     assert tops <= set(LAYERS), f"modules outside the layers: {sorted(tops - set(LAYERS))}"
@@ -119,6 +225,12 @@ def test_the_check_catches_what_it_forbids():
         ("phasemech.train", ["train", "TrainConfig", "read_metrics", "reference_grid"]),
         ("phasemech.evaluate", ["evaluate", "load_trained", "balanced_test_set"]),
         ("phasemech.dashboard", ["build_dashboard", "render_dashboard"]),
+        ("phasemech.experiments.sweep_summary", ["summary_markdown", "matched_gaps"]),
+        ("phasemech.experiments.fixes_summary", ["summary_markdown", "budget_markdown"]),
+        ("phasemech.experiments.audit_fixes", ["fix_table", "VARIANTS", "GOAL_REDUCTION"]),
+        ("phasemech.experiments.panels", ["PanelConfig", "build_dashboard"]),
+        ("phasemech.experiments.converged_claims", ["converged_claim_lines", "TABLES"]),
+        ("phasemech.experiments.explain_claims", ["real_model_lines"]),
     ],
 )
 def test_old_module_paths_still_import_with_a_warning(old, names):
