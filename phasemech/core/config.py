@@ -9,6 +9,11 @@ Geometry (see ``phasemech.core.grid``): block ``i`` of a head with grid offset `
 positions ``[i*d + o - l, i*d + o - 1]`` (``d`` the stride, ``l >= d`` the block length; ``l > d``
 means neighbouring blocks overlap by ``l - d`` tokens). Block 0 may start before position 0;
 its missing slots count as padding.
+
+The vocabulary the config is checked against (design names, allowed values, defaults, the
+groups of designs that take a field) is :mod:`phasemech.core.designs`; the offsets' freezing
+and the refusal of a compression that could never act are :mod:`phasemech.core.config_checks`.
+Both stay importable from here.
 """
 
 from __future__ import annotations
@@ -21,76 +26,37 @@ from typing import Any, Literal
 import numpy as np
 from transformer_lens import HookedTransformerConfig
 
-from phasemech.core.grid import last_query_blocks
+from phasemech.core.config_checks import _bad, _check_compression_acts, _freeze_offsets
+from phasemech.core.designs import (
+    ALL_SCOPE_DESIGNS,
+    BLOCK_SCOPES,
+    DEFAULT_INDEX_HEADS,
+    DEFAULT_OBS_WINDOW,
+    DEFAULT_TOP_K,
+    DESIGNS,
+    GATES,
+    INDEXER_TRAINING,
+    LOCAL_DESIGNS,
+    OFFSET_MODES,
+    POOL_ROPE,
+    SELECTING_DESIGNS,
+    SERIES_DESIGNS,
+    SINK_DESIGNS,
+    TOP_K_DESIGNS,
+    VISIBILITY,
+    Design,
+    OffsetSpec,
+)
+
+# the vocabulary moved to ``core.designs``: `X as X` keeps it importable here
+from phasemech.core.designs import TRAINED_DESIGNS as TRAINED_DESIGNS
 from phasemech.core.validation import is_int
 
-DESIGNS = (
-    "none", "mean", "gated", "mlp", "route", "evict", "quest", "kpool", "nsa", "dsa", "csa", "hca",
-    "partition",
-)  # fmt: skip
-#: the designs the from-scratch experiments train (their profiles' default); ``quest`` and
-#: ``kpool`` are post-hoc selection rules for the audit of pretrained models
-TRAINED_DESIGNS = ("none", "mean", "gated", "mlp", "route", "evict")
-VISIBILITY = ("inclusive", "strict")
-OFFSET_MODES = ("aligned", "per_layer", "per_head", "per_layer_head", "random")
-GATES = ("scalar", "channel")
-BLOCK_SCOPES = ("outside_window", "before_window", "all")
-
-Design = Literal[
-    "none", "mean", "gated", "mlp", "route", "evict", "quest", "kpool", "nsa", "dsa", "csa", "hca",
-    "partition",
-]  # fmt: skip
-OffsetSpec = str | int | tuple[int, ...] | tuple[tuple[int, ...], ...]
-
-DEFAULT_TOP_K = 2
-DEFAULT_OBS_WINDOW = 8
-#: designs that attend raw tokens of selected blocks (top-k over the pooled designs' candidates)
-SELECTING_DESIGNS = ("route", "evict", "quest", "kpool", "dsa", "partition")
-#: designs that take ``top_k``: the selecting ones with a ranking rule, and ``nsa``'s selection
-TOP_K_DESIGNS = ("route", "evict", "quest", "kpool", "dsa", "nsa")
 #: fields that only some designs use; ``to_dict`` leaves them out while ``None`` so that the
 #: cache keys of configs written before they existed do not change
 _OPTIONAL_FIELDS = (
     "select_len", "index_heads", "indexer_train", "pool_rope", "gate_hidden", "sink_tokens"
 )  # fmt: skip
-#: designs that take ``sink_tokens``: those that rank blocks by a rule (``nsa`` always reads its
-#: initial block already; ``partition`` ranks nothing)
-SINK_DESIGNS = ("route", "evict", "quest", "kpool", "dsa")
-#: DeepSeek-V4's compressors: entries and the raw window in one softmax by default
-SERIES_DESIGNS = ("csa", "hca")
-#: designs whose compressed entries and raw window overlap by default (``block_scope="all"``)
-ALL_SCOPE_DESIGNS = ("nsa", *SERIES_DESIGNS)
-POOL_ROPE = ("pre", "post")
-INDEXER_TRAINING = ("kl", "end_to_end")
-DEFAULT_INDEX_HEADS = 2
-
-
-def _bad(field_name: str, value: Any, allowed: str) -> ValueError:
-    return ValueError(f"CompressionConfig.{field_name}={value!r} is invalid: {allowed}")
-
-
-def _freeze_offsets(value: Any) -> OffsetSpec:
-    """Turn a tensor / array / list of explicit offsets into nested tuples of ints."""
-    if isinstance(value, str):
-        return value
-    if hasattr(value, "tolist"):  # torch.Tensor or numpy array
-        value = value.tolist()
-    if is_int(value):
-        return int(value)
-    if isinstance(value, Sequence) and len(value) > 0:
-        if all(is_int(v) for v in value):
-            return tuple(int(v) for v in value)
-        if all(isinstance(v, Sequence) and len(v) > 0 and all(is_int(x) for x in v) for v in value):
-            rows = tuple(tuple(int(x) for x in v) for v in value)
-            if len({len(r) for r in rows}) != 1:
-                raise _bad("offsets", value, "explicit offset rows must all have the same length")
-            return rows
-    raise _bad(
-        "offsets",
-        value,
-        f"use one of {OFFSET_MODES}, an int, a [kv_head] or [layer, kv_head] sequence/tensor "
-        "of ints",
-    )
 
 
 @dataclass(frozen=True)
@@ -413,43 +379,8 @@ class CompressionConfig:
         return cls(**d)
 
 
-def _check_compression_acts(c: CompressionConfig, n_ctx: int, offsets: set[int]) -> None:
-    """Refuse a compression that could never change the model in ``n_ctx`` positions: no
-    query ever reads a block, or ``route``/``evict`` always keep every block. Such a model
-    would silently be the dense one. ``offsets``: the grid offsets the layers can have."""
-    if c.window >= n_ctx and c.block_scope != "all":
-        raise ValueError(
-            f"CompressionConfig.window={c.window} is invalid with n_ctx={n_ctx}: the raw window "
-            "already holds every past token of every query, so nothing would be compressed; "
-            "allowed window < n_ctx (or block_scope='all')"
-        )
-    reach = [
-        last_query_blocks(n_ctx, c.stride, c.block_len, c.window, c.visibility, o, c.block_scope)
-        for o in sorted(offsets)
-    ]
-    if max(used for used, _ in reach) == 0:
-        raise ValueError(
-            f"CompressionConfig.stride={c.stride} is invalid with n_ctx={n_ctx} "
-            f"(visibility={c.visibility!r}, offsets={c.offsets!r}): no chunk closes early "
-            "enough for any query to read it, so nothing would be compressed; use a stride "
-            "below n_ctx"
-        )
-    ranked = max(r for _, r in reach)
-    if c.design in SELECTING_DESIGNS and c.top_k is not None and c.top_k >= ranked:
-        fix = f"allowed top_k < {ranked}" if ranked > 1 else "use a smaller window or stride"
-        raise ValueError(
-            f"CompressionConfig.top_k={c.top_k} is invalid with n_ctx={n_ctx}: a query has at "
-            f"most {ranked} block(s) to choose from, so {c.design!r} would keep them all (the "
-            f"dense model); {fix}"
-        )
-
-
 def _no_compression() -> CompressionConfig:
     return CompressionConfig(design="none")
-
-
-#: designs whose every read goes through the shared geometry: they compose a sliding window
-LOCAL_DESIGNS = ("mean", "gated", "mlp", "route", "quest", "kpool", "partition")
 
 
 def layer_types(cfg: HookedTransformerConfig) -> list[str]:

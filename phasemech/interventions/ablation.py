@@ -33,6 +33,8 @@ branch_*   zero (per head)              ``nsa``: the head's gate on one branch (
 ``hook_z``, per block index for block entries); ``resample`` by the same activation of one
 reference sequence drawn at random per dataset sequence (the same draw for every unit, seeded).
 A query row that a mask leaves with nothing visible gets a zero output (``_masked_softmax``).
+One ablation applied to a model (the hooks, as the context manager :func:`ablation`) is
+:mod:`phasemech.interventions.ablation_hooks`.
 
 Metrics per target from the answer-position logits: ``accuracy`` (greedy answer right, 0/1),
 ``logprob`` (log-probability of the answer) and ``logit_diff`` (answer logit minus the best other
@@ -44,10 +46,9 @@ resampled together). :func:`specialization` asks, per unit, whether the effect d
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,27 +60,25 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from torch import Tensor
 
-from phasemech.core.config import SELECTING_DESIGNS, is_int
+from phasemech.core.config import is_int
 from phasemech.core.device import model_device
-from phasemech.core.grid import n_blocks
 from phasemech.core.validation import check_int
 from phasemech.data.tasks import generate, targets_frame, task_of, to_tensors
+from phasemech.interventions.ablation_hooks import ablation
+
+# the vocabulary (``COMPONENTS``, ``MODES``, ``UNIT_*``, ``VALID_MODES``) and the result moved
+# to their own modules; `X as X` keeps them importable here
+from phasemech.interventions.ablation_plan import COMPONENTS as COMPONENTS
 from phasemech.interventions.ablation_plan import (
-    BRANCH_COMPONENTS,
     DEFAULT_MODES,
     METRICS,
     _check_dataset,
-    _check_unit,
     _design,
     _grid,
     _plan,
     _Run,
-    bias_params,
     unit_kind,
 )
-
-# the vocabulary and the result moved to their own modules; `X as X` keeps them importable here
-from phasemech.interventions.ablation_plan import COMPONENTS as COMPONENTS
 from phasemech.interventions.ablation_plan import MODES as MODES
 from phasemech.interventions.ablation_plan import UNIT_KEYS as UNIT_KEYS
 from phasemech.interventions.ablation_plan import UNIT_KINDS as UNIT_KINDS
@@ -90,120 +89,6 @@ from phasemech.model.transformer import PhaseTransformer
 
 #: default size cap of a generated reference set (mean / resample statistics)
 REFERENCE_CAP = 512
-
-
-def _hooks(
-    model: PhaseTransformer, component: str, mode: str, layer: int, unit: int, replacement: Any
-) -> list[tuple[str, Any]]:
-    attn = model.blocks[layer].attn
-    prefix = f"blocks.{layer}.attn."
-
-    def set_axis(axis: int, value: Any, name: str):
-        # clone: never write into a tensor a later hook or the caller may still hold
-        def hook(x: Tensor, hook: Any) -> Tensor:
-            x = x.clone()
-            index = (slice(None),) * axis + (unit,)
-            # the activation's device and dtype: a replacement given on another device works
-            x[index] = value if not isinstance(value, Tensor) else value.to(x.device, x.dtype)
-            return x
-
-        return (prefix + name, hook)
-
-    if component == "head":
-        value = 0.0 if mode == "zero" else replacement  # [batch or 1, pos, d_head]
-        return [set_axis(2, value, "hook_z")]
-    if component in BRANCH_COMPONENTS:  # nsa: the head's gate on one branch is 0
-
-        def close(gates: Tensor, hook: Any) -> Tensor:
-            gates = gates.clone()  # [batch, pos, head, branch]
-            gates[:, :, unit, BRANCH_COMPONENTS.index(component)] = 0.0
-            return gates
-
-        return [(prefix + "hook_branch_gate", close)]
-    if component == "blocks" and mode == "mask" and attn.design in SELECTING_DESIGNS:
-        return [set_axis(1, False, "hook_route_selected")]
-    if component in ("blocks", "raw") and mode == "mask":
-        block_cols = component == "blocks"
-
-        def mask(scores: Tensor, hook: Any) -> Tensor:
-            # [batch, head, pos, block + w]: the first n_blocks columns are compressed entries
-            nb = n_blocks(scores.shape[2], attn.stride)
-            scores = scores.clone()
-            cols = slice(None, nb) if block_cols else slice(nb, None)
-            scores[:, unit, :, cols] = float("-inf")
-            return scores
-
-        return [(prefix + "hook_attn_scores", mask)]
-    if component == "blocks":  # mean / resample: [batch, block, kv_head, d_head]
-        k, v = replacement
-        return [set_axis(2, k, "hook_k_block"), set_axis(2, v, "hook_v_block")]
-    return []  # phase_bias: a parameter edit, no hook
-
-
-def _check_replacement(where: str, component: str, mode: str, replacement: Any) -> None:
-    needs = mode in ("mean", "resample")
-    if needs and replacement is None:
-        raise ValueError(f"{where}: mode {mode!r} needs replacement= values (see the docstring)")
-    if not needs and replacement is not None:
-        raise ValueError(f"{where}: mode {mode!r} takes no replacement")
-    if needs and component == "blocks":
-        ok = isinstance(replacement, tuple) and len(replacement) == 2
-        if not ok or not all(isinstance(t, Tensor) and t.ndim == 3 for t in replacement):
-            raise ValueError(
-                f"{where}: blocks/{mode} needs replacement=(k_block, v_block), each a tensor "
-                "[batch or 1, block, d_head]"
-            )
-    elif needs and not (isinstance(replacement, Tensor) and replacement.ndim == 3):
-        raise ValueError(
-            f"{where}: head/{mode} needs replacement= a tensor [batch or 1, pos, d_head]"
-        )
-
-
-@contextlib.contextmanager
-def ablation(
-    model: PhaseTransformer,
-    component: str,
-    mode: str,
-    layer: int,
-    unit: int,
-    *,
-    replacement: Float[Tensor, "batch pos d_head"]
-    | tuple[Float[Tensor, "batch block d_head"], Float[Tensor, "batch block d_head"]]
-    | None = None,
-) -> Iterator[None]:
-    """Apply one ablation to ``model`` inside the ``with`` block (forwards, caches, anything).
-
-    ``replacement`` is needed by ``mean`` / ``resample`` only: for ``head`` the head's ``hook_z``
-    values ``[batch or 1, pos, d_head]``; for ``blocks`` a pair ``(k_block, v_block)`` of the KV
-    head's entries ``[batch or 1, block, d_head]``. Hooks are removed and ``phase_bias`` restored
-    on exit, also when the block raises.
-
-    Example::
-
-        with ablation(model, "raw", "mask", layer=1, unit=0):
-            _, cache = model.run_with_cache(tokens)  # head 0 of layer 1 reads blocks only
-    """
-    where = "ablation"
-    if not isinstance(model, PhaseTransformer):
-        raise ValueError(f"{where}: model is a {type(model).__name__}: expected a PhaseTransformer")
-    for name, value in (("component", component), ("mode", mode)):
-        if not isinstance(value, str):
-            raise ValueError(f"{where}: {name}={value!r} is invalid: give one name (a str)")
-    _check_unit(where, model, component, mode, layer, unit)
-    _check_replacement(where, component, mode, replacement)
-    hooks = _hooks(model, component, mode, int(layer), int(unit), replacement)
-    params = bias_params(model.blocks[layer].attn) if component == "phase_bias" else []
-    saved = [p.detach()[unit].clone() for p in params]
-    try:
-        with torch.no_grad():
-            for p in params:
-                p[unit] = 0.0
-        with model.hooks(fwd_hooks=hooks):  # removes exactly these hooks on exit
-            yield
-    finally:
-        with torch.no_grad():
-            for p, value in zip(params, saved, strict=True):
-                p[unit] = value
 
 
 def _scores(

@@ -18,7 +18,8 @@ from transformer_lens import HookedTransformer
 
 from phasemech.core.device import model_device
 from phasemech.interventions.contrasts import Contrast, metric_values
-from phasemech.interventions.patching import PatchResult, _baseline, _check_model, _grid
+from phasemech.interventions.patching import _baseline, _check_model, _grid
+from phasemech.interventions.patching_result import PatchResult
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,9 @@ a corrupted copy; :func:`patch_sites` runs any site. Sites: ``z``, ``q`` (per he
 compressed entries, answer contrast only: under a shifted grid or content entry ``i`` covers
 other tokens). A patch whose clean and corrupted slices are identical, or that sits after the
 answer position, cannot change the metric (causality) and is not run; the rest run as copies in
-the batch dimension from the patched layer's cached input.
+the batch dimension from the patched layer's cached input. The sites and their setters live in
+:mod:`phasemech.interventions.patching_sites`, the result in
+:mod:`phasemech.interventions.patching_result`; both stay importable from here.
 
 Effects are reported raw (patched minus corrupted) and normalised, ``(patched - corrupted) /
 (clean - corrupted)`` on group means, 1 = fully restored (:class:`PatchResult`). The fast
@@ -21,14 +23,12 @@ is :mod:`phasemech.interventions.attribution`.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pandas as pd
 import torch
 from jaxtyping import Float
 from torch import Tensor
@@ -37,12 +37,19 @@ from transformer_lens import HookedTransformer
 from transformer_lens.utilities.activation_functions import apply_softcap
 
 from phasemech.core.device import model_device
-from phasemech.core.io import atomic_write, write_json_atomic
 from phasemech.interventions.contrasts import (
     METRICS,
     Contrast,
     _check_choice,
     metric_values,
+)
+from phasemech.interventions.patching_result import PatchResult
+from phasemech.interventions.patching_sites import (
+    SITES,
+    Site,
+    block_entry_setter,
+    head_pattern_setter,
+    head_vector_setter,
 )
 from phasemech.model.transformer import PhaseTransformer
 
@@ -124,162 +131,6 @@ def _baseline(model: HookedTransformer, c: Contrast, metric: str, names: list[st
     )
 
 
-@dataclass(frozen=True)
-class PatchResult:
-    """Patched metric of every pair for every patch.
-
-    ``values`` is ``[layer, pos, unit, batch]`` (``pos`` has length 1 for all-position patches;
-    ``unit`` is a head, or a KV head for ``kv_block``; ``NaN`` for layers not patched).
-    :meth:`tensor` gives TransformerLens' output (mean over pairs): ``[layer, unit]`` or
-    ``[layer, pos, unit]``.
-    """
-
-    site: str
-    by_pos: bool
-    metric: str
-    contrast: str
-    stride: int
-    values: np.ndarray
-    clean: np.ndarray  # [batch]
-    corrupted: np.ndarray  # [batch]
-    pairs: pd.DataFrame  # one row per pair, with foil, clean, corrupted
-    layers: tuple[int, ...]
-    n_run: int  # patched copies actually run (the rest are exact by causality or identity)
-
-    def _mean(self) -> np.ndarray:
-        """``[layer, pos, unit]`` mean patched metric over pairs (``NaN`` on unpatched layers)."""
-        out = np.full(self.values.shape[:-1], np.nan)
-        out[list(self.layers)] = self.values[list(self.layers)].mean(-1)
-        return out
-
-    def tensor(self) -> Float[Tensor, "..."]:
-        out = torch.as_tensor(self._mean())
-        return out if self.by_pos else out[:, 0]
-
-    def frame(self) -> pd.DataFrame:
-        """One row per (layer, [pos,] unit): mean patched metric, raw effect and normalised."""
-        n_layers, n_pos, n_unit, _ = self.values.shape
-        layer, pos, unit = np.meshgrid(
-            np.arange(n_layers), np.arange(n_pos), np.arange(n_unit), indexing="ij"
-        )
-        mean = self._mean()
-        denom = self.clean.mean() - self.corrupted.mean()
-        df = pd.DataFrame(
-            {
-                "layer": layer.ravel(),
-                "pos": pos.ravel(),
-                "unit": unit.ravel(),
-                "patched": mean.ravel(),
-                "effect": (mean - self.corrupted.mean()).ravel(),
-                "normalized": ((mean - self.corrupted.mean()) / denom).ravel(),
-            }
-        )
-        df = df[df.layer.isin(self.layers)].reset_index(drop=True)
-        return df if self.by_pos else df.drop(columns="pos")
-
-    def by_phase(self, n_boot: int = 1000, seed: int = 0, phase_col: str = "phase") -> pd.DataFrame:
-        """Per (layer, [pos,] unit, phase of the clean needle): raw effect with a 95% cluster
-        bootstrap CI (clusters: ``group_id``, i.e. one content), normalised effect
-        ``(patched - corrupted) / (clean - corrupted)`` on the phase's means, and ``n``."""
-        if isinstance(n_boot, bool) or not isinstance(n_boot, int) or n_boot < 0:
-            raise ValueError(f"n_boot={n_boot!r} is invalid: expected an int >= 0 (0: no CIs)")
-        phase = self.pairs[phase_col].to_numpy()
-        groups = pd.factorize(self.pairs["group_id"])[0]
-        rng = np.random.default_rng(seed)
-        out = []
-        vals = self.values[list(self.layers)]  # [L', pos, unit, batch]
-        for ph in range(self.stride):
-            sel = np.flatnonzero(phase == ph)
-            if not len(sel):
-                continue
-            g = groups[sel]
-            ug, inv = np.unique(g, return_inverse=True)
-            # cluster bootstrap weights: how often each group is drawn
-            draws = rng.integers(0, len(ug), size=(n_boot, len(ug)))
-            w = np.zeros((n_boot, len(ug)))
-            np.add.at(w, (np.arange(n_boot)[:, None], draws), 1.0)
-            w = w[:, inv]
-            w = w / w.sum(1, keepdims=True)  # [boot, n]
-            eff = vals[..., sel] - self.corrupted[sel]  # [L', pos, unit, n]
-            if n_boot:
-                lo, hi = np.nanpercentile(eff @ w.T, [2.5, 97.5], axis=-1)  # w: [boot, n]
-            else:
-                lo = hi = np.full(eff.shape[:-1], np.nan)
-            denom = self.clean[sel].mean() - self.corrupted[sel].mean()
-            mean = eff.mean(-1)
-            for idx in np.ndindex(mean.shape):
-                out.append(
-                    (
-                        self.layers[idx[0]],
-                        idx[1],
-                        idx[2],
-                        ph,
-                        mean[idx],
-                        lo[idx],
-                        hi[idx],
-                        mean[idx] / denom if denom != 0 else np.nan,
-                        len(sel),
-                        denom,
-                    )
-                )
-        cols = [
-            "layer",
-            "pos",
-            "unit",
-            "phase",
-            "effect",
-            "ci_low",
-            "ci_high",
-            "normalized",
-            "n",
-            "clean_minus_corrupted",
-        ]
-        df = pd.DataFrame(out, columns=cols)
-        return df if self.by_pos else df.drop(columns="pos")
-
-    def long(self) -> pd.DataFrame:
-        """Every patched run: ``layer, pos, unit, pair, value`` (patched layers only)."""
-        lay = np.asarray(self.layers)
-        vals = self.values[lay]
-        idx = np.indices(vals.shape).reshape(4, -1)
-        return pd.DataFrame(
-            {
-                "layer": lay[idx[0]].astype(np.int16),
-                "pos": idx[1].astype(np.int16),
-                "unit": idx[2].astype(np.int16),
-                "pair": idx[3].astype(np.int32),
-                "value": vals.ravel(),
-            }
-        )
-
-    def save(self, folder: str | Path, n_boot: int = 1000, seed: int = 0) -> Path:
-        """``effects.parquet`` (:meth:`frame`), ``by_phase.parquet``, ``pairs.parquet``,
-        ``values.parquet`` (:meth:`long`) and ``patch.json`` under ``folder``."""
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        tables = {
-            "effects": self.frame(),
-            "by_phase": self.by_phase(n_boot=n_boot, seed=seed),
-            "pairs": self.pairs,
-            "values": self.long(),
-        }
-        for name, df in tables.items():
-            atomic_write(folder / f"{name}.parquet", lambda tmp, df=df: df.to_parquet(tmp))
-        meta = {
-            "site": self.site,
-            "by_pos": self.by_pos,
-            "metric": self.metric,
-            "contrast": self.contrast,
-            "stride": self.stride,
-            "layers": list(self.layers),
-            "n_run": self.n_run,
-            "clean_mean": float(self.clean.mean()),
-            "corrupted_mean": float(self.corrupted.mean()),
-        }
-        write_json_atomic(folder / "patch.json", meta)
-        return folder
-
-
 def _check_model(model: HookedTransformer, c: Contrast, metric: str) -> None:
     _check_choice("metric", metric, METRICS)
     if not isinstance(c, Contrast):
@@ -347,107 +198,6 @@ def _result(
         layers=layers,
         n_run=n_run,
     )
-
-
-# ------------------------------------------------------------------ sites: what a patch copies
-
-
-def head_vector_setter(
-    act: Tensor, src: Tensor, rows: Tensor, b: Tensor, u: Tensor, p: Tensor | None
-) -> None:
-    """``[batch, pos, unit, d]`` activations (``hook_z``, ``hook_q``, ``hook_k``, ``hook_v``):
-    copy ``rows`` gets pair ``b``'s clean unit ``u``, at every position or at ``p``."""
-    if p is None:
-        act[rows, :, u] = src[b, :, u]
-    else:
-        act[rows, p, u] = src[b, p, u]
-
-
-def head_pattern_setter(
-    act: Tensor, src: Tensor, rows: Tensor, b: Tensor, u: Tensor, p: Tensor | None
-) -> None:
-    """``[batch, head, query, key]`` patterns: a head's whole pattern, or its query row ``p``."""
-    if p is None:
-        act[rows, u] = src[b, u]
-    else:
-        act[rows, u, p] = src[b, u, p]
-
-
-def block_entry_setter(
-    act: Tensor, src: Tensor, rows: Tensor, b: Tensor, u: Tensor, p: Tensor | None
-) -> None:
-    """``[batch, block, kv_head, d]`` compressed entries: every block of KV head ``u``."""
-    act[rows, :, u] = src[b, :, u]
-
-
-@dataclass(frozen=True)
-class Site:
-    """One kind of activation the engine can patch, in the manner of TransformerLens' patch
-    setters: the hooks that hold it, the position axis, how many units a layer has, where clean
-    and corrupted differ (``differs``: the elementwise ``!=`` of the activations ->
-    ``[batch, unit, pos]``), and how one unit is copied (``setter``)."""
-
-    name: str
-    hook_names: tuple[str, ...]  # under ``blocks.{layer}.attn``; absent ones are skipped
-    setter: Callable[..., None]
-    differs: Callable[[Tensor], Tensor]
-    kv_units: bool = False  # units are KV heads (else query heads)
-    positional: bool = True  # ``by_pos`` patches one position at a time
-    # entries or pattern columns that cover other tokens under a shifted grid or content: only
-    # the answer contrast (same grid, same positions) leaks nothing into earlier queries
-    answer_contrast_only: bool = False
-    compressed_only: bool = False  # exists in compressed layers only
-
-    def hooks(self, model: HookedTransformer, layer: int) -> list[str]:
-        names = [f"blocks.{layer}.attn.{h}" for h in self.hook_names]
-        return [n for n in names if n in model.hook_dict]
-
-    def n_units(self, model: HookedTransformer) -> int:
-        cfg = model.cfg
-        grouped = cfg.n_key_value_heads is not None and not cfg.ungroup_grouped_query_attention
-        return cfg.n_key_value_heads if self.kv_units and grouped else cfg.n_heads
-
-
-def _vector_differs(ne: Tensor) -> Tensor:  # [batch, pos, unit, d] -> [batch, unit, pos]
-    return ne.any(-1).transpose(1, 2)
-
-
-def _pattern_differs(ne: Tensor) -> Tensor:  # [batch, head, query, key] -> [batch, head, query]
-    return ne.any(-1)
-
-
-def _block_differs(ne: Tensor) -> Tensor:  # [batch, block, kv_head, d] -> [batch, kv_head, 1]
-    return ne.any(-1).any(1)[..., None]
-
-
-def _vector_site(name: str, kv_units: bool = False) -> Site:
-    return Site(name, (f"hook_{name}",), head_vector_setter, _vector_differs, kv_units=kv_units)
-
-
-#: the sites :func:`patch_sites` knows; a new one is a :class:`Site` (hooks + setter)
-SITES: dict[str, Site] = {
-    "z": _vector_site("z"),
-    "q": _vector_site("q"),
-    "k": _vector_site("k", kv_units=True),
-    "v": _vector_site("v", kv_units=True),
-    "pattern": Site(
-        "pattern",
-        ("hook_pattern",),
-        head_pattern_setter,
-        _pattern_differs,
-        answer_contrast_only=True,
-    ),
-    "kv_block": Site(
-        "kv_block",
-        ("hook_k_block", "hook_v_block"),
-        block_entry_setter,
-        _block_differs,
-        kv_units=True,
-        positional=False,
-        answer_contrast_only=True,
-        compressed_only=True,
-    ),
-}
 
 
 def _site_layers(

@@ -43,7 +43,6 @@ from phasemech.attention import CompressedAttentionMixin
 from phasemech.core.device import model_device
 from phasemech.interventions.contrasts import Contrast, metric_values
 from phasemech.interventions.patching import (
-    PatchResult,
     _baseline,
     _check_layers,
     _check_model,
@@ -52,6 +51,7 @@ from phasemech.interventions.patching import (
     _result,
     patch_sites,
 )
+from phasemech.interventions.patching_result import PatchResult
 from phasemech.model.transformer import PhaseTransformer
 
 
