@@ -212,6 +212,16 @@ def test_claims_section_reads_recorded_fix_audits(tmp_path):
     rule = audit_command(dict(a.to_dict(), task="kv", window=8), "route", "rule_quest")
     assert rule == ("phasemech audit --design route,quest --window 8 --task kv --top-k 1 "
                     "--context 256 --layers 2-4,7 -o DIR")  # fmt: skip
+    # the same audit with the sink read raw: its own verdict line on the offset fixes
+    sink = dict(run, config=dict(run["config"], sink_tokens=4))
+    (tmp_path / "audit_fixes_decode_T256_sink4.json").write_text(json.dumps(sink, default=float))
+    text = claim_real_fixes(tmp_path)
+    assert "decode regime, the first 4 tokens read raw (sink)**" in text
+    assert ("With the attention sink handled (the runs above that read it raw), offset fixes: "
+            "**Goal met** by route/random (decode, T = 256). Other fixes that meet it with the "
+            "sink: none.") in text  # fmt: skip
+    assert "--sink-tokens 4 --top-k 1" in text
+    assert text.count("Verdict (the rule above, per row): **Goal met** by route/random") == 1
 
 
 def test_random_fix_gap_is_on_the_drawn_grid():

@@ -26,7 +26,10 @@ TITLE = "## 7. The fixes on a real model, post hoc, at no training cost"
 _FLAGS = {"model": "--model", "regime": "--regime", "stride": "--stride", "window": "--window",
           "block_len": "--block-len", "obs_window": "--obs-window", "offsets": "--offsets",
           "task": "--task", "distractors": "--distractors", "contents": "--contents",
-          "attention_groups": "--attention-groups", "seed": "--seed"}  # fmt: skip
+          "attention_groups": "--attention-groups", "seed": "--seed",
+          "sink_tokens": "--sink-tokens"}  # fmt: skip
+#: the fixes that move the grid (the paper's open question: do they remove the weak spot?)
+OFFSET_FIXES = ("per_head", "per_layer", "per_layer_head", "random")
 
 
 def fix_audits(results: Path) -> list[tuple[str, dict]]:
@@ -39,6 +42,7 @@ def audit_command(cfg: dict, design: str, fix: str) -> str:
     """The ``phasemech audit`` command that reproduces one row: its design(s), fix and every
     field of the audit that is not at its default (``rule_X``: ``--design route,X``)."""
     default = {f.name: f.default for f in dataclasses.fields(AuditConfig)}
+    cfg = {"sink_tokens": None, **cfg}  # audits recorded before the sink existed
     designs = f"{design},{fix[5:]}" if fix.startswith("rule_") else design
     parts = ["phasemech audit", f"--design {designs}"]
     parts += [f"{flag} {cfg[k]}" for k, flag in _FLAGS.items() if cfg.get(k) != default[k]]
@@ -67,8 +71,9 @@ def _ranges(layers: list[int]) -> list[str]:
 
 def _run_lines(stem: str, run: dict) -> tuple[list[str], pd.DataFrame]:
     cfg, fixes = run["config"], pd.DataFrame(run["fixes"])
+    sink = f", the first {cfg['sink_tokens']} tokens read raw (sink)" if _sink(run) else ""
     out = [
-        f"**{cfg['model']}, {cfg['regime']} regime**, `analyses/results/{stem}.json` "
+        f"**{cfg['model']}, {cfg['regime']} regime{sink}**, `analyses/results/{stem}.json` "
         f"({cfg['contents']} contents x {cfg['stride']} phases per setting, top-k "
         f"{cfg['top_k']}, W = {cfg['window']}; {run['worker_s']:.0f} worker-s, summed over "
         "its jobs):",
@@ -118,21 +123,49 @@ def claim_real_fixes(results: Path) -> str:
         cmd = "phasemech audit --design route,quest --top-k 1 --fix all -o DIR"
         missing = f"*Not measured yet*: no `analyses/results/audit_fixes_*.json`; run `{cmd}`."
         return "\n".join([*out, missing, "", "Verdict: **Open**."])
-    met, tables = [], []
+    tables = {False: [], True: []}  # without, with the sink
     for stem, run in runs:
         lines, fixes = _run_lines(stem, run)
         out += lines
-        tables.append(fixes.assign(regime=run["config"]["regime"]))
-        met += [f"{r.design}/{r.fix} ({r.regime}, T = {r.context})"
-                for r in tables[-1].itertuples() if r.verdict == "meets the goal"]  # fmt: skip
-    out += [f"Verdict (the rule above, per row): {_verdict(met, tables)}.", ""]
+        tables[_sink(run)].append(fixes.assign(regime=run["config"]["regime"]))
+    if tables[False]:
+        out += [f"Verdict (the rule above, per row): {_verdict(tables[False])}.", ""]
+    if tables[True]:
+        out += [_sink_verdict(tables[True]), ""]
     figs = [f"`analyses/results/{s}_frontier.png`" for s, _ in runs
             if (results / f"{s}_frontier.png").is_file()]  # fmt: skip
     out.append("Frontier: " + (", ".join(figs) if figs else "(not recorded)"))
     return "\n".join(out)
 
 
-def _verdict(met: list[str], tables: list[pd.DataFrame]) -> str:
+def _sink(run: dict) -> bool:
+    return bool(run["config"].get("sink_tokens"))
+
+
+def _met(tables: list[pd.DataFrame], fixes: tuple[str, ...] | None = None) -> list[str]:
+    """``design/fix (regime, T = ...)`` of each row that meets the goal (among ``fixes``)."""
+    return [f"{r.design}/{r.fix} ({r.regime}, T = {r.context})"
+            for t in tables for r in t.itertuples()
+            if r.verdict == "meets the goal" and (fixes is None or r.fix in fixes)]  # fmt: skip
+
+
+def _sink_verdict(tables: list[pd.DataFrame]) -> str:
+    """Issue 36's question: once the sink is handled, does an offset fix meet the goal?"""
+    offsets = _met(tables, OFFSET_FIXES)
+    rest = [m for m in _met(tables) if m not in offsets]
+    moved = pd.concat(tables, ignore_index=True)
+    moved = moved[moved["fix"].isin(OFFSET_FIXES)]
+    head = "With the attention sink handled (the runs above that read it raw), offset fixes: "
+    if offsets:
+        head += f"**Goal met** by {', '.join(offsets)}"
+    else:
+        head += _verdict([moved]) if len(moved) else "**Not tested**: no offset fix was run"
+    others = ", ".join(rest) if rest else "none"
+    return f"{head}. Other fixes that meet it with the sink: {others}."
+
+
+def _verdict(tables: list[pd.DataFrame]) -> str:
+    met = _met(tables)
     if met:
         return f"**Goal met** by {', '.join(met)}"
     best = closest(pd.concat(tables, ignore_index=True))
@@ -147,4 +180,4 @@ def _verdict(met: list[str], tables: list[pd.DataFrame]) -> str:
     )
 
 
-__all__ = ["TITLE", "audit_command", "claim_real_fixes", "closest", "fix_audits"]
+__all__ = ["OFFSET_FIXES", "TITLE", "audit_command", "claim_real_fixes", "closest", "fix_audits"]
