@@ -2,7 +2,8 @@
 per-query gather, side by side (one thread, CPU; random tokens as in ``bench/selection.py``).
 
 Prints the median time of ``attend`` (block scores, ranking and attention, no projections)
-with ``tiled`` on and off, and the key-list size the tiles used (blocks per tile's union).
+with ``tiled`` on and off, the key-list size the tiles used (blocks per tile's union), and the
+largest difference of the two paths' outputs in float64 (equal up to rounding, on real data).
 
 Usage: ``python bench/selection_tiles.py [--seq 4096] [--design route] [--layer 5] [--rows 8]``
 (``--rows N``: then the tiles' top N operators by self CPU time).
@@ -46,10 +47,14 @@ def main(argv: list[str] | None = None) -> int:
     times = {}
     for attn.tiled in (True, False):
         times[attn.tiled] = median_s(lambda: attn.attend(None, q, k, v, geo), args.repeats)
+    zs = {}
+    for attn.tiled in (True, False):  # the same step in float64: rounding cannot flip a pick
+        zs[attn.tiled] = attn.attend(None, q.double(), k.double(), v.double(), geo)[0]
+    gap = float((zs[True] - zs[False]).abs().max())
     t, g = times[True] * 1e3, times[False] * 1e3
     print(f"{args.design} layer {args.layer}, T={args.seq}: tiles {t:.0f} ms, gather {g:.0f} ms "
           f"({t / g:.2f}x); union per chunk: median {statistics.median(unions)} blocks, "
-          f"max {max(unions)}")  # fmt: skip
+          f"max {max(unions)}; float64 max |tiles - gather| {gap:.1e}")  # fmt: skip
     if args.rows:
         attn.tiled = True
         print_ops(lambda: attn.attend(None, q, k, v, geo), f"{args.design} (tiles)", args.rows)

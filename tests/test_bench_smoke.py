@@ -28,7 +28,7 @@ def test_selection_benchmark_runs(tmp_path):
     cmd += ["--designs", "route", "quest", "--gather", "--repeats", "1", "--out", str(out)]
     subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, timeout=300)
     rows = json.loads(out.read_text())["rows"]
-    names = ("hf", "sdpa", "tl", "route", "quest", "route/gather", "quest/gather")
+    names = ("hf", "floor", "sdpa", "tl", "route", "quest", "route/gather", "quest/gather")
     assert {(r["variant"], r["T"]) for r in rows} == {(v, t) for v in names for t in (64, 128)}
     assert all(r["forward_s"] > 0 and r["attn_s"] > 0 for r in rows)
     assert all(0 < r["outside_s"] < r["forward_s"] for r in rows)
@@ -49,3 +49,14 @@ def test_selection_tiles_benchmark_runs():
     out = subprocess.run(cmd + ["--repeats", "1"], check=True, cwd=ROOT, capture_output=True,
                          text=True, timeout=300)  # fmt: skip
     assert "tiles" in out.stdout and "gather" in out.stdout and "union per chunk" in out.stdout
+
+
+def test_audit_tiles_benchmark_runs(tmp_path):
+    """The trained-regime audit's jobs with the tiles and with the gather, on two prompts."""
+    out = tmp_path / "audit_tiles.json"
+    cmd = [sys.executable, str(ROOT / "bench/audit_tiles.py"), "--prompts", "2", "--start", "20"]
+    cmd += ["--context", "128", "--out", str(out)]
+    done = subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert "verdicts that differ: 0 of 4 rows" in done.stdout
+    meta = json.loads(out.read_text())["meta"]
+    assert meta["prompts"] == 2 and meta["tiles_s"] > 0 and meta["gather_s"] > 0
