@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from pathlib import Path
 
 import pandas as pd
@@ -31,10 +30,10 @@ def fixes_frame(path: Path) -> pd.DataFrame:
 
 
 def _interval(mid, lo, hi, pct: bool) -> str:
-    if mid is None or (isinstance(mid, float) and math.isnan(mid)):
+    if pd.isna(mid):
         return "n/a"
     f = (lambda x: f"{100 * x:+.0f}%") if pct else (lambda x: f"{x:+.3f}")
-    if lo is None or (isinstance(lo, float) and math.isnan(lo)):
+    if pd.isna(lo):
         return f(mid)
     return f"{f(mid)} [{f(lo)}, {f(hi)}]"
 

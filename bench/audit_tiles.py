@@ -37,9 +37,8 @@ def run(job, tiled: bool) -> tuple[pd.DataFrame, float]:
 
     a = job.audit
     _WORKER.model(a.model, job.context + 64, torch.device("cpu"))
-    for _, comp in a.settings():
-        model = _WORKER.setting(comp)
-        for block in model.blocks if comp is not None else []:
+    for _, comp in a.settings()[1:]:  # the compressed settings (the null is first)
+        for block in _WORKER.setting(comp).blocks:
             if hasattr(block.attn, "tiled"):
                 block.attn.tiled = tiled
     t0 = time.perf_counter()

@@ -31,37 +31,45 @@ def _real_slots(geo, s: int, g: int, i: int) -> list[int]:
     return [p for p, ok in pairs if ok]
 
 
-def naive_z(layer, q, k, v, geo, rule: str, key_valid=None):
+def naive_z(layer, q, k, v, geo, rule: str, key_valid=None, n_sink: int = 0):
     """``z [batch, pos, head, d]`` by the definition: candidates from the geometry (the coverage
     rule, tested on its own), top-k by the rule's score, attend the union of the kept blocks'
     real tokens and the raw span ``[r_t, t]`` in one softmax. ``rule``: a design's name, or
     ``score(sequence, kv_head, t, block, head=query head)`` for a learned or fixed rule
-    (``None``: not ranked; a layer without ``top_k`` keeps every ranked block)."""
+    (``None``: not ranked; a layer without ``top_k`` keeps every ranked block).
+    ``n_sink``: the attention sink, applied here to ``geo``, a grid built WITHOUT it: the first
+    ``n_sink`` real tokens leave every block (a block left empty, or under ``outside_window``
+    with no token of its own before ``r_t``, is no candidate) and every query reads them."""
     b, seq, h, _ = q.shape
-    rep = h // k.shape[2]
+    rep, scope = h // k.shape[2], layer.cfg.compression.block_scope
     out = torch.zeros_like(q)
     for s in range(b):
+        real = [j for j in range(seq) if key_valid is None or bool(key_valid[s, j])]
+        sink = set(real[:n_sink])
         for head in range(h):
             g = head // rep
-            real = lambda j, s=s: key_valid is None or bool(key_valid[s, j])  # noqa: E731
             for t in range(seq):
-                cand = geo.block_used[s, g, t].nonzero().flatten().tolist()
+                r = int(geo.raw_start[s, g, t])
+                own = {
+                    i: [p for p in _real_slots(geo, s, g, i) if p not in sink]
+                    for i in geo.block_used[s, g, t].nonzero().flatten().tolist()
+                }
+                cand = [i for i, o in own.items() if o and (scope != "outside_window" or o[0] < r)]
                 forced = [i for i in cand if int(geo.block_last[s, g, i]) == t]
                 ranked = []
                 for i in cand:
                     if i in forced:
                         continue
-                    slots = _real_slots(geo, s, g, i)
                     score = (
                         rule(s, g, t, i, head=head)  # a learned or fixed rule's score
                         if callable(rule)
-                        else _block_score(rule, q[s, t, head], k[s, slots, g])
+                        else _block_score(rule, q[s, t, head], k[s, own[i], g])
                     )
                     if score is not None:  # a fixed rule may leave a block unranked
                         ranked.append((score, i))
                 kept = [i for _, i in sorted(ranked, reverse=True)[: layer.top_k]] + forced
-                toks = {p for i in kept for p in _real_slots(geo, s, g, i)}
-                toks |= {j for j in range(max(int(geo.raw_start[s, g, t]), 0), t + 1) if real(j)}
+                toks = {p for i in kept for p in own[i]} | {j for j in sink if j <= t}
+                toks |= {j for j in real if max(r, 0) <= j <= t}
                 if not toks:  # a masked query row with nothing visible: compared nowhere
                     continue
                 idx = torch.tensor(sorted(toks))

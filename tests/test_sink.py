@@ -1,19 +1,18 @@
-"""The attention sink (``sink_tokens``) on the selecting designs, against a naive reference
-built from the grid WITHOUT a sink: the first ``N`` real tokens leave every block (scores and
-kept tokens), a block left with no token is no candidate, and every query reads the sink raw
-from its position on. Tiles, gather, hooked and training paths, scattered rows, left padding,
-causality and the config's refusals."""
+"""The attention sink (``sink_tokens``) on the selecting designs, against the naive reference
+(``test_selection.naive_z``) applied to the grid WITHOUT a sink: the first ``N`` real tokens
+leave every block (scores and kept tokens), a block left with no token is no candidate, and
+every query reads the sink raw from its position on. Tiles, gather, hooked and training
+paths, scattered rows, left padding, causality and the config's refusals."""
 
 from __future__ import annotations
-
-import dataclasses
 
 import pytest
 import torch
 from conftest import make_hooked, tokens
-from test_selection import _block_score, _real_slots
+from test_selection import _real_slots, naive_z
 
 from phasemech import CompressionConfig, PhaseTransformer
+from phasemech.core.grid import build_geometry
 
 torch.set_num_threads(1)
 
@@ -24,41 +23,6 @@ COMPS = [
     dict(stride=4, window=3, top_k=1, visibility="strict", offsets=(0, 3)),
     dict(stride=4, window=5, top_k=2, block_scope="before_window", offsets=(1, 2)),
 ]
-
-
-def naive_sink_z(layer, q, k, v, geo0, rule, n_sink: int, key_valid=None):
-    """``z`` by the definition, from ``geo0``, the same grid without a sink. ``rule``: a
-    design's name, or ``score(s, g, t, block, own_slots, head)``."""
-    b, seq, h, _ = q.shape
-    rep, scope = h // k.shape[2], layer.cfg.compression.block_scope
-    out = torch.zeros_like(q)
-    for s in range(b):
-        real = [j for j in range(seq) if key_valid is None or bool(key_valid[s, j])]
-        sink = set(real[:n_sink])
-        for head in range(h):
-            g = head // rep
-            for t in range(seq):
-                r = int(geo0.raw_start[s, g, t])
-                own = {
-                    i: [p for p in _real_slots(geo0, s, g, i) if p not in sink]
-                    for i in geo0.block_used[s, g, t].nonzero().flatten().tolist()
-                }
-                cand = [i for i, o in own.items() if o and (scope != "outside_window" or o[0] < r)]
-                forced = [i for i in cand if int(geo0.block_last[s, g, i]) == t]
-                ranked = [
-                    (rule(s, g, t, i, own[i], head) if callable(rule)
-                     else _block_score(rule, q[s, t, head], k[s, own[i], g]), i)
-                    for i in cand if i not in forced
-                ]  # fmt: skip
-                kept = [i for _, i in sorted(ranked, reverse=True)[: layer.top_k]] + forced
-                toks = {p for i in kept for p in own[i]} | {j for j in sink if j <= t}
-                toks |= {j for j in real if max(r, 0) <= j <= t}
-                if not toks:
-                    continue
-                idx = torch.tensor(sorted(toks))
-                scores = (k[s, idx, g] @ q[s, t, head]) / layer.attn_scale
-                out[s, t, head] = torch.softmax(scores, 0) @ v[s, idx, g]
-    return out
 
 
 def _model(rule: str, **comp) -> PhaseTransformer:
@@ -75,25 +39,23 @@ def _inputs(model, x, attention_mask=None):
     offsets = cache["blocks.0.attn.hook_grid_offset"]
     kv = None if attention_mask is None else attention_mask.bool()
     geo = attn._build_geometry(offsets, x.shape[1], kv)
-    plain = dataclasses.replace(model.cfg.compression, sink_tokens=None)
-    attn.cfg.compression, saved = plain, attn.cfg.compression
-    geo0 = attn._build_geometry(offsets, x.shape[1], kv)
-    attn.cfg.compression = saved
+    geo0 = build_geometry(offsets, x.shape[1], attn.stride, attn.block_len, attn.window,
+                          attn.visibility, kv, attn.cfg.compression.block_scope)  # fmt: skip
     return attn, q, k, v, geo, geo0, cache
 
 
-def _observed_mass(attn, q, k, key_valid=None):
+def _observed_mass(attn, q, k, geo0, n_sink: int):
     """evict's rule by its definition: the dense attention mass that the observation queries
-    of a KV group pay to a block's own (non-sink) tokens."""
+    of a KV group pay to a block's own (non-sink) tokens (unpadded inputs)."""
     w, rep = attn.obs_window, q.shape[2] // k.shape[2]
 
-    def score(s, g, t, i, own, head):
+    def score(s, g, t, i, head):
+        own = [j for j in _real_slots(geo0, s, g, i) if j >= n_sink]
         mass = 0.0
         for u in range(max(0, t - w + 1), t + 1):
             for hh in range(g * rep, (g + 1) * rep):
-                keys = [j for j in range(u + 1) if key_valid is None or bool(key_valid[s, j])]
-                p = torch.softmax(k[s, keys, g] @ q[s, u, hh] / attn.attn_scale, 0)
-                mass += float(sum(p[keys.index(j)] for j in own if j <= u))
+                p = torch.softmax(k[s, : u + 1, g] @ q[s, u, hh] / attn.attn_scale, 0)
+                mass += float(sum(p[j] for j in own if j <= u))
         return mass
 
     return score
@@ -110,8 +72,8 @@ def test_sink_matches_naive_reference(rule, comp, n_sink):
     x = tokens(2, 26 if rule == "evict" else 30, seed=5)
     attn, q, k, v, geo, geo0, cache = _inputs(model, x)
     q, k, v = q.double(), k.double(), v.double()
-    score = _observed_mass(attn, q, k) if rule == "evict" else rule
-    want = naive_sink_z(attn, q, k, v, geo0, score, n_sink)
+    score = _observed_mass(attn, q, k, geo0, n_sink) if rule == "evict" else rule
+    want = naive_z(attn, q, k, v, geo0, score, n_sink=n_sink)
     torch.testing.assert_close(cache["blocks.0.attn.hook_z"].double(), want, atol=1e-5, rtol=0)
     for attn.tiled in (True, False):  # unhooked: the tiles where they serve, and the gather
         z, _ = attn.attend(None, q, k, v, geo)
@@ -140,7 +102,7 @@ def test_sink_rows_padding_and_training(rule):
         model(padded, attention_mask=mask)[:, pad:], model(x), atol=1e-5, rtol=0
     )
     attn, q, k, v, geo, geo0, cache = _inputs(model, padded, attention_mask=mask)
-    want = naive_sink_z(attn, q.double(), k.double(), v.double(), geo0, rule, 2, mask.bool())
+    want = naive_z(attn, q.double(), k.double(), v.double(), geo0, rule, mask.bool(), n_sink=2)
     got = cache["blocks.0.attn.hook_z"].double()
     torch.testing.assert_close(got[:, pad:], want[:, pad:], atol=1e-5, rtol=0)
     model.train()
@@ -182,10 +144,10 @@ def test_sink_on_dsa_and_its_straight_through_bias():
     attn, q, k, v, geo, geo0, cache = _inputs(model, x)
     scores = cache["blocks.0.attn.hook_route_scores"].double()
 
-    def rule(s, g, t, i, own, head):
+    def rule(s, g, t, i, head):
         return float(scores[s, head, t, i])
 
-    want = naive_sink_z(attn, q.double(), k.double(), v.double(), geo0, rule, 2)
+    want = naive_z(attn, q.double(), k.double(), v.double(), geo0, rule, n_sink=2)
     torch.testing.assert_close(cache["blocks.0.attn.hook_z"].double(), want, atol=1e-5, rtol=0)
     alpha = cache["blocks.0.attn.hook_block_weights"]  # no pooling weight on a sink token
     assert float(alpha[geo.slot_pos.clamp(min=0) < 2].abs().sum()) == 0.0
