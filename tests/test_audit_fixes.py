@@ -203,7 +203,7 @@ def test_claims_section_reads_recorded_fix_audits(tmp_path):
     (tmp_path / "audit_fixes_decode_T256.json").write_text(json.dumps(run, default=float))
     text = claim_real_fixes(tmp_path)
     assert "| 256 | route | per_head |" in text and "| 256 | route | random |" in text
-    assert "**Goal met** by route/random (decode, T = 256)" in text
+    assert "**Goal met** by route/random (decode, T = 256, top-k 1)" in text
     assert "Frontier: (not recorded)" in text
     cmd = audit_command(a.to_dict(), "route", "random")
     assert cmd == ("phasemech audit --design route --top-k 1 --context 256 --layers 2-4,7 "
@@ -218,10 +218,19 @@ def test_claims_section_reads_recorded_fix_audits(tmp_path):
     text = claim_real_fixes(tmp_path)
     assert "decode regime, the first 4 tokens read raw (sink)**" in text
     assert ("With the attention sink handled (the runs above that read it raw), offset fixes: "
-            "**Goal met** by route/random (decode, T = 256). Other fixes that meet it with the "
-            "sink: none.") in text  # fmt: skip
+            "**Goal met** by route/random (decode, T = 256, top-k 1). Other fixes that meet it "
+            "with the sink: none.") in text  # fmt: skip
+    assert "Where no offset fix meets it" not in text
     assert "--sink-tokens 4 --top-k 1" in text
     assert text.count("Verdict (the rule above, per row): **Goal met** by route/random") == 1
+    # a second sink run (top-2) where the offset fix falls short: named with its closest fix
+    short = [dict(f, verdict="cuts the gap, costs accuracy", accuracy_diff_lo=-0.2)
+             for f in sink["fixes"]]  # fmt: skip
+    k2 = dict(sink, config=dict(sink["config"], top_k=2), fixes=short)
+    (tmp_path / "audit_fixes_decode_T256_sink4_k2.json").write_text(json.dumps(k2, default=float))
+    text = claim_real_fixes(tmp_path)
+    assert "**Goal met** by route/random (decode, T = 256, top-k 1). Other" in text
+    assert "meets it: route (decode, T = 256, top-k 2): closest per_head, gap cut" in text
 
 
 def test_random_fix_gap_is_on_the_drawn_grid():

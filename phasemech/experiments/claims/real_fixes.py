@@ -127,7 +127,8 @@ def claim_real_fixes(results: Path) -> str:
     for stem, run in runs:
         lines, fixes = _run_lines(stem, run)
         out += lines
-        tables[_sink(run)].append(fixes.assign(regime=run["config"]["regime"]))
+        cfg = run["config"]
+        tables[_sink(run)].append(fixes.assign(regime=cfg["regime"], top_k=cfg["top_k"]))
     if tables[False]:
         out += [f"Verdict (the rule above, per row): {_verdict(tables[False])}.", ""]
     if tables[True]:
@@ -142,11 +143,37 @@ def _sink(run: dict) -> bool:
     return bool(run["config"].get("sink_tokens"))
 
 
+def _where(r) -> str:
+    """``regime, T = ..., top-k ...`` of a fixes row (runs differ in each)."""
+    return f"{r.regime}, T = {r.context}, top-k {r.top_k}"
+
+
 def _met(tables: list[pd.DataFrame], fixes: tuple[str, ...] | None = None) -> list[str]:
-    """``design/fix (regime, T = ...)`` of each row that meets the goal (among ``fixes``)."""
-    return [f"{r.design}/{r.fix} ({r.regime}, T = {r.context})"
+    """``design/fix (regime, T, top-k)`` of each row that meets the goal (among ``fixes``)."""
+    return [f"{r.design}/{r.fix} ({_where(r)})"
             for t in tables for r in t.itertuples()
             if r.verdict == "meets the goal" and (fixes is None or r.fix in fixes)]  # fmt: skip
+
+
+def _describe(best: pd.Series) -> str:
+    return (
+        f"gap cut {pct(best.reduction)} [{pct(best.reduction_lo)}, {pct(best.reduction_hi)}], "
+        f"accuracy change {best.accuracy_diff:+.3f} [{best.accuracy_diff_lo:+.3f}, "
+        f"{best.accuracy_diff_hi:+.3f}], budget {best.budget} vs {best.budget_baseline}"
+    )
+
+
+def _remaining(moved: pd.DataFrame) -> list[str]:
+    """Each design and run (regime, T, top-k) where no offset fix meets the goal, with its
+    closest offset fix, or why none can (its aligned baseline has no established gap)."""
+    out = []
+    for _, g in moved.groupby(["regime", "context", "top_k", "design"], sort=False):
+        if (g["verdict"] == "meets the goal").any():
+            continue
+        best, r = closest(g), g.iloc[0]
+        why = "no baseline gap to cut" if best is None else f"closest {best.fix}, {_describe(best)}"
+        out.append(f"{r.design} ({_where(r)}): {why}")
+    return out
 
 
 def _sink_verdict(tables: list[pd.DataFrame]) -> str:
@@ -161,7 +188,9 @@ def _sink_verdict(tables: list[pd.DataFrame]) -> str:
     else:
         head += _verdict([moved]) if len(moved) else "**Not tested**: no offset fix was run"
     others = ", ".join(rest) if rest else "none"
-    return f"{head}. Other fixes that meet it with the sink: {others}."
+    left = _remaining(moved)
+    tail = f" Where no offset fix meets it: {'; '.join(left)}." if left else ""
+    return f"{head}. Other fixes that meet it with the sink: {others}.{tail}"
 
 
 def _verdict(tables: list[pd.DataFrame]) -> str:
@@ -171,13 +200,8 @@ def _verdict(tables: list[pd.DataFrame]) -> str:
     best = closest(pd.concat(tables, ignore_index=True))
     if best is None:
         return "**Not testable**: no baseline had an established gap to cut"
-    return (
-        f"**Goal not met** by any fix; closest: {best.design}/{best.fix} ({best.regime}, "
-        f"T = {best.context}): gap cut {pct(best.reduction)} [{pct(best.reduction_lo)}, "
-        f"{pct(best.reduction_hi)}], accuracy change {best.accuracy_diff:+.3f} "
-        f"[{best.accuracy_diff_lo:+.3f}, {best.accuracy_diff_hi:+.3f}], budget {best.budget} "
-        f"vs {best.budget_baseline}"
-    )
+    where = f"{best.design}/{best.fix} ({_where(best)})"
+    return f"**Goal not met** by any fix; closest: {where}: {_describe(best)}"
 
 
 __all__ = ["OFFSET_FIXES", "TITLE", "audit_command", "claim_real_fixes", "closest", "fix_audits"]
