@@ -114,9 +114,9 @@ def apply_variant(comp: CompressionConfig, name: str) -> CompressionConfig:
 def kv_budget(comp: CompressionConfig | None, context: int, n_heads: int = 0) -> int:
     """Most tokens (or compressed entries) one query reads at the end of a ``context``-token
     prompt: ``top_k`` blocks of ``block_len`` plus the raw band (and the sink's tokens) for the
-    selecting designs, the
-    used blocks plus the raw band for ``mean``, a head's share of the blocks (of ``n_heads``)
-    plus the block it closes and the raw band for ``partition``; the null reads every token."""
+    selecting designs, the used blocks plus the raw band for ``mean``, a head's share of the
+    blocks (of ``n_heads``) plus the block it closes and the raw band for ``partition``; the
+    null reads every token."""
     if comp is None:
         return context
     band = raw_band_width(context, comp.stride, comp.window, comp.block_scope)

@@ -42,7 +42,6 @@ def audit_command(cfg: dict, design: str, fix: str) -> str:
     """The ``phasemech audit`` command that reproduces one row: its design(s), fix and every
     field of the audit that is not at its default (``rule_X``: ``--design route,X``)."""
     default = {f.name: f.default for f in dataclasses.fields(AuditConfig)}
-    cfg = {"sink_tokens": None, **cfg}  # audits recorded before the sink existed
     designs = f"{design},{fix[5:]}" if fix.startswith("rule_") else design
     parts = ["phasemech audit", f"--design {designs}"]
     parts += [f"{flag} {cfg[k]}" for k, flag in _FLAGS.items() if cfg.get(k) != default[k]]
