@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from phasemech.experiments.explain.tables import _long, oracle_summary, prompts_frame
+from phasemech.experiments.explain.tables import long_frame, oracle_summary, prompts_frame
 
 
 def observed(folder: Path) -> list[dict]:
@@ -39,13 +39,13 @@ def main() -> None:
     prompts = prompts_frame(obs)
     print(f"{len(prompts)} prompts, {prompts.group_id.nunique()} contents observed")
     print(prompts.groupby("phase")[["design_correct", "null_correct"]].mean().round(2).T)
-    sel = _long(obs, "selection")
+    sel = long_frame(obs, "selection")
     sel["band"] = pd.cut(sel.layer, [1, 11, 20, 29], labels=["2-11", "12-20", "21-29"])
     print(sel.groupby(["band", "phase"], observed=True).selected.mean().unstack().round(2))
-    orc = oracle_summary(_long(obs, "oracle"), prompts, n_boot=0, seed=0)
+    orc = oracle_summary(long_frame(obs, "oracle"), prompts, n_boot=0, seed=0)
     every = orc[orc.scope.isin(["none", "all"])]
     print(every.pivot_table("accuracy", ["scope", "form", "rows"], "phase").round(2))
-    raw = _long(obs, "oracle")
+    raw = long_frame(obs, "oracle")
     raw = raw[raw.scope == "all"].groupby(["form", "rows"])
     print("sink share of displaced picks:")
     print((raw.displaced_sink.sum() / raw.displaced.sum()).round(2))

@@ -33,7 +33,7 @@ import typer
 from rich.console import Console
 
 from phasemech import viz
-from phasemech.cli.base import _fail
+from phasemech.cli.base import fail
 from phasemech.core.io import write_text_atomic
 from phasemech.core.progress import progress_bar
 from phasemech.experiments.configs import experiment
@@ -513,7 +513,7 @@ def main(
     try:
         done = run_experiment(exp, profile, runs, address=address, num_cpus=num_cpus)
     except (ConnectionError, ValueError) as err:  # a cluster that refused: one line, exit 1
-        raise _fail(err) from err
+        raise fail(err) from err
     console.print(f"figures ({profile}): {done.ran} jobs run, {done.cached} cached")
     for failure in done.failures:
         console.print(f"[red]failed[/] {failure.label}:\n{failure.error}", highlight=False)

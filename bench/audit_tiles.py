@@ -33,12 +33,12 @@ RESULTS = Path(__file__).resolve().parent / "results" / "audit_tiles.json"
 
 def run(job, tiled: bool) -> tuple[pd.DataFrame, float]:
     """``(the job's rows, its wall seconds)`` with every compressed model's tiles on or off."""
-    from phasemech.experiments.audit.jobs import _WORKER
+    from phasemech.experiments.probe.worker import WORKER
 
     a = job.audit
-    _WORKER.model(a.model, job.context + 64, torch.device("cpu"))
+    WORKER.model(a.probe.model, job.context + 64, torch.device("cpu"))
     for _, comp in a.settings()[1:]:  # the compressed settings (the null is first)
-        for block in _WORKER.setting(comp).blocks:
+        for block in WORKER.setting(comp).blocks:
             if hasattr(block.attn, "tiled"):
                 block.attn.tiled = tiled
     t0 = time.perf_counter()
@@ -58,8 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    a = AuditConfig(designs=(args.design,), regime="trained", contexts=(args.context,))
-    n = a.contents * a.stride - args.start if args.prompts is None else args.prompts
+    a = AuditConfig.of(designs=(args.design,), regime="trained", contexts=(args.context,))
+    n = a.probe.contents * a.probe.stride - args.start if args.prompts is None else args.prompts
     job = AuditJob(a, args.context, args.start, args.start + n)
     run(AuditJob(a, args.context, 0, 1), True)  # warm-up: loads the model and the prompts
     tiles, t_tiles = run(job, True)

@@ -24,13 +24,13 @@ TOP_K = {"route": 1, "quest": 2, "evict": 2}
 
 def _forward_seconds(design: str, copies: int, repeats: int) -> tuple[float, int]:
     from phasemech.experiments.explain.config import ExplainConfig
-    from phasemech.experiments.explain.jobs import _models, _run
+    from phasemech.experiments.explain.jobs import explain_models, run_prompt
     from phasemech.interventions.prompts import bound
 
-    cfg = ExplainConfig(design=design, top_k=TOP_K.get(design, 2), layers=tuple(range(2, 30)),
+    cfg = ExplainConfig.of(design=design, top_k=TOP_K.get(design, 2), layers=tuple(range(2, 30)),
                         context=1024, contents=1)  # fmt: skip
-    base, model, batch = _models(cfg)
-    run = _run(base, model, batch, 0, "decode")
+    base, model, batch = explain_models(cfg)
+    run = run_prompt(base, model, batch, 0, "decode")
     tokens = run.tokens.expand(copies, -1)
     best = float("inf")
     with torch.inference_mode(), bound(model, run):

@@ -35,16 +35,22 @@ def main() -> None:
     torch.set_num_threads(1)
 
     from phasemech.experiments.explain.config import ExplainConfig
-    from phasemech.experiments.explain.jobs import _attend, _forces, _models, _observe, _run
+    from phasemech.experiments.explain.jobs import (
+        answer_attention,
+        explain_models,
+        observe_prompt,
+        oracle_forces,
+        run_prompt,
+    )
     from phasemech.interventions.attribution import attribution_patch
     from phasemech.interventions.oracle import copy_selection
     from phasemech.interventions.patching_fast import patch_heads
     from phasemech.interventions.prompt_patching import _resid_patch, ablate_prompt
     from phasemech.interventions.prompts import bound, clean_run, cross_source, self_contrast
 
-    cfg = ExplainConfig(design=args.design, top_k=args.top_k, layers=tuple(range(2, 30)),
+    cfg = ExplainConfig.of(design=args.design, top_k=args.top_k, layers=tuple(range(2, 30)),
                         context=args.context, contents=max(1, args.pairs))  # fmt: skip
-    base, model, batch = _models(cfg)
+    base, model, batch = explain_models(cfg)
     n = model.cfg.n_layers
     names = [f"blocks.{i}.attn.hook_z" for i in range(n)]
     names += [f"blocks.{i}.hook_resid_pre" for i in range(n)]
@@ -52,16 +58,16 @@ def main() -> None:
     rows: dict[str, list[float]] = {k: [] for k in parts}
     for g in range(args.pairs):
         clean_i, corrupt_i = 4 * g, 4 * g + 1
-        t, obs = _timed(_observe, cfg, clean_i, base, model, batch)
+        t, obs = _timed(observe_prompt, cfg, clean_i, base, model, batch)
         rows["observe"].append(t)
-        t, clean = _timed(_run, base, model, batch, clean_i, "decode")
+        t, clean = _timed(run_prompt, base, model, batch, clean_i, "decode")
         rows["prefill"].append(t)
-        rows["attend"].append(_timed(_attend, clean, base, model)[0])
-        corrupt = _run(base, model, batch, corrupt_i, "decode")
+        rows["attend"].append(_timed(answer_attention, clean, base, model)[0])
+        corrupt = run_prompt(base, model, batch, corrupt_i, "decode")
         means = torch.tensor(obs["z_sums"]) / obs["z_rows"]
-        rows["ablation"].append(_timed(ablate_prompt, model, clean, cfg.stride, means)[0])
+        rows["ablation"].append(_timed(ablate_prompt, model, clean, cfg.probe.stride, means)[0])
         cl = clean_run(model, clean, names)
-        c = self_contrast(corrupt, cfg.stride)
+        c = self_contrast(corrupt, cfg.probe.stride)
         with bound(model, corrupt), torch.inference_mode():
             t, res = _timed(patch_heads, model, c, source=cross_source(cl))
         rows["heads"].append(t)
@@ -75,7 +81,7 @@ def main() -> None:
     per_pair = 2 * mean["prefill"] + mean["heads"]
     report = dict(model="smollm2-135m", design=args.design, top_k=args.top_k,
                   context=args.context, regime="decode", layers="2-29", threads=1,
-                  oracle_copies=len(_forces(cfg, model)), pairs_measured=args.pairs,
+                  oracle_copies=len(oracle_forces(cfg, model)), pairs_measured=args.pairs,
                   seconds=mean, heads_100_pairs_2_cores_min=100 * per_pair / 2 / 60)  # fmt: skip
     for k, v in mean.items():
         print(f"{k:>9}: {v:6.2f} s")

@@ -25,23 +25,23 @@ def _load(design: str, top_k: int, context: int, contents: int) -> None:
 
     torch.set_num_threads(1)
     from phasemech.experiments.explain.config import ExplainConfig
-    from phasemech.experiments.explain.jobs import _models
+    from phasemech.experiments.explain.jobs import explain_models
 
-    cfg = ExplainConfig(design=design, top_k=top_k, layers=tuple(range(2, 30)),
+    cfg = ExplainConfig.of(design=design, top_k=top_k, layers=tuple(range(2, 30)),
                         context=context, contents=contents)  # fmt: skip
-    _STATE["cfg"], _STATE["models"] = cfg, _models(cfg)
+    _STATE["cfg"], _STATE["models"] = cfg, explain_models(cfg)
 
 
 def _pair(clean_i: int, corrupt_i: int) -> float:
     import torch
 
-    from phasemech.experiments.explain.jobs import _run
+    from phasemech.experiments.explain.jobs import run_prompt
     from phasemech.interventions.patching_fast import patch_heads
     from phasemech.interventions.prompts import bound, clean_run, cross_source, self_contrast
 
     t0 = time.perf_counter()
     base, model, batch = _STATE["models"]
-    clean, corrupt = (_run(base, model, batch, i, "decode") for i in (clean_i, corrupt_i))
+    clean, corrupt = (run_prompt(base, model, batch, i, "decode") for i in (clean_i, corrupt_i))
     names = [f"blocks.{i}.attn.hook_z" for i in range(model.cfg.n_layers)]
     cl = clean_run(model, clean, names)
     with bound(model, corrupt), torch.inference_mode():

@@ -22,15 +22,15 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     from phasemech.experiments.explain.config import ExplainConfig
-    from phasemech.experiments.explain.jobs import _models, _run
+    from phasemech.experiments.explain.jobs import explain_models, run_prompt
     from phasemech.interventions.patching_fast import patch_heads, zero_source
     from phasemech.interventions.prompts import bound, self_contrast
     from phasemech.model.fast import linear_layout
 
-    cfg = ExplainConfig(design="route", top_k=1, layers=tuple(range(2, 30)),
+    cfg = ExplainConfig.of(design="route", top_k=1, layers=tuple(range(2, 30)),
                         context=args.context, contents=1)  # fmt: skip
-    base, model, batch = _models(cfg)  # the audit's worker: linear_layout already applied
-    run = _run(base, model, batch, 1, "decode")
+    base, model, batch = explain_models(cfg)  # the audit's worker: linear_layout already applied
+    run = run_prompt(base, model, batch, 1, "decode")
     c = self_contrast(run, 4)
 
     def ablate() -> tuple[float, np.ndarray]:

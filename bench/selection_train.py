@@ -16,6 +16,7 @@ import torch
 import typer
 
 import phasemech.attention.selection as selection
+from phasemech.core.designs import SELECTING_DESIGNS
 from phasemech.experiments.sweep.profiles import PROFILES, RunSpec, train_config
 from phasemech.training.trainer import _train_step
 
@@ -31,9 +32,6 @@ def _step_seconds(cfg, model, opt, sched, dense: bool, step: int) -> float:
         selection.DENSE_MAX_POS = previous
 
 
-SELECTING = ["route", "quest", "kpool", "evict", "dsa", "partition"]
-
-
 def main(
     designs: Annotated[
         list[str] | None, typer.Option(help="default: every selecting design")
@@ -42,7 +40,7 @@ def main(
 ) -> None:
     torch.set_num_threads(1)
     print("design   dense (s)  gathered (s)  gathered / dense")
-    for design in designs or SELECTING:
+    for design in designs or SELECTING_DESIGNS:
         cfg = train_config(RunSpec(design, 4, 2, 64, 0), PROFILES["systems"])
         model = cfg.build_model().train()
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)

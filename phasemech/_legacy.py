@@ -56,10 +56,16 @@ MOVED: dict[str, tuple[str, ...]] = {
     "phasemech.experiments.audit_fixes": (
         "phasemech.experiments.audit.fixes",
         "phasemech.experiments.fixes.profiles",
+        "phasemech.experiments.probe.config",
     ),
-    "phasemech.experiments.audit_score": ("phasemech.experiments.audit.score",),
+    "phasemech.experiments.audit_score": ("phasemech.experiments.probe.worker",),
+    # the real-model studies' probe, worker and launcher (issue 48)
+    "phasemech.experiments.audit.score": ("phasemech.experiments.probe.worker",),
     "phasemech.experiments.audit_report": ("phasemech.experiments.audit.summary",),
-    "phasemech.experiments.explain_tables": ("phasemech.experiments.explain.tables",),
+    "phasemech.experiments.explain_tables": (
+        "phasemech.experiments.explain.tables",
+        "phasemech.experiments.explain.run",
+    ),
     "phasemech.experiments.explain_report": ("phasemech.experiments.explain.summary",),
     "phasemech.experiments.converged_claims": ("phasemech.experiments.claims.converged",),
     "phasemech.experiments.systems_claims": ("phasemech.experiments.claims.systems",),

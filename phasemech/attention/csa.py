@@ -39,7 +39,6 @@ RMS_EPS = 1e-6
 class SeriesPoolAttention(CompressedAttentionMixin):
     design = "csa"
     token_pattern_exact = False
-    serves_from_cache = False  # its gates read the layer input, which a KV cache drops
 
     def __init__(self, cfg, attn_type: str = "global", layer_id: int | None = None):
         super().__init__(cfg, attn_type, layer_id)

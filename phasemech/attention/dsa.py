@@ -48,7 +48,6 @@ from phasemech.core.grid import Geometry
 
 class DSAAttention(SelectingAttention):
     design = "dsa"
-    serves_from_cache = False
 
     def __init__(self, cfg, attn_type: str = "global", layer_id: int | None = None):
         super().__init__(cfg, attn_type, layer_id)

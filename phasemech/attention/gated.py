@@ -27,7 +27,6 @@ from phasemech.core.grid import Geometry
 
 class GatedPoolAttention(CompressedAttentionMixin):
     design = "gated"
-    serves_from_cache = False  # its gates read the layer input, which a KV cache drops
 
     def __init__(self, cfg, attn_type: str = "global", layer_id: int | None = None):
         super().__init__(cfg, attn_type, layer_id)

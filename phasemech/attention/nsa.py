@@ -69,7 +69,6 @@ N_LOCAL = 2
 class NSAAttention(MLPCompressorAttention):
     design = "nsa"
     token_pattern_exact = False
-    serves_from_cache = False
 
     def __init__(self, cfg, attn_type: str = "global", layer_id: int | None = None):
         super().__init__(cfg, attn_type, layer_id)

@@ -19,6 +19,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 from transformer_lens.utilities.activation_functions import apply_softcap
 
+from phasemech.core.designs import CACHE_DESIGNS, traits
 from phasemech.core.grid import Geometry
 
 
@@ -149,9 +150,12 @@ class RowsMixin:
         return z.transpose(1, 2), token_pattern
 
     # ------------------------------------------------------------------ decode regime
-    #: whether a KV cache (keys and values only) holds what the design needs: ``gated`` pools
-    #: with gates computed from the layer input, which a cache does not keep
-    serves_from_cache: bool = True
+    @property
+    def serves_from_cache(self) -> bool:
+        """Whether a KV cache (keys and values only) holds what the design reads (the design
+        registry's trait: ``gated``'s gates read the layer input, which a cache drops)."""
+        return traits(self.design).serves_from_cache
+
     #: how many of the prefill's last queries a cache should keep (``evict`` observes them)
     cached_queries: int = 0
     #: positions before it hold the same keys and values in every sequence of the batch (a
@@ -173,9 +177,8 @@ class RowsMixin:
         compression per row, computed for all new rows at once (teacher forcing)."""
         if not self.serves_from_cache:
             raise NotImplementedError(
-                f"layer {self.layer_id}: design {self.design!r} cannot read a KV cache (its "
-                "gates read the layer input); decode-regime designs: mean, mlp, route, "
-                "evict, quest, kpool"
+                f"layer {self.layer_id}: design {self.design!r} cannot read a KV cache (it "
+                f"reads the layer input); decode-regime designs: {', '.join(CACHE_DESIGNS[1:])}"
             )
         if attention_mask is not None and not bool(attention_mask.bool().all()):
             raise NotImplementedError(

@@ -5,9 +5,10 @@ registers on, the shared options and helpers, and the top-level commands ``info`
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from importlib.metadata import version
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import torch
 import typer
@@ -15,7 +16,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from phasemech.core.config import DESIGNS
+from phasemech.core.config import DESIGNS, LAYER_KINDS
 
 app = typer.Typer(
     add_completion=False,
@@ -30,7 +31,7 @@ DeviceOpt = Annotated[
 ]
 
 
-def _device(device: str) -> torch.device:
+def device_option(device: str) -> torch.device:
     """The device a command runs on; a bad or unavailable one is a usage error, before work."""
     from phasemech.core.device import resolve_device
 
@@ -40,27 +41,69 @@ def _device(device: str) -> torch.device:
         raise typer.BadParameter(str(err), param_hint="--device") from err
 
 
-def _fail(err: Exception | str) -> typer.Exit:
+def fail(err: Exception | str) -> typer.Exit:
     """Print ``err`` as one line and return the exit to raise (status 1)."""
     # soft_wrap: one line, whatever the terminal width (the terminal wraps it for display)
     console.print(f"[red]error:[/] {escape(str(err))}", highlight=False, soft_wrap=True)
     return typer.Exit(1)
 
 
-def _split(value: str | None) -> tuple[str, ...] | None:
-    return None if value is None else tuple(v.strip() for v in value.split(",") if v.strip())
-
-
-def _layers(value: str | None) -> tuple[int, ...] | None:
+def split_list(
+    value: str | None, flag: str = "", item: Callable[[str], Any] = str, expected: str = ""
+) -> tuple | None:
+    """The one comma-list parser of every command: ``"a, b,c"`` as ``item`` of each part
+    (``None`` stays ``None``); a part ``item`` rejects is a one-line usage error naming
+    ``flag`` and what is ``expected``."""
     if value is None:
         return None
     try:
-        return tuple(int(v) for v in value.split(","))
+        return tuple(item(v.strip()) for v in value.split(",") if v.strip())
+    except ValueError:
+        msg = f"{value!r}: expected {expected or 'a comma-separated list'}"
+        raise typer.BadParameter(msg, param_hint=flag or None) from None
+
+
+#: every command's ``--layers`` help: the one grammar of :func:`parse_layers`
+LAYERS_HELP = "layers: ints and ranges, e.g. 2-29 or 0,3-5, or global / local / all (by layer type)"
+
+
+def model_layers(model) -> Callable[[str], tuple[int, ...]]:
+    """``parse_layers``' resolver of ``global``/``local``/``all`` on a TransformerLens model."""
+    from phasemech.core.config import layer_types, layers_of_kind
+
+    return lambda kind: layers_of_kind(layer_types(model.cfg), kind)
+
+
+def _int_range(part: str) -> list[int]:
+    lo, sep, hi = part.partition("-")
+    return list(range(int(lo), int(hi) + 1)) if sep else [int(lo)]
+
+
+def parse_ints(value: str | None, flag: str) -> tuple[int, ...] | None:
+    """``"512,2048"`` or ranges ``"2-29"`` as ints (``split_list`` of ints and ranges)."""
+    parts = split_list(value, flag, _int_range, "ints or ranges like 2-29")
+    return None if parts is None else tuple(i for part in parts for i in part)
+
+
+def parse_layers(
+    value: str | None, named: Callable[[str], tuple[int, ...]] | None = None, flag="--layers"
+) -> tuple[int, ...] | None:
+    """The one ``--layers`` grammar of every command: ints and ranges (``2-29``, ``0,3-5``),
+    or one of ``global``, ``local``, ``all`` (the model's layers of that type, resolved by
+    ``named``: a command without a model to read refuses the names in one line)."""
+    if value is None or value.strip() not in LAYER_KINDS:
+        return parse_ints(value, flag)
+    if named is None:
+        msg = f"{value!r}: {'/'.join(LAYER_KINDS)} need the model's layer types; give ints"
+        raise typer.BadParameter(msg, param_hint=flag)
+    try:
+        return named(value.strip())
     except ValueError as err:
-        raise ValueError(f"--layers {value!r} is invalid: expected comma-separated ints") from err
+        raise typer.BadParameter(str(err), param_hint=flag) from None
 
 
-def _print_frame(df, title: str, floats: str = ".3f") -> None:
+def print_frame(df, title: str, floats: str = ".3f") -> None:
+    """A frame as a rich table (floats as ``floats``)."""
     table = Table(title=title)
     for col in df.columns:
         table.add_column(str(col), justify="right")
@@ -69,7 +112,7 @@ def _print_frame(df, title: str, floats: str = ".3f") -> None:
     console.print(table)
 
 
-def _load_model_and_data(
+def load_model_and_data(
     checkpoint: Path, data_path: Path | None, sequences: int, data_seed: int, device: torch.device
 ):
     """``(model on device, dataset, model folder)``; the dataset is the run's phase-balanced

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from phasemech.cli.base import _fail, app, console
+from phasemech.cli.base import app, console, fail, split_list
 
 data_app = typer.Typer(no_args_is_help=True, help="Write a phase-controlled retrieval dataset.")
 app.add_typer(data_app, name="data")
@@ -44,7 +44,7 @@ def _write_dataset(task, sequences: int, seed: int, balanced: bool, out: Path) -
     try:
         save_dataset(ds, out)
     except OSError as err:  # a full or read-only disk
-        raise _fail(f"{out}: {err.strerror or err}") from err
+        raise fail(f"{out}: {err.strerror or err}") from err
     counts = targets_frame(ds).groupby("phase").size()
     console.print(
         f"wrote {len(ds)} {task.name} sequences ({int(counts.sum())} targets) to {out}; "
@@ -94,7 +94,7 @@ def data_needle(
     from phasemech.data.tasks import NeedleTask
 
     try:
-        fractions = tuple(float(x) for x in depths.split(","))
+        fractions = split_list(depths, "--depths", float, "fractions like 0.1,0.5,0.9")
         task = NeedleTask(vocab_size, seq_len, needles, distractors, fractions, stride, grid_offset)
     except ValueError as err:
         raise typer.BadParameter(f"{err} (--depths {depths!r})") from err

@@ -9,7 +9,7 @@ import torch
 import typer
 from rich.table import Table
 
-from phasemech.cli.base import DeviceOpt, _device, _fail, _load_model_and_data, app, console
+from phasemech.cli.base import DeviceOpt, app, console, device_option, fail, load_model_and_data
 from phasemech.model.phase import phase_attention
 
 
@@ -25,12 +25,12 @@ def phase_attention_cmd(
     """Attention mass per (layer, head, source phase) on seeded random tokens."""
     from phasemech.training.checkpoints import load_trained
 
-    dev = _device(device)
+    dev = device_option(device)
     torch.set_num_threads(1)
     try:
         model, _, model_dir = load_trained(model_dir, dev)
     except (FileNotFoundError, ValueError) as err:
-        raise _fail(err) from err
+        raise fail(err) from err
     seq = length or model.cfg.n_ctx
     if seq > model.cfg.n_ctx:
         raise typer.BadParameter(f"--length {seq} exceeds the model's n_ctx={model.cfg.n_ctx}")
@@ -74,10 +74,10 @@ def eval_cmd(
     from phasemech.data.tasks import task_of
     from phasemech.measure.evaluate import evaluate
 
-    dev = _device(device)
+    dev = device_option(device)
     torch.set_num_threads(1)
     try:
-        model, ds, model_dir = _load_model_and_data(checkpoint, data, sequences, data_seed, dev)
+        model, ds, model_dir = load_model_and_data(checkpoint, data, sequences, data_seed, dev)
         evaluation = evaluate(
             model,
             ds,
@@ -88,7 +88,7 @@ def eval_cmd(
             n_perm=n_perm,
         )
     except (FileNotFoundError, ValueError) as err:
-        raise _fail(err) from err
+        raise fail(err) from err
     task = task_of(ds)
     console.print(
         f"model {model_dir}; data: {task.name if task else 'dataset'} "

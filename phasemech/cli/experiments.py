@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
-from phasemech.cli.base import DeviceOpt, _device, _fail, _split, app, console
+from phasemech.cli.base import DeviceOpt, app, console, device_option, fail, split_list
 
 
 @app.command()
@@ -32,16 +32,16 @@ def dashboard(
     """One self-contained HTML dashboard (plotly.js inlined) for head-attribution exploration."""
     from phasemech.experiments.showcase.panels import PanelConfig, build_dashboard
 
-    dev = _device(device)
+    dev = device_option(device)
     try:
         config = PanelConfig(
             sequences=sequences, data_seed=data_seed, n_boot=n_boot, n_perm=n_perm, seed=seed
         )
         dest = build_dashboard(
-            run_dir, out, config, models=_split(models), force=force, progress=True, device=dev
+            run_dir, out, config, models=split_list(models), force=force, progress=True, device=dev
         )
     except (FileNotFoundError, ValueError) as err:
-        raise _fail(err) from err
+        raise fail(err) from err
     size = dest.stat().st_size / 1e6
     console.print(f"wrote {dest} ({size:.1f} MB, self-contained: open it in any browser)")
 
@@ -110,7 +110,7 @@ def _launch(name, profile, runs, address, num_cpus, cpus_per_job, gpus_per_job, 
             device=device,
         )
     except (ConnectionError, OSError, ValueError) as err:
-        raise _fail(err) from err
+        raise fail(err) from err
     for failure in out.failures:
         console.print(
             f"[red]failed[/] {escape(failure.label)}: {escape(json.dumps(failure.config))}"

@@ -9,15 +9,17 @@ import torch
 import typer
 
 from phasemech.cli.base import (
+    LAYERS_HELP,
     DeviceOpt,
-    _device,
-    _fail,
-    _layers,
-    _load_model_and_data,
-    _print_frame,
-    _split,
     app,
     console,
+    device_option,
+    fail,
+    load_model_and_data,
+    model_layers,
+    parse_layers,
+    print_frame,
+    split_list,
 )
 from phasemech.interventions.ablation import METRICS as ABLATION_METRICS
 from phasemech.interventions.ablation_plan import components_for
@@ -39,9 +41,7 @@ def ablate(
     modes: Annotated[
         str | None, typer.Option(help="comma-separated: zero,mean,resample,mask (default: all)")
     ] = None,
-    layers: Annotated[
-        str | None, typer.Option(help="comma-separated layers (default: all)")
-    ] = None,
+    layers: Annotated[str | None, typer.Option(help=LAYERS_HELP)] = None,
     metric: Annotated[Literal[ABLATION_METRICS], typer.Option()] = "accuracy",
     n_boot: int = 1000,
     n_perm: int = 1000,
@@ -52,30 +52,30 @@ def ablate(
     """Zero/mean/resample ablation of heads and compressor parts, effect per target phase."""
     from phasemech.interventions.ablation import ablate as run_ablation
 
-    dev = _device(device)
+    dev = device_option(device)
     torch.set_num_threads(1)
     try:
-        model, ds, model_dir = _load_model_and_data(checkpoint, data, sequences, data_seed, dev)
+        model, ds, model_dir = load_model_and_data(checkpoint, data, sequences, data_seed, dev)
         design = model.cfg.compression.design
         default = components_for(design)
-        chosen = {"modes": _split(modes)} if modes else {}
+        chosen = {"modes": split_list(modes)} if modes else {}
         result = run_ablation(
             model,
             ds,
-            components=_split(components) or tuple(default),
+            components=split_list(components) or tuple(default),
             **chosen,
-            layers=_layers(layers),
+            layers=parse_layers(layers, model_layers(model)),
             n_boot=n_boot,
             seed=seed,
             progress=True,
         )
         spec = result.specialization(metric=metric, n_perm=n_perm, seed=seed)
     except (FileNotFoundError, ValueError) as err:
-        raise _fail(err) from err
+        raise fail(err) from err
     dest = result.save(out or model_dir / "ablate", specialization=spec)
     cols = ["component", "mode", "layer", "unit", "overall", "phase_range", "served_phase", "si"]
     top = spec.sort_values("rank").head(12)[cols + ["p_perm", "rank"]]
-    _print_frame(top, f"most phase-specialised units ({metric}, stride {result.stride})")
+    print_frame(top, f"most phase-specialised units ({metric}, stride {result.stride})")
     console.print(f"wrote {dest}/targets.parquet, effects.parquet, specialization.parquet")
 
 
@@ -95,9 +95,7 @@ def patch(
     attribution: Annotated[
         bool, typer.Option(help="also attribution patching vs exact _by_pos (site z)")
     ] = False,
-    layers: Annotated[
-        str | None, typer.Option(help="comma-separated layers (default: all)")
-    ] = None,
+    layers: Annotated[str | None, typer.Option(help=LAYERS_HELP)] = None,
     data: Annotated[Path | None, typer.Option(help="dataset (default: the run's test set)")] = None,
     data_seed: Annotated[int, typer.Option(help="test-set seed without --data")] = 777,
     seed: int = 0,
@@ -107,16 +105,16 @@ def patch(
     device: DeviceOpt = "auto",
 ) -> None:
     """Activation patching by phase contrast: per (layer, head) effect per target phase."""
-    dev = _device(device)
+    dev = device_option(device)
     torch.set_num_threads(1)
     try:
         model, pairs_, model_dir = _contrast_pairs(
             checkpoint, contrast, shift, pairs, data, data_seed, seed, dev
         )
-        kw = dict(metric=metric, layers=_layers(layers), progress=True)
+        kw = dict(metric=metric, layers=parse_layers(layers, model_layers(model)), progress=True)
         result, comparison = _patch(model, pairs_, site, by_pos, attribution, kw)
     except (FileNotFoundError, ValueError) as err:
-        raise _fail(err) from err
+        raise fail(err) from err
     dest = result.save(out or model_dir / f"patch_{contrast}_{site}")
     console.print(
         f"{len(pairs_)} {contrast} pairs, metric {metric}: clean {result.clean.mean():.3f}, "
@@ -127,10 +125,10 @@ def patch(
         strongest = effects.assign(size=effects.effect.abs()).dropna(subset=["size"])
         strongest = strongest.loc[strongest.groupby(["layer", "unit"])["size"].idxmax()]
         effects = strongest.drop(columns="size")
-    _print_frame(effects.reset_index(drop=True), f"{site} patches (normalised: 1 = restored)")
+    print_frame(effects.reset_index(drop=True), f"{site} patches (normalised: 1 = restored)")
     if comparison is not None:
         comparison.to_parquet(dest / "attribution.parquet")
-        _print_frame(comparison, "attribution patching vs exact")
+        print_frame(comparison, "attribution patching vs exact")
     console.print(f"wrote {dest}/effects.parquet, by_phase.parquet, pairs.parquet, values.parquet")
 
 
@@ -144,7 +142,7 @@ def _contrast_pairs(checkpoint, contrast, shift, pairs, data, data_seed, seed, d
     # enough balanced sequences for the pairs (a multiple of the task's stride)
     step = cfg.task.stride if cfg is not None else 1
     n_seq = -(-pairs // step) * step
-    model, ds, model_dir = _load_model_and_data(checkpoint, data, n_seq, data_seed, dev)
+    model, ds, model_dir = load_model_and_data(checkpoint, data, n_seq, data_seed, dev)
     stride, offset = reference_grid(model.cfg.compression)
     ds = ds.shuffle(seed=seed)  # balanced sets come in blocks of one content
     made = make_contrast(

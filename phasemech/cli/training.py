@@ -7,8 +7,16 @@ from typing import Annotated, Literal
 
 import typer
 
-from phasemech.cli.base import DeviceOpt, _device, _fail, app, console
-from phasemech.core.config import DESIGNS, OFFSET_MODES, TOP_K_DESIGNS
+from phasemech.cli.base import (
+    LAYERS_HELP,
+    DeviceOpt,
+    app,
+    console,
+    device_option,
+    fail,
+    parse_layers,
+)
+from phasemech.core.config import DESIGNS, OFFSET_MODES, TOP_K_DESIGNS, layers_of_kind
 
 #: compression fields whose default depends on the design: reset when ``--design`` changes it
 DESIGN_DEFAULTED = (
@@ -27,7 +35,7 @@ def train(
     design: Annotated[Literal[DESIGNS] | None, typer.Option()] = None,
     stride: PosInt = None,
     window: Annotated[int | None, typer.Option(min=0, help="raw window (default 2*stride)")] = None,
-    layers: Annotated[str | None, typer.Option(help="compressed layers, e.g. '1'")] = None,
+    layers: Annotated[str | None, typer.Option(help=f"compressed {LAYERS_HELP}")] = None,
     offsets: Annotated[Literal[OFFSET_MODES] | None, typer.Option()] = None,
     heads: PosInt = None,
     d_model: PosInt = None,
@@ -62,7 +70,7 @@ def train(
     """Train a model from scratch on MQAR (progress shows held-out accuracy per phase)."""
     from phasemech.training.trainer import train as run_train
 
-    dev = _device(device)
+    dev = device_option(device)
     flags = dict(
         design=design, stride=stride, window=window, layers=layers, offsets=offsets, heads=heads,
         d_model=d_model, n_layers=n_layers, seq_len=seq_len, pairs=pairs, jitter=jitter,
@@ -85,7 +93,7 @@ def train(
     try:
         result = run_train(cfg, out, resume=resume, device=dev)
     except (OSError, ValueError) as err:  # a foreign folder, a corrupt run, a full disk
-        raise _fail(err) from err
+        raise fail(err) from err
     phases = " ".join(f"{p:.3f}" for p in result.accuracy_by_phase)
     console.print(
         f"step {result.step}: held-out accuracy {result.accuracy:.3f} (by phase {phases})"
@@ -116,13 +124,10 @@ def _train_config(out: Path, config: Path | None, resume: bool, flags: dict):
         # another design: its own defaults for the fields that depend on the design
         comp.update(dict.fromkeys(DESIGN_DEFAULTED, None))
     comp.update(_pick(f, design="design", stride="stride", window="window", offsets="offsets"))
-    if "layers" in f:
-        try:
-            comp["layers"] = [int(x) for x in f["layers"].split(",")] if f["layers"] else None
-        except ValueError as err:
-            raise ValueError(
-                f"--layers {f['layers']!r} is invalid: expected ints like 0,1"
-            ) from err
+    if "layers" in f:  # the one grammar; the lab's layers are all global (full attention)
+        named = lambda kind: layers_of_kind(["global"] * model.n_layers, kind)  # noqa: E731
+        layers = parse_layers(f["layers"] or None, named)
+        comp["layers"] = None if layers is None else list(layers)
     if "stride" in f:  # derived fields follow the new stride unless given
         comp["block_len"] = None
         if "window" not in f:

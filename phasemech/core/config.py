@@ -390,6 +390,21 @@ def layer_types(cfg: HookedTransformerConfig) -> list[str]:
     return [str(t) for t in (cfg.attn_types or ["local"] * cfg.n_layers)]
 
 
+#: the names a layer set may take beside ints and ranges (by each layer's type)
+LAYER_KINDS = ("global", "local", "all")
+
+
+def layers_of_kind(types: Sequence[str], kind: str, model: str = "the model") -> tuple[int, ...]:
+    """The layers ``kind`` (one of :data:`LAYER_KINDS`) names among layers of ``types``
+    (``layer_types``); a one-line ``ValueError`` where none are."""
+    if kind not in LAYER_KINDS:
+        raise ValueError(f"layers={kind!r} is invalid: allowed {', '.join(LAYER_KINDS)} or ints")
+    out = tuple(i for i, t in enumerate(types) if kind in ("all", t))
+    if not out:
+        raise ValueError(f"layers={kind!r} is invalid: {model} has no {kind} layers")
+    return out
+
+
 @dataclass
 class PhaseTransformerConfig(HookedTransformerConfig):
     """A ``HookedTransformerConfig`` with a ``compression`` field (a ``CompressionConfig``).

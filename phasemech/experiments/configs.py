@@ -3,12 +3,16 @@
 
 ``phasemech run EXPERIMENT --profile P`` runs one of them
 (:func:`phasemech.experiments.experiment.run_experiment` from Python); ``tiny`` is each
-experiment's seconds-long smoke profile.
+experiment's seconds-long smoke profile. The real-model studies (``audit``, ``explain``) also
+take a config of their own through :func:`~phasemech.experiments.audit.study.run_audit` and
+:func:`~phasemech.experiments.explain.run.run_explain` (``phasemech audit``, ``explain``).
 """
 
 from __future__ import annotations
 
+from phasemech.experiments.audit.study import AUDIT
 from phasemech.experiments.experiment import Experiment
+from phasemech.experiments.explain.run import EXPLAIN
 from phasemech.experiments.fixes.study import FIXES_EXPERIMENT
 from phasemech.experiments.head_attention.study import HEAD_ATTENTION
 from phasemech.experiments.interventions.study import INTERVENTIONS
@@ -27,6 +31,8 @@ EXPERIMENTS: dict[str, Experiment] = {
         PRETRAINED,
         INTERVENTIONS,
         HEAD_ATTENTION,
+        AUDIT,
+        EXPLAIN,
     )
 }
 

@@ -72,27 +72,38 @@ class Done:
 
     jobs: dict[str, Job] = field(default_factory=dict)
     results: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: what the experiment's ``check`` returned (e.g. the model's source), for the finish
+    checked: Any = None
+    started: float = field(default_factory=time.perf_counter)
 
     def of(self, cls: type) -> list[tuple[Any, dict[str, Any]]]:
         """``(job, result)`` of the finished jobs of one class, in submission order."""
         return [(j, self.results[k]) for k, j in self.jobs.items() if isinstance(j, cls)]
 
 
-Stage = Callable[[Profile, Done], list[Job]]
+#: a stage: ``(profile or config, done) -> jobs``
+Stage = Callable[[Any, Done], list[Job]]
 
 
 @dataclass(frozen=True)
 class Experiment:
+    """A study: named profiles (a :class:`Profile`, or the study's own frozen config, as the
+    real-model studies' ``AuditConfig``), its stages and its finish. ``check(config)`` runs
+    before any job (a one-line ``ValueError`` on bad input; what it returns reaches the stages
+    and the finish as ``done.checked``). :func:`run_experiment` takes a profile's name or a
+    config of the study's own."""
+
     name: str
-    profiles: Mapping[str, Profile]
+    profiles: Mapping[str, Any]
     stages: tuple[Stage, ...]
-    finish: Callable[[Profile, Done, Path], dict[str, Any]] | None = None
+    finish: Callable[[Any, Done, Path], dict[str, Any]] | None = None
     about: str = ""
     #: profile -> folder name under RUNS, where it differs from ``<name>_<profile>`` (a profile
     #: that shares another experiment's jobs shares its cache)
     folders: Mapping[str, str] = field(default_factory=dict)
+    check: Callable[[Any], Any] | None = None
 
-    def profile(self, name: str) -> Profile:
+    def profile(self, name: str) -> Any:
         if name not in self.profiles:
             raise ValueError(
                 f"profile {name!r} of {self.name!r} is unknown: allowed {list(self.profiles)}"
@@ -116,6 +127,15 @@ class ExperimentRun:
     cached: int = 0
     seconds: float = 0.0
 
+    def summary_or_raise(self, what: str) -> dict[str, Any]:
+        """The finish's summary, or one ``RuntimeError`` naming the first failed job (``what``:
+        the kind of job, for the message)."""
+        if self.failures:
+            f = self.failures[0]
+            n = len(self.failures)
+            raise RuntimeError(f"{n} {what} jobs failed; first: {f.label}\n{f.error}")
+        return self.summary
+
 
 @contextlib.contextmanager
 def ray_session(address: str | None, num_cpus: int | None) -> Iterator[Callable[[], None]]:
@@ -133,26 +153,12 @@ def ray_session(address: str | None, num_cpus: int | None) -> Iterator[Callable[
         yield ensure
 
 
-def launch_results(
-    ensure: Callable[[], None], jobs: list, out: Path, what: str, progress: bool, device: str
-) -> list[dict]:
-    """Inside a :func:`ray_session`: run ``jobs`` (cached under ``out/jobs``; Ray starts only
-    if one is missing) and return their results in order; any failure raises one
-    ``RuntimeError`` naming the first (``what``: the kind of job, for the message)."""
-    if any(read_cached(out / "jobs", j) is None for j in jobs):
-        ensure()
-    done = launch(jobs, out / "jobs", progress=progress, device=device)
-    if done.failures:
-        f = done.failures[0]
-        raise RuntimeError(f"{len(done.failures)} {what} jobs failed; first: {f.label}\n{f.error}")
-    return [done.results[j.key] for j in jobs]
-
-
 def run_experiment(
     exp: Experiment,
-    profile: str,
+    profile: str | Any,
     runs: str | Path = "runs",
     *,
+    folder: str | Path | None = None,
     address: str | None = None,
     num_cpus: int | None = None,
     cpus_per_job: int = 1,
@@ -161,13 +167,23 @@ def run_experiment(
     device: str = "cpu",
 ) -> ExperimentRun:
     """Run every stage of ``exp`` at ``profile`` (only what is not cached), then its finish.
+    ``profile``: a profile's name (results in ``RUNS/<name>_<profile>/``), or a config of the
+    study's own (``phasemech audit``'s ``AuditConfig``), which names its ``folder``.
     ``device``: where jobs run their models (see :func:`launch`)."""
     t0 = time.perf_counter()
-    p = exp.profile(profile)
-    folder = exp.folder(runs, profile)
-    out = ExperimentRun(folder, Done(), [], None)
+    if isinstance(profile, str):
+        p, folder = exp.profile(profile), Path(folder or exp.folder(runs, profile))
+    elif folder is None:
+        raise ValueError(
+            f"run_experiment: {exp.name} with a {type(profile).__name__} needs a folder"
+        )
+    else:
+        p, folder = profile, Path(folder)
     kw = dict(cpus_per_job=cpus_per_job, gpus_per_job=gpus_per_job, progress=progress)
     kw["device"] = check_device_name(device)
+    out = ExperimentRun(folder, Done(started=t0), [], None)
+    if exp.check is not None:  # bad input fails here, in one line, before Ray or any job
+        out.done.checked = exp.check(p)
     with ray_session(address, num_cpus) as ensure:
         for stage in exp.stages:
             jobs = stage(p, out.done)
@@ -193,7 +209,6 @@ __all__ = [
     "Experiment",
     "ExperimentRun",
     "Profile",
-    "launch_results",
     "ray_session",
     "run_experiment",
 ]

@@ -20,6 +20,10 @@ from torch import Tensor
 
 from phasemech.attention import CompressedAttentionMixin
 from phasemech.core.config import SELECTING_DESIGNS, is_int
+
+# designs with a learned intra-block bias (``phase_bias`` ablates it per KV head; ``dsa``'s
+# indexer has one bias shared by every head: one unit)
+from phasemech.core.designs import BIAS_DESIGNS
 from phasemech.core.grid import reference_grid
 from phasemech.core.validation import check_int
 from phasemech.model.transformer import PhaseTransformer
@@ -28,10 +32,6 @@ COMPONENTS = ("head", "blocks", "raw", "phase_bias", "branch_cmp", "branch_slc",
 
 #: ``nsa``'s branches, in the order of its ``hook_branch_gate`` axis
 BRANCH_COMPONENTS = ("branch_cmp", "branch_slc", "branch_win")
-
-#: designs with a learned intra-block bias (``phase_bias`` ablates it per KV head; ``dsa``'s
-#: indexer has one bias shared by every head: one unit)
-BIAS_DESIGNS = ("gated", "csa", "hca", "dsa")
 
 
 MODES = ("zero", "mean", "resample", "mask")

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from transformer_lens import HookedTransformer
 
+from phasemech.core.config import layers_of_kind
 from phasemech.model.families import hooked_model
 from phasemech.model.pretrained import LOCAL, gguf_path
 
@@ -49,13 +50,9 @@ class ModelSource:
     def layers(self, spec: str) -> tuple[int, ...]:
         """The layers ``global``, ``local`` or ``all`` names on this model; a one-line
         ``ValueError`` where none are."""
-        types = self.layer_types or ("global",) * self.n_layers
-        if spec not in ("global", "local", "all"):
-            raise ValueError(f"layers={spec!r} is invalid: allowed global, local, all or ints")
-        out = tuple(i for i, t in enumerate(types) if spec in ("all", t))
-        if not out:
-            raise ValueError(f"layers={spec!r} is invalid: {self.spec!r} has no {spec} layers")
-        return out
+        return layers_of_kind(
+            self.layer_types or ("global",) * self.n_layers, spec, repr(self.spec)
+        )
 
 
 def _hf_config(folder: Path, gguf_file: str | None = None):

@@ -36,7 +36,6 @@ import numpy as np
 import pandas as pd
 
 from phasemech.core.config import CompressionConfig
-from phasemech.core.grid import last_query_blocks, raw_band_width
 from phasemech.experiments.fixes.profiles import GOAL_REDUCTION, NONINFERIORITY
 
 
@@ -111,34 +110,6 @@ def apply_variant(comp: CompressionConfig, name: str) -> CompressionConfig:
     return out
 
 
-def kv_budget(comp: CompressionConfig | None, context: int, n_heads: int = 0) -> int:
-    """Most tokens (or compressed entries) one query reads at the end of a ``context``-token
-    prompt: ``top_k`` blocks of ``block_len`` plus the raw band (and the sink's tokens) for the
-    selecting designs, the used blocks plus the raw band for ``mean``, a head's share of the
-    blocks (of ``n_heads``) plus the block it closes and the raw band for ``partition``; the
-    null reads every token."""
-    if comp is None:
-        return context
-    band = raw_band_width(context, comp.stride, comp.window, comp.block_scope)
-    used, ranked = last_query_blocks(
-        context, comp.stride, comp.block_len, comp.window, comp.visibility, 0, comp.block_scope
-    )
-    if comp.design == "partition":
-        if n_heads < 1:
-            raise ValueError("kv_budget: partition's budget needs the model's n_heads")
-        return min(context, (-(-ranked // n_heads) + 1) * comp.block_len + band)
-    if comp.top_k is not None:  # never more blocks than the last query can rank
-        sink = comp.sink_tokens or 0  # read raw beside the band and the kept blocks
-        return min(context, min(comp.top_k, ranked) * comp.block_len + band + sink)
-    return min(context, used + band)
-
-
-def random_shift(seed: int, context: int, prompt_id: int, stride: int) -> int:
-    """The grid shift of prompt ``prompt_id`` under ``random`` offsets: drawn from the audit's
-    seed, never from the needle's phase, and the same for every design (paired)."""
-    return int(np.random.default_rng([seed, context, prompt_id]).integers(stride))
-
-
 # ----------------------------------------------------------------------------- the comparison
 def _verdict(c: dict, equal_budget: bool) -> str:
     """The goal, on the row's 95% intervals: a cut needs a baseline gap the bootstrap
@@ -184,7 +155,9 @@ def fix_pairs(a, meta: dict[str, dict]) -> list[tuple[str, str, str, str]]:
     fixes = {n: m for n, m in meta.items() if m["variant"] != "aligned"}
     pairs = [(m["design"], m["variant"], a.setting_name(m["design"], "aligned"), name)
              for name, m in fixes.items()]  # fmt: skip
-    rules = [d for d in a.designs if d not in ("mean", "partition")]  # partition ranks nothing
+    rules = [
+        d for d in a.probe.designs if d not in ("mean", "partition")
+    ]  # partition ranks nothing
     if len(rules) > 1:
         first = "route" if "route" in rules else rules[0]
         base = a.setting_name(first, "aligned")
@@ -203,7 +176,7 @@ def fix_table(
     ``random``'s gap is taken on each prompt's drawn grid (``phase_grid``): on the reference
     grid a random offset flattens the gap by construction (``gap_reference`` keeps that view)."""
     mass = retrieval_mass(head_phase).set_index(["context", "setting"])
-    df = targets.assign(phase=targets["needle_pos"] % a.stride, seq_id=targets["group_id"])
+    df = targets.assign(phase=targets["needle_pos"] % a.probe.stride, seq_id=targets["group_id"])
     pairs, todo = fix_pairs(a, meta), []
     for context, t in df.groupby("context", sort=True):
         by_setting = dict(tuple(t.groupby("setting", sort=False)))
@@ -224,10 +197,10 @@ def fix_table(
 def _compare(a, base, fix, *, drawn: bool, budgets: tuple[int, int]) -> dict:
     from phasemech.measure.stats import compare_gaps
 
-    ref = compare_gaps(base, fix, a.stride, n_boot=0)["gap_other"] if drawn else None
+    ref = compare_gaps(base, fix, a.probe.stride, n_boot=0)["gap_other"] if drawn else None
     if drawn:
-        fix = fix.assign(phase=drawn_phase(fix, a.stride))
-    c = compare_gaps(base, fix, a.stride, n_boot=a.n_boot, seed=a.seed)
+        fix = fix.assign(phase=drawn_phase(fix, a.probe.stride))
+    c = compare_gaps(base, fix, a.probe.stride, n_boot=a.n_boot, seed=a.probe.seed)
     floor = max(base["correct"].mean(), fix["correct"].mean()) == 0
     verdict = _verdict(c, budgets[1] <= budgets[0])
     return dict(
@@ -264,7 +237,7 @@ def drawn_grid_accuracy(a, targets: pd.DataFrame, meta: dict[str, dict]) -> pd.D
     t = targets[targets["setting"].isin(names)]
     if t.empty:
         return pd.DataFrame(columns=["context", "setting", "drawn_phase", "accuracy", "n"])
-    t = t.assign(drawn_phase=drawn_phase(t, a.stride))
+    t = t.assign(drawn_phase=drawn_phase(t, a.probe.stride))
     g = t.groupby(["context", "setting", "drawn_phase"])["correct"]
     return g.agg(accuracy="mean", n="size").reset_index()
 
@@ -322,8 +295,6 @@ __all__ = [
     "fix_pairs",
     "fix_table",
     "fixes_markdown",
-    "kv_budget",
     "pct",
-    "random_shift",
     "retrieval_mass",
 ]

@@ -51,7 +51,9 @@ def tables(
     summaries, phases, depths, head_rows = [], [], [], []
     meta = a.setting_meta(n_heads)
     for context, t in targets.groupby("context", sort=True):
-        summary, per_phase = report(t, _settings(a), a.stride, a.n_boot, a.n_perm, a.seed)
+        summary, per_phase = report(
+            t, _settings(a), a.probe.stride, a.n_boot, a.n_perm, a.probe.seed
+        )
         null = summary.iloc[0]
         summary["average_claim"] = [average_claim(r, null) for _, r in summary.iterrows()]
         for key in ("design", "variant"):
@@ -86,12 +88,13 @@ def _f(x, spec: str = ".3f") -> str:
 def summary_markdown(a, summary: pd.DataFrame, wall_s: float, worker_s: float) -> str:
     """``summary.md``: per context and setting, per-phase accuracy with CIs, the gap and the
     paired tests, and the phase-blind claim."""
-    n_prompts = a.contents * a.stride
+    p = a.probe
+    n_prompts = p.contents * p.stride
     lines = [
-        f"# Phase audit of {a.model} ({a.regime} regime, task {a.task})",
+        f"# Phase audit of {p.model} ({p.regime} regime, task {p.task})",
         "",
-        f"{a.contents} contents x {a.stride} phases = {n_prompts} paired prompts per context and "
-        f"setting, depths {list(a.depths)}; correct = every answer token is the argmax "
+        f"{p.contents} contents x {p.stride} phases = {n_prompts} paired prompts per context and "
+        f"setting, depths {list(p.depths)}; correct = every answer token is the argmax "
         "(teacher-forced). CIs: cluster bootstrap over contents; gap: max - min per-phase "
         "accuracy, debiased against its permutation null; p (Cochran): Cochran's Q over the "
         f"paired phases. Wall time {wall_s:.0f} s; worker time {worker_s:.0f} s.",
@@ -116,14 +119,14 @@ def summary_markdown(a, summary: pd.DataFrame, wall_s: float, worker_s: float) -
 
 
 def _page_summary(a, summary: pd.DataFrame, context: int) -> dict[str, Any]:
-    rows = summary[summary.context == context]
+    rows, p = summary[summary.context == context], a.probe
     keys = ("setting", "description", "accuracy", "acc_by_phase", "debiased_gap", "gap_lo",
             "gap_hi", "p_perm", "p_cochran", "average_claim")  # fmt: skip
     return json_safe(
         dict(
-            title=f"Phase audit: {a.model}, {a.regime} regime, T = {context}",
-            model=a.model, task=a.task, regime=a.regime, context=int(context),
-            stride=a.stride, contents=a.contents,
+            title=f"Phase audit: {p.model}, {p.regime} regime, T = {context}",
+            model=p.model, task=p.task, regime=p.regime, context=int(context),
+            stride=p.stride, contents=p.contents,
             settings=[{k: r[k] for k in keys} for _, r in rows.iterrows()],
         )
     )  # fmt: skip
@@ -134,8 +137,9 @@ def _write_frontiers(a, summary: pd.DataFrame, out: Path) -> None:
     vs gap of every design and variant."""
     from phasemech.viz.audit_fixes import frontier_figure
 
+    p = a.probe
     for context, rows in summary.groupby("context"):
-        title = f"Fixes frontier: {a.model}, {a.regime} regime, T = {context}"
+        title = f"Fixes frontier: {p.model}, {p.regime} regime, T = {context}"
         fig = frontier_figure(rows, title)
         html = out / f"frontier_T{context}.html"
         atomic_write(html, lambda tmp, fig=fig: fig.write_html(tmp, include_plotlyjs=True))

@@ -4,8 +4,9 @@ layers and heads, by causal intervention on the audit's own prompts.
 Axes: ``prompt`` (the audit's paired prompts: every content at every phase), ``pair`` (one
 content: clean at its strong phase, corrupted at its weak one), ``layer``, ``head``, ``phase``.
 
-An explanation is one :class:`ExplainConfig`: one design and grid on one model, in one regime,
-at one context, on the prompts ``phasemech audit`` scores (the same task, contents and seed
+An explanation is one :class:`ExplainConfig`: a probe (:class:`~phasemech.experiments.probe.
+config.ProbeConfig`, the audit's: one design and grid on one model, in one regime, at one
+context), on the prompts ``phasemech audit`` scores (the same task, contents and seed
 give the same prompts). It runs in three steps through the experiment launcher, each step's
 jobs cached under ``OUT/jobs`` (a rerun computes nothing, a killed one resumes):
 
@@ -28,13 +29,16 @@ Beside step 2 runs ``attend`` (every prompt): each head's attention from the row
 the first answer token onto the needle's first answer token, under the null and the design
 (as the audit reads it: ``hook_pattern``, or ``hook_token_pattern`` on compressed layers).
 
-:mod:`phasemech.experiments.explain.tables` turns the results into the tables and the page.
+:mod:`phasemech.experiments.explain.run` runs the steps as the stages of an experiment
+(:data:`EXPLAIN`: ``phasemech run explain``); :mod:`phasemech.experiments.explain.tables`
+turns the results into the tables.
 
 One folder, one study (the old module path still imports these names):
 
 - ``config``: :class:`ExplainConfig` (what one explanation is) and the analyses it may run;
 - ``jobs``: :class:`ExplainJob` (one step on a few prompts or pairs, worker side);
-- ``tables``: :func:`run_explain` (the steps through the launcher) and the tables it writes;
+- ``tables``: the tables of the steps' results;
+- ``run``: :data:`EXPLAIN` and :func:`run_explain` (the steps through the launcher);
 - ``summary``: ``summary.md`` and ``summary.json`` from the tables.
 """
 
@@ -45,13 +49,16 @@ from phasemech.experiments.explain.jobs import (
     contrast_phases,
     explain_jobs,
 )
+from phasemech.experiments.explain.run import EXPLAIN, run_explain
 
 __all__ = [
     "ANALYSES",
+    "EXPLAIN",
     "ExplainConfig",
     "ExplainJob",
     "SELECTING",
     "check_explain",
     "contrast_phases",
     "explain_jobs",
+    "run_explain",
 ]

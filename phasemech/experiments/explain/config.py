@@ -1,6 +1,7 @@
-"""What an explanation is: one :class:`ExplainConfig` (one design
-and grid on one model, in one regime, at one context, on the audit's prompts) and the analyses
-it may run (:data:`ANALYSES`; :data:`SELECTING`: designs whose selection they read).
+"""What an explanation is: one :class:`ExplainConfig`, a probe (:class:`~phasemech.
+experiments.probe.config.ProbeConfig`: one design on one model, in one regime, at one context,
+on the audit's prompts) and the analyses it runs on it (:data:`ANALYSES`; :data:`SELECTING`:
+the designs whose selection they read).
 
 Axes: ``phase`` (on the aligned reference grid, as the audit reports it).
 """
@@ -8,42 +9,33 @@ Axes: ``phase`` (on the aligned reference grid, as the audit reports it).
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from phasemech.core.designs import designs_where
 from phasemech.core.validation import is_int
 from phasemech.experiments.audit.config import AuditConfig
+from phasemech.experiments.probe.config import PROBE_DESIGNS, ProbeConfig, setting_name
 
 ANALYSES = ("selection", "oracle", "ablation", "patching")
-#: designs whose selection the selection and oracle analyses read
-SELECTING = ("route", "quest", "kpool", "evict")
+#: designs whose selection the selection and oracle analyses read: the probe's designs that
+#: rank blocks by a rule (the design registry's ``selector == "rule"``)
+SELECTING = tuple(d for d in designs_where(selector="rule") if d in PROBE_DESIGNS)
+#: an explanation's probe unless told: the audit's, at the budget where route's gap is largest
+DEFAULT_PROBE = ProbeConfig(top_k=1)
 
 
 @dataclass(frozen=True)
 class ExplainConfig:
-    """What to explain: ``design`` with the audit's grid fields (``offsets`` among them: phases
-    stay those of the aligned reference grid, as the audit reports them), ``regime``, ``context``,
-    ``contents`` (each at every phase), ``contrast_phases`` (``(clean, corrupted)``; default the
-    strongest and weakest phase), ``analyses`` (any of :data:`ANALYSES`), ``per_layer_oracle``
-    (the oracle in each layer alone; default in ``decode`` only, where a copy is cheap) and
-    ``top_heads`` (heads the step-3 oracle forces)."""
+    """What to explain: ``probe`` with ONE design and ONE context (its ``offsets`` among the
+    grid: phases stay those of the aligned reference grid, as the audit reports them),
+    ``contrast_phases`` (``(clean, corrupted)``; default the strongest and weakest phase),
+    ``analyses`` (any of :data:`ANALYSES`), ``per_layer_oracle`` (the oracle in each layer
+    alone; default in ``decode`` only, where a copy is cheap) and ``top_heads`` (heads the
+    step-3 oracle forces). ``ExplainConfig.of(**fields)`` takes the probe's fields and the
+    explanation's in one call (``design`` and ``context`` for the probe's one of each)."""
 
-    design: str = "route"
-    model: str = "smollm2-135m"
-    stride: int = 4
-    window: int | None = 16
-    top_k: int | None = 1
-    layers: tuple[int, ...] | None = None
-    offsets: str = "aligned"
-    block_len: int | None = None
-    obs_window: int | None = None
-    regime: str = "decode"
-    context: int = 1024
-    depths: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9)
-    task: str = "passkey"
-    distractors: int | None = None
-    contents: int = 50
-    seed: int = 0
+    probe: ProbeConfig = field(default_factory=lambda: DEFAULT_PROBE)
     contrast_phases: tuple[int, int] | None = None
     analyses: tuple[str, ...] = ANALYSES
     per_layer_oracle: bool | None = None
@@ -51,7 +43,29 @@ class ExplainConfig:
     n_boot: int = 1000
     n_perm: int = 1000
 
+    @classmethod
+    def of(cls, **kw: Any) -> ExplainConfig:
+        """An explanation from the probe's fields and its own, by name (``design``,
+        ``context``: the probe's one design and context)."""
+        own = {f.name for f in dataclasses.fields(cls)} - {"probe"}
+        probe = {k: v for k, v in kw.items() if k not in own}
+        if "design" in probe:
+            probe["designs"] = (probe.pop("design"),)
+        if "context" in probe:
+            probe["contexts"] = (probe.pop("context"),)
+        base = dataclasses.asdict(DEFAULT_PROBE)
+        return cls(ProbeConfig(**(base | probe)), **{k: v for k, v in kw.items() if k in own})
+
     def __post_init__(self) -> None:
+        for name in ("analyses", "contrast_phases"):
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
+        p = self.probe
+        if len(p.designs) != 1 or len(p.contexts) != 1:
+            raise ValueError(
+                f"ExplainConfig: designs={list(p.designs)}, contexts={list(p.contexts)} are "
+                "invalid: an explanation takes one design at one context (run one per setting)"
+            )
         bad = [a for a in self.analyses if a not in ANALYSES]
         if not self.analyses or bad:
             raise ValueError(
@@ -63,60 +77,62 @@ class ExplainConfig:
                 f"ExplainConfig: analyses {picks} are invalid for design {self.design!r}: it "
                 f"selects no blocks; allowed designs {SELECTING} (or analyses ablation, patching)"
             )
-        if self.contrast_phases is not None:
-            cp = tuple(self.contrast_phases)
-            if (
-                len(cp) != 2
-                or not all(is_int(p) and 0 <= p < self.stride for p in cp)
-                or cp[0] == cp[1]
-            ):
-                raise ValueError(
-                    f"ExplainConfig: contrast_phases={self.contrast_phases!r} is invalid: "
-                    f"expected two different phases in 0..{self.stride - 1} (clean, corrupted)"
-                )
+        self._check_contrast()
         if not is_int(self.top_heads) or self.top_heads < 1:
             raise ValueError(
                 f"ExplainConfig: top_heads={self.top_heads!r} is invalid: expected an int >= 1"
             )
-        self.audit()  # the design, grid, task and sizes, checked as the audit checks them
+
+    def _check_contrast(self) -> None:
+        if self.contrast_phases is None:
+            return
+        cp, d = tuple(self.contrast_phases), self.probe.stride
+        if len(cp) != 2 or not all(is_int(p) and 0 <= p < d for p in cp) or cp[0] == cp[1]:
+            raise ValueError(
+                f"ExplainConfig: contrast_phases={self.contrast_phases!r} is invalid: "
+                f"expected two different phases in 0..{d - 1} (clean, corrupted)"
+            )
+
+    @property
+    def design(self) -> str:
+        return self.probe.designs[0]
+
+    @property
+    def context(self) -> int:
+        return self.probe.contexts[0]
 
     def audit(self) -> AuditConfig:
         """The audit whose prompts and grid this explains (its null and one design)."""
-        return AuditConfig(
-            designs=(self.design,),
-            model=self.model,
-            stride=self.stride,
-            window=self.window,
-            top_k=self.top_k,
-            layers=self.layers,
-            offsets=self.offsets,
-            block_len=self.block_len,
-            obs_window=self.obs_window,
-            regime=self.regime,
-            contexts=(self.context,),
-            depths=self.depths,
-            task=self.task,
-            distractors=self.distractors,
-            contents=self.contents,
-            seed=self.seed,
-        )
+        return AuditConfig(self.probe)
 
     @property
     def setting(self) -> str:
-        name = self.audit().setting_name(self.design)
-        return name if self.offsets == "aligned" else f"{name}_{self.offsets}"
+        name = setting_name(self.probe.compression(self.design))
+        offsets = self.probe.offsets
+        return name if offsets == "aligned" else f"{name}_{offsets}"
+
+    def flat(self) -> dict[str, Any]:
+        """Every field in one mapping (``summary.json``'s ``config``): the probe's, with its
+        one ``design`` and ``context``, beside the explanation's own."""
+        probe = dataclasses.asdict(self.probe)
+        probe["design"], probe["context"] = probe.pop("designs")[0], probe.pop("contexts")[0]
+        own = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return probe | {k: v for k, v in own.items() if k != "probe"}
 
     def to_dict(self) -> dict[str, Any]:
-        """The cache key's form: the aligned grid leaves ``offsets`` out, so runs recorded
-        before the field existed keep their keys."""
-        out = dataclasses.asdict(self)
+        """The cache key's form: :meth:`flat` without ``offsets`` on the aligned grid and
+        without an unset ``sink_tokens``, so runs recorded before those fields keep their keys."""
+        out = self.flat()
         if out["offsets"] == "aligned":
             del out["offsets"]
+        if out["sink_tokens"] is None:
+            del out["sink_tokens"]
         return out
 
     @property
     def oracle_per_layer(self) -> bool:
-        return self.regime == "decode" if self.per_layer_oracle is None else self.per_layer_oracle
+        regime = self.probe.regime
+        return regime == "decode" if self.per_layer_oracle is None else self.per_layer_oracle
 
 
-__all__ = ["ANALYSES", "ExplainConfig", "SELECTING"]
+__all__ = ["ANALYSES", "DEFAULT_PROBE", "ExplainConfig", "SELECTING"]

@@ -1,6 +1,8 @@
 """The explanation's jobs: an :class:`ExplainJob` runs one step
-(``observe``, ``attend``, ``intervene``, ``heads``) on a few prompts or pairs, with the
-worker's models and prompts shared with the audit's worker.
+(``observe``, ``attend``, ``intervene``, ``heads``) on a few prompts or pairs, on the models and
+prompts of the real-model worker (:mod:`phasemech.experiments.probe.worker`, shared with the
+audit's jobs in the same process). The worker-side steps are public for the benchmarks that
+time them (``bench/explain_cost.py``).
 
 Axes: ``prompt``, ``pair``, ``layer``, ``head``, ``phase``.
 """
@@ -20,25 +22,25 @@ from phasemech.experiments.jobs import Job, job_device, payload, report_progress
 
 
 # ------------------------------------------------------------------------------ worker side
-def _models(cfg: ExplainConfig):
-    """The worker's null model, the design's model and the prompts (shared with the audit's
-    worker: loaded once per process)."""
-    from phasemech.experiments.audit.jobs import _WORKER
+def explain_models(cfg: ExplainConfig):
+    """``(null model, the design's model, prompts)`` of the worker (shared with the audit's
+    jobs: loaded once per process)."""
+    from phasemech.experiments.probe.worker import WORKER
 
-    a = cfg.audit()
-    base = _WORKER.model(a.model, cfg.context + 64, job_device())
-    model = _WORKER.setting(a.compression(cfg.design))
-    return base, model, _WORKER.batch(a.retrieval_task(cfg.context), a.contents, a.seed)
+    base, batch = WORKER.probe(cfg.probe, cfg.context, job_device())
+    return base, WORKER.setting(cfg.probe.compression(cfg.design)), batch
 
 
-def _run(base, model, batch, i: int, regime: str):
+def run_prompt(base, model, batch, i: int, regime: str):
+    """Prompt ``i`` bound for the design's interventions (the decode regime's prefill kept
+    for the rows ``model`` needs)."""
     from phasemech.interventions.prompts import prompt_run
     from phasemech.model.decode import needed_queries
 
     return prompt_run(base, batch, i, regime, keep_queries=needed_queries(model))
 
 
-def _forces(cfg: ExplainConfig, model, units: tuple = (), label: str = "") -> list:
+def oracle_forces(cfg: ExplainConfig, model, units: tuple = (), label: str = "") -> list:
     """The oracle's interventions: the unforced baseline, then each form x rows in every
     selecting layer (or, with ``units``, in those heads), then per layer."""
     from phasemech.interventions.oracle import Force, selecting_layers
@@ -58,30 +60,30 @@ def _forces(cfg: ExplainConfig, model, units: tuple = (), label: str = "") -> li
     return out
 
 
-def _attend(run, base, model) -> list[dict[str, Any]]:
+def answer_attention(run, base, model) -> list[dict[str, Any]]:
     """Per (setting, layer, head): attention from the answer row onto the needle."""
     import torch
 
-    from phasemech.experiments.audit.score import _attention_hooks
+    from phasemech.experiments.probe.worker import attention_hooks
     from phasemech.interventions.prompts import bound
 
     rows = []
     for who, m in (("null", base), ("design", model)):
         store: dict = {}
         with torch.inference_mode(), bound(m, run):
-            with m.hooks(fwd_hooks=_attention_hooks(m, run.row, run.needle, store)):
+            with m.hooks(fwd_hooks=attention_hooks(m, run.row, run.needle, store)):
                 m(run.tokens, stop_at_layer=m.cfg.n_layers)
         rows += [dict(setting=who, layer=layer, head=h, mass=float(x))
                  for layer, mass in sorted(store.items()) for h, x in enumerate(mass)]  # fmt: skip
     return rows
 
 
-def _observe(cfg: ExplainConfig, i: int, base, model, batch) -> dict[str, Any]:
+def observe_prompt(cfg: ExplainConfig, i: int, base, model, batch) -> dict[str, Any]:
     from phasemech.interventions.oracle import force_needle, needle_selection
     from phasemech.interventions.prompt_patching import z_sums
     from phasemech.interventions.prompts import score
 
-    run = _run(base, model, batch, i, cfg.regime)
+    run = run_prompt(base, model, batch, i, cfg.probe.regime)
     out: dict[str, Any] = {
         "prompt": run.meta,
         "null": score(base, run),
@@ -90,7 +92,7 @@ def _observe(cfg: ExplainConfig, i: int, base, model, batch) -> dict[str, Any]:
     if "selection" in cfg.analyses:
         out["selection"] = needle_selection(model, run).to_dict("records")
     if "oracle" in cfg.analyses:
-        out["oracle"] = force_needle(model, run, _forces(cfg, model)).to_dict("records")
+        out["oracle"] = force_needle(model, run, oracle_forces(cfg, model)).to_dict("records")
     if "ablation" in cfg.analyses:
         sums, rows = z_sums(model, run)
         out["z_sums"], out["z_rows"] = sums.tolist(), rows
@@ -116,7 +118,7 @@ class ExplainJob(Job):
         return f"{self.step} {self.cfg.setting} [{len(self.prompts) + len(self.pairs)}]"
 
     def run(self, workdir: Path) -> dict[str, Any]:
-        base, model, batch = _models(self.cfg)
+        base, model, batch = explain_models(self.cfg)
         t0, todo = time.perf_counter(), len(self.prompts) + len(self.pairs)
         rows: list[dict[str, Any]] = []
         for n, i in enumerate(self.prompts):
@@ -133,13 +135,13 @@ class ExplainJob(Job):
         from phasemech.interventions.prompt_patching import ablate_prompt
 
         if self.step == "observe":
-            return _observe(self.cfg, i, base, model, batch)
-        run = _run(base, model, batch, i, self.cfg.regime)
+            return observe_prompt(self.cfg, i, base, model, batch)
+        run = run_prompt(base, model, batch, i, self.cfg.probe.regime)
         if self.step == "attend":
-            return {"prompt": run.meta, "attention": _attend(run, base, model)}
+            return {"prompt": run.meta, "attention": answer_attention(run, base, model)}
         if self.step == "heads":
             units = tuple(tuple(u) for u in self.units)
-            forces = _forces(self.cfg, model, units, "top heads")
+            forces = oracle_forces(self.cfg, model, units, "top heads")
             return {
                 "prompt": run.meta,
                 "oracle": force_needle(model, run, forces).to_dict("records"),
@@ -147,13 +149,16 @@ class ExplainJob(Job):
         import torch
 
         means = None if self.means is None else torch.tensor(self.means)
-        return {"prompt": run.meta, "ablation": ablate_prompt(model, run, self.cfg.stride, means)}
+        return {
+            "prompt": run.meta,
+            "ablation": ablate_prompt(model, run, self.cfg.probe.stride, means),
+        }
 
     def _pair(self, c: int, x: int, base, model, batch) -> dict[str, Any]:
         from phasemech.interventions.prompt_patching import patch_pair
 
-        clean, corrupt = (_run(base, model, batch, i, self.cfg.regime) for i in (c, x))
-        out = patch_pair(model, clean, corrupt, self.cfg.stride)
+        clean, corrupt = (run_prompt(base, model, batch, i, self.cfg.probe.regime) for i in (c, x))
+        out = patch_pair(model, clean, corrupt, self.cfg.probe.stride)
         return {"clean_prompt": clean.meta, "corrupted_prompt": corrupt.meta, **out}
 
 
@@ -177,11 +182,11 @@ def explain_jobs(
 
 
 def check_explain(cfg: ExplainConfig):
-    """Every bad input, in one line, before any forward (the audit's checks: model, context,
+    """Every bad input, in one line, before any forward (the probe's checks: model, context,
     tokenizer, layers); returns the model's source."""
-    from phasemech.experiments.audit.jobs import check_audit
+    from phasemech.experiments.probe.worker import check_probe
 
-    return check_audit(cfg.audit())
+    return check_probe(cfg.probe)
 
 
 def contrast_phases(cfg: ExplainConfig, accuracy: np.ndarray) -> tuple[int, int]:
@@ -198,4 +203,14 @@ def contrast_phases(cfg: ExplainConfig, accuracy: np.ndarray) -> tuple[int, int]
     return int(np.nanargmax(accuracy)), int(np.nanargmin(accuracy))
 
 
-__all__ = ["ExplainJob", "check_explain", "contrast_phases", "explain_jobs"]
+__all__ = [
+    "ExplainJob",
+    "answer_attention",
+    "check_explain",
+    "contrast_phases",
+    "explain_jobs",
+    "explain_models",
+    "observe_prompt",
+    "oracle_forces",
+    "run_prompt",
+]

@@ -265,7 +265,7 @@ def write_report(
     by = prompts.groupby("phase")
     acc, null = by.design_correct.mean().tolist(), by.null_correct.mean().tolist()
     summary = dict(
-        config=cfg.__dict__ | {"setting": cfg.setting},
+        config=cfg.flat() | {"setting": cfg.setting},
         accuracy_by_phase=acc,
         null_by_phase=null,
         n_prompts=len(prompts),
@@ -273,9 +273,10 @@ def write_report(
         findings=findings(tables, meta["n_layers"]),
         **meta,
     )
+    p = cfg.probe
     head = (
-        f"# Explaining {cfg.setting} on {meta['model']} ({cfg.regime} regime, T = {cfg.context}, "
-        f"compressed layers {layer_span(cfg.layers)}, {cfg.contents} contents x {cfg.stride} "
+        f"# Explaining {cfg.setting} on {meta['model']} ({p.regime} regime, T = {cfg.context}, "
+        f"compressed layers {layer_span(p.layers)}, {p.contents} contents x {p.stride} "
         f"phases = {len(prompts)} prompts)"
     )
     lines = [head, "", f"Accuracy by phase: design {_fmt(acc)}; null {_fmt(null)}."]

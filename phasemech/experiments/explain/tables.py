@@ -1,5 +1,5 @@
-"""``run_explain``: the steps of :mod:`phasemech.experiments.explain` through the launcher,
-and their tables.
+"""The explanation's tables, from the results of its steps (:mod:`phasemech.experiments.
+explain.run` runs the steps through the launcher).
 
 Axes: ``prompt``, ``pair``, ``layer``, ``head``, ``phase``, ``replicate`` (bootstrap draws).
 
@@ -33,25 +33,13 @@ Tables under ``OUT`` (tidy parquet, one row per what the name says):
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pandas as pd
 
 from phasemech.core.io import atomic_write
 from phasemech.experiments.explain.config import ExplainConfig
-from phasemech.experiments.explain.jobs import (
-    ExplainJob,
-    check_explain,
-    contrast_phases,
-    explain_jobs,
-)
-
-
-def _prompts(results: list[dict]) -> list[dict]:
-    return [p for r in results for p in r["prompts"]]
 
 
 def prompts_frame(observed: list[dict]) -> pd.DataFrame:
@@ -64,7 +52,8 @@ def prompts_frame(observed: list[dict]) -> pd.DataFrame:
     return pd.DataFrame(rows).sort_values("prompt_id", ignore_index=True)
 
 
-def _long(observed: list[dict], key: str) -> pd.DataFrame:
+def long_frame(observed: list[dict], key: str) -> pd.DataFrame:
+    """One row per item of ``key`` in each result, beside its prompt's fields."""
     rows = [dict(p["prompt"], **r) for p in observed for r in p.get(key, [])]
     return pd.DataFrame(rows)
 
@@ -129,11 +118,11 @@ def ablation_tables(
         [[np.ravel(p["ablation"][m]) for p in items] for m in modes]
     )  # [mode, target, L*H]
     ablated = stack(abl.transpose(0, 2, 1).reshape(len(runs), len(items)))
-    effects = _effects(runs, frame, base, ablated, cfg.stride, n_boot, seed)
-    targets = _targets_frame(runs, frame, base, ablated, cfg.stride, 0)
+    effects = _effects(runs, frame, base, ablated, cfg.probe.stride, n_boot, seed)
+    targets = _targets_frame(runs, frame, base, ablated, cfg.probe.stride, 0)
     spec = pd.concat(
         [
-            specialization(targets, metric=m, n_perm=n_perm, seed=seed, stride=cfg.stride)
+            specialization(targets, metric=m, n_perm=n_perm, seed=seed, stride=cfg.probe.stride)
             for m in ("accuracy", "logit_diff")
         ],
         ignore_index=True,
@@ -152,7 +141,12 @@ def _site_values(pairs: list[dict], site: str) -> np.ndarray:
 
 def patching_table(pairs: list[dict], n_boot: int, seed: int) -> pd.DataFrame:
     """Normalised effect per (site, layer, head) with a bootstrap interval over pairs; the
-    ``selection`` site's ``layer = -1`` row is every selecting layer at once."""
+    ``selection`` site's ``layer = -1`` row is every selecting layer at once. Every row names
+    its contrast (``clean_phase``, ``corrupted_phase``), so two contrasts' tables concatenate."""
+    contrasts = {(p["clean_prompt"]["phase"], p["corrupted_prompt"]["phase"]) for p in pairs}
+    if len(contrasts) != 1:
+        raise ValueError(f"patching_table: pairs of {sorted(contrasts)}: expected one contrast")
+    ((clean_phase, corrupted_phase),) = contrasts
     clean = np.array([p["clean"] for p in pairs])
     corr = np.array([p["corrupted"] for p in pairs])
     rng = np.random.default_rng(seed)
@@ -180,6 +174,8 @@ def patching_table(pairs: list[dict], n_boot: int, seed: int) -> pd.DataFrame:
             all_layers = site == "selection" and layer == eff.shape[0] - 1
             rows.append(
                 dict(
+                    clean_phase=clean_phase,
+                    corrupted_phase=corrupted_phase,
                     site={"heads": "head"}.get(site, site),
                     layer=-1 if all_layers else layer,
                     head=head if site in ("heads", "atp") else -1,
@@ -197,120 +193,18 @@ def patching_table(pairs: list[dict], n_boot: int, seed: int) -> pd.DataFrame:
 def attention_tables(attended: list[dict]) -> dict[str, pd.DataFrame]:
     """``attention`` (per prompt, setting, layer, head) and ``head_attention`` (its mean per
     setting, layer, head and phase: the audit's ``head_phase``)."""
-    att = _long(attended, "attention")
+    att = long_frame(attended, "attention")
     head = att.groupby(["setting", "layer", "head", "phase"], as_index=False).mass.mean()
     return {"attention": att, "head_attention": head}
 
 
-def _write(out: Path, name: str, df: pd.DataFrame | None) -> None:
-    if df is not None and len(df):
-        atomic_write(out / f"{name}.parquet", lambda tmp: df.to_parquet(tmp))
-
-
-def _pairs(
-    cfg: ExplainConfig, prompts: pd.DataFrame
-) -> tuple[tuple[int, int], list[tuple[int, int]]]:
-    acc = prompts.groupby("phase").design_correct.mean().reindex(range(cfg.stride)).to_numpy()
-    strong, weak = contrast_phases(cfg, acc)
-    by = prompts.set_index(["group_id", "phase"])
-    pairs = []
-    for g in sorted(prompts.group_id.unique()):
-        if (
-            (g, strong) in by.index
-            and (g, weak) in by.index
-            and bool(by.loc[(g, strong), "design_first_correct"])
-        ):
-            pairs.append(
-                (int(by.loc[(g, strong), "prompt_id"]), int(by.loc[(g, weak), "prompt_id"]))
-            )
-    if not pairs:
-        raise ValueError(
-            f"{cfg.setting}: no content is answered right at phase {strong} (the clean side): "
-            "nothing to patch from; pass --contrast-phases with a phase the design answers, "
-            "or leave patching out of --analyses (the observed prompts are cached)"
-        )
-    return (strong, weak), pairs
-
-
-def run_explain(
-    cfg: ExplainConfig,
-    out: str | Path,
-    *,
-    address: str | None = None,
-    num_cpus: int | None = None,
-    device: str = "cpu",
-    progress: bool = True,
-) -> dict[str, Any]:
-    """Run (or finish from the cache) the explanation ``cfg`` into ``out``; returns the summary."""
-    from phasemech.experiments.experiment import launch_results, ray_session
-    from phasemech.experiments.explain.summary import top_heads, write_report
-    from phasemech.viz.explain import write_explain_html
-
-    source = check_explain(cfg)
-    out, t0 = Path(out), time.perf_counter()
-    ids = list(range(cfg.contents * cfg.stride))
-    done: list[tuple[ExplainJob, dict]] = []
-
-    def launch(ensure, jobs: list) -> dict[str, list[dict]]:
-        """The jobs' results by step (several steps may share one launch)."""
-        res = launch_results(ensure, jobs, out, "explain", progress, device)
-        done.extend(zip(jobs, res, strict=True))
-        by: dict[str, list[dict]] = {}
-        for job, r in zip(jobs, res, strict=True):
-            by.setdefault(job.step, []).append(r)
-        return by
-
-    with ray_session(address, num_cpus) as ensure:
-        observed = _prompts(launch(ensure, explain_jobs(cfg, "observe", ids))["observe"])
-        prompts = prompts_frame(observed)
-        contrast, pairs = (None, None), []
-        if "patching" in cfg.analyses:
-            contrast, pairs = _pairs(cfg, prompts)
-        means, abl_ids = None, []
-        if "ablation" in cfg.analyses:
-            sums = sum(np.array(p["z_sums"]) for p in observed)
-            means = (sums / sum(p["z_rows"] for p in observed)).tolist()
-            abl_ids = ids
-        # attend and intervene share one launch: the workers stay busy
-        jobs = explain_jobs(cfg, "attend", ids)
-        if abl_ids or pairs:
-            jobs += explain_jobs(cfg, "intervene", abl_ids, pairs, means=means)
-        by = launch(ensure, jobs)
-        attended, inter = _prompts(by["attend"]), by.get("intervene", [])
-        pair_rows = [p for r in inter for p in r["pairs"]]
-        patch = patching_table(pair_rows, cfg.n_boot, cfg.seed) if pair_rows else None
-        heads: list[dict] = []
-        if "oracle" in cfg.analyses and patch is not None:
-            # a head of an uncompressed layer has no pick to force
-            top = top_heads(patch, cfg.top_heads, cfg.layers)
-            units = [(int(r.layer), int(r.head)) for r in top.itertuples()]
-            if units:
-                jobs = explain_jobs(cfg, "heads", ids, units=units)
-                heads = _prompts(launch(ensure, jobs)["heads"])
-    tables = _tables(cfg, prompts, observed, inter, heads, patch, pair_rows, source)
-    tables |= attention_tables(attended)
-    for name, df in tables.items():
-        _write(out, name, df)
-    meta = dict(
-        contrast_phases=contrast,
-        n_pairs=len(pairs),
-        wall_s=time.perf_counter() - t0,
-        worker_s=sum(r["seconds"] for _, r in done),
-        model=source.spec,
-        n_layers=source.n_layers,
-        n_heads=source.n_heads,
-    )
-    summary = write_report(cfg, tables, meta, out)
-    write_explain_html(out / "explain.html", tables, summary)
-    return summary
-
-
-def _tables(
+def explain_tables(
     cfg, prompts, observed, inter, heads, patch, pair_rows, source
 ) -> dict[str, pd.DataFrame | None]:
+    """Every table of the steps' results (``source``: the model's, for its sizes)."""
     t: dict[str, pd.DataFrame | None] = {"prompts": prompts}
     if "selection" in cfg.analyses:
-        sel = _long(observed, "selection")
+        sel = long_frame(observed, "selection")
         t["selection"] = sel
         t["selection_recall"] = sel.groupby(["layer", "phase"], as_index=False).agg(
             recall=("selected", "mean"),
@@ -319,7 +213,9 @@ def _tables(
             n=("selected", "size"),
         )
     if "oracle" in cfg.analyses:
-        orc = pd.concat([_long(observed, "oracle"), _long(heads, "oracle")], ignore_index=True)
+        orc = pd.concat(
+            [long_frame(observed, "oracle"), long_frame(heads, "oracle")], ignore_index=True
+        )
         t["oracle_prompts"] = orc
         t["oracle"] = oracle_summary(orc, prompts, cfg.n_boot, cfg.seed)
     if "ablation" in cfg.analyses:
@@ -334,6 +230,8 @@ def _tables(
                 dict(
                     group_id=p["clean_prompt"]["group_id"],
                     depth=p["clean_prompt"]["depth"],
+                    clean_phase=p["clean_prompt"]["phase"],
+                    corrupted_phase=p["corrupted_prompt"]["phase"],
                     clean_prompt=p["clean_prompt"]["prompt_id"],
                     corrupted_prompt=p["corrupted_prompt"]["prompt_id"],
                     clean=p["clean"],
@@ -346,4 +244,20 @@ def _tables(
     return t
 
 
-__all__ = ["ablation_tables", "oracle_summary", "patching_table", "prompts_frame", "run_explain"]
+def write_tables(out: Path, tables: dict[str, pd.DataFrame | None]) -> None:
+    """Each non-empty table as ``OUT/<name>.parquet`` (atomic)."""
+    for name, df in tables.items():
+        if df is not None and len(df):
+            atomic_write(out / f"{name}.parquet", lambda tmp, df=df: df.to_parquet(tmp))
+
+
+__all__ = [
+    "ablation_tables",
+    "attention_tables",
+    "explain_tables",
+    "long_frame",
+    "oracle_summary",
+    "patching_table",
+    "prompts_frame",
+    "write_tables",
+]

@@ -1,0 +1,176 @@
+"""The explanation as an experiment on the launcher (``phasemech explain``, ``phasemech run
+explain``) and :func:`run_explain`, which runs one :class:`~phasemech.experiments.explain.
+config.ExplainConfig` into a folder of its own.
+
+Three stages, each reading what the earlier ones returned (the launcher caches every job
+under ``OUT/jobs``: a rerun computes nothing, a killed one resumes, ``address`` joins a Ray
+cluster):
+
+1. ``observe`` every prompt;
+2. ``attend`` every prompt and ``intervene``: ablate every head on every prompt (the mean
+   ablation's means from step 1) and patch each content's (strong, weak) pair
+   (:func:`contrast_pairs`);
+3. ``heads``: the oracle in the heads with the largest exact patching effect.
+
+The finish writes the tables (:mod:`phasemech.experiments.explain.tables`), ``summary.md``,
+``summary.json`` and ``explain.html``.
+
+Axes: ``prompt``, ``pair``, ``layer``, ``head``, ``phase``.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from phasemech.experiments.experiment import Done, Experiment, run_experiment
+from phasemech.experiments.explain.config import ExplainConfig
+from phasemech.experiments.explain.jobs import (
+    ExplainJob,
+    check_explain,
+    contrast_phases,
+    explain_jobs,
+)
+from phasemech.experiments.explain.tables import (
+    attention_tables,
+    explain_tables,
+    patching_table,
+    prompts_frame,
+    write_tables,
+)
+from phasemech.experiments.probe.config import ProbeConfig
+
+
+def step_results(done: Done, step: str) -> list[dict]:
+    """The per-prompt results of every finished job of ``step``, in submission order."""
+    return [p for j, r in done.of(ExplainJob) if j.step == step for p in r["prompts"]]
+
+
+def contrast_pairs(
+    cfg: ExplainConfig, prompts: pd.DataFrame
+) -> tuple[tuple[int, int], list[tuple[int, int]]]:
+    """``((strong, weak), pairs)``: each content's prompt ids at its strong and weak phase,
+    for the contents whose strong-phase prompt is answered right (first token)."""
+    d = cfg.probe.stride
+    acc = prompts.groupby("phase").design_correct.mean().reindex(range(d)).to_numpy()
+    strong, weak = contrast_phases(cfg, acc)
+    by = prompts.set_index(["group_id", "phase"])
+    pairs = []
+    for g in sorted(prompts.group_id.unique()):
+        if (g, strong) in by.index and (g, weak) in by.index:
+            if bool(by.loc[(g, strong), "design_first_correct"]):
+                pairs.append((int(by.loc[(g, strong), "prompt_id"]),
+                              int(by.loc[(g, weak), "prompt_id"])))  # fmt: skip
+    if not pairs:
+        raise ValueError(
+            f"{cfg.setting}: no content is answered right at phase {strong} (the clean side): "
+            "nothing to patch from; pass --contrast-phases with a phase the design answers, "
+            "or leave patching out of --analyses (the observed prompts are cached)"
+        )
+    return (strong, weak), pairs
+
+
+def _ids(cfg: ExplainConfig) -> list[int]:
+    return list(range(cfg.probe.contents * cfg.probe.stride))
+
+
+def _observe(cfg: ExplainConfig, done: Done) -> list[ExplainJob]:
+    return explain_jobs(cfg, "observe", _ids(cfg))
+
+
+def _intervene(cfg: ExplainConfig, done: Done) -> list[ExplainJob]:
+    """``attend`` and ``intervene`` in one launch (the workers stay busy)."""
+    observed = step_results(done, "observe")
+    pairs = contrast_pairs(cfg, prompts_frame(observed))[1] if "patching" in cfg.analyses else []
+    means, abl_ids = None, []
+    if "ablation" in cfg.analyses:
+        sums = sum(np.array(p["z_sums"]) for p in observed)
+        means = (sums / sum(p["z_rows"] for p in observed)).tolist()
+        abl_ids = _ids(cfg)
+    jobs = explain_jobs(cfg, "attend", _ids(cfg))
+    if abl_ids or pairs:
+        jobs += explain_jobs(cfg, "intervene", abl_ids, pairs, means=means)
+    return jobs
+
+
+def _pair_rows(done: Done) -> list[dict]:
+    return [p for j, r in done.of(ExplainJob) if j.step == "intervene" for p in r["pairs"]]
+
+
+def _heads(cfg: ExplainConfig, done: Done) -> list[ExplainJob]:
+    """The oracle in the top heads by exact patching (none without the oracle or pairs)."""
+    from phasemech.experiments.explain.summary import top_heads
+
+    pairs = _pair_rows(done)
+    if "oracle" not in cfg.analyses or not pairs:
+        return []
+    # the point estimates rank the heads (no bootstrap); a dense layer's head has no pick
+    top = top_heads(patching_table(pairs, 0, cfg.probe.seed), cfg.top_heads, cfg.probe.layers)
+    units = [(int(r.layer), int(r.head)) for r in top.itertuples()]
+    return explain_jobs(cfg, "heads", _ids(cfg), units=units) if units else []
+
+
+def _finish(cfg: ExplainConfig, done: Done, out: Path) -> dict[str, Any]:
+    from phasemech.experiments.explain.summary import write_report
+    from phasemech.viz.explain import write_explain_html
+
+    source, observed = done.checked, step_results(done, "observe")
+    prompts = prompts_frame(observed)
+    inter = [r for j, r in done.of(ExplainJob) if j.step == "intervene"]
+    pairs = _pair_rows(done)
+    patch = patching_table(pairs, cfg.n_boot, cfg.probe.seed) if pairs else None
+    contrast = contrast_pairs(cfg, prompts)[0] if pairs else (None, None)
+    tables = explain_tables(cfg, prompts, observed, inter, step_results(done, "heads"), patch,
+                            pairs, source)  # fmt: skip
+    tables |= attention_tables(step_results(done, "attend"))
+    write_tables(out, tables)
+    meta = dict(
+        contrast_phases=contrast,
+        n_pairs=len(pairs),
+        wall_s=time.perf_counter() - done.started,
+        worker_s=sum(r["seconds"] for r in done.results.values()),
+        model=source.spec,
+        n_layers=source.n_layers,
+        n_heads=source.n_heads,
+    )
+    summary = write_report(cfg, tables, meta, out)
+    write_explain_html(out / "explain.html", tables, summary)
+    return summary
+
+
+EXPLAIN = Experiment(
+    name="explain",
+    profiles={
+        "tiny": ExplainConfig(
+            ProbeConfig(top_k=1, contexts=(256,), contents=2), top_heads=2, n_boot=50, n_perm=50
+        ),  # fmt: skip
+        "default": ExplainConfig(),
+    },
+    stages=(_observe, _intervene, _heads),
+    finish=_finish,
+    check=check_explain,
+    about="which selections, layers and heads make a real model's weak phase weak",
+)
+
+
+def run_explain(
+    cfg: ExplainConfig,
+    out: str | Path,
+    *,
+    address: str | None = None,
+    num_cpus: int | None = None,
+    device: str = "cpu",
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Run (or finish from the cache) the explanation ``cfg`` into ``out``; returns the
+    summary (a failed job raises one ``RuntimeError`` naming the first failure)."""
+    run = run_experiment(EXPLAIN, cfg, folder=out, address=address, num_cpus=num_cpus,
+                         progress=progress, device=device)  # fmt: skip
+    return run.summary_or_raise("explain")
+
+
+__all__ = ["EXPLAIN", "contrast_pairs", "run_explain", "step_results"]
