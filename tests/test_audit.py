@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from phasemech.experiments.audit.config import AuditConfig
-from phasemech.experiments.audit.jobs import check_audit, run_audit
+from phasemech.experiments.audit.study import check_audit, run_audit
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 )
 def test_config_refuses_bad_input(kw, match):
     with pytest.raises(ValueError, match=match) as err:
-        AuditConfig(**kw)
+        AuditConfig.of(**kw)
     assert "\n" not in str(err.value)
 
 
@@ -57,7 +57,7 @@ def test_check_refuses_before_any_forward(kw, exc, match):
     if kw.get("model") == "gpt2":
         kw = dict(kw, contexts=(9000,))
     with pytest.raises(exc, match=match) as err:
-        check_audit(AuditConfig(**kw))
+        check_audit(AuditConfig.of(**kw))
     assert "\n" not in str(err.value)
 
 
@@ -82,10 +82,10 @@ def test_score_prompt_matches_plain_forwards(smollm, regime):
     """The scorer's verdict for the null equals a plain full forward's argmax (both regimes
     share the null's numbers: a dense prefill + cached rows is the dense forward)."""
     from phasemech.data.retrieval import RetrievalTask, build_retrieval_prompts
-    from phasemech.experiments.audit.score import score_prompt
+    from phasemech.experiments.probe.worker import score_prompt
     from phasemech.model.decode import prefill, read_rows
 
-    a = AuditConfig(designs=("route",), contexts=(128,), regime=regime, layers=tuple(range(2, 30)))
+    a = AuditConfig.of(designs=("route",), contexts=(128,), regime=regime, layers=tuple(range(2, 30)))
     batch = build_retrieval_prompts(smollm.tokenizer, RetrievalTask(context=128), 1, seed=0)
     comp = PhaseTransformerFrom(smollm, a)
     rows, heads = score_prompt(smollm, [("null", smollm), ("route", comp)], batch, 2, regime, True)
@@ -122,11 +122,11 @@ def test_score_prompt_matches_plain_forwards(smollm, regime):
 def PhaseTransformerFrom(base, a: AuditConfig):  # noqa: N802
     from phasemech.model.transformer import PhaseTransformer
 
-    return PhaseTransformer.from_hooked(base, a.compression(a.designs[0])).eval()
+    return PhaseTransformer.from_hooked(base, a.compression(a.probe.designs[0])).eval()
 
 
 def test_tiny_audit_end_to_end(tmp_path):
-    a = AuditConfig(designs=("route", "mean", "partition"), contexts=(128,), contents=1,
+    a = AuditConfig.of(designs=("route", "mean", "partition"), contexts=(128,), contents=1,
                     regime="decode", layers=tuple(range(2, 30)), n_boot=20, n_perm=20)  # fmt: skip
     out = tmp_path / "audit"
     summary = run_audit(a, out, num_cpus=1, progress=False)
@@ -137,7 +137,7 @@ def test_tiny_audit_end_to_end(tmp_path):
     assert sorted(t.setting.unique()) == settings
     assert sorted(t.phase.unique()) == [0, 1, 2, 3] and len(t) == 4 * 4
     # partition's budget is one head's share of SmolLM2's 9 query heads, not a top-k
-    from phasemech.experiments.audit.fixes import kv_budget
+    from phasemech.experiments.probe.config import kv_budget
 
     budget = {r["setting"]: r["budget"] for r in summary["rows"]}
     assert budget["partition_d4_w16"] == kv_budget(a.compression("partition"), 128, 9) < 128

@@ -256,16 +256,17 @@ def test_config_refuses_bad_input(kw, match):
     from phasemech.experiments.explain.config import ExplainConfig
 
     with pytest.raises(ValueError, match=match) as err:
-        ExplainConfig(**kw)
+        ExplainConfig.of(**kw)
     assert "\n" not in str(err.value)
 
 
 def test_cli_takes_the_audits_grid_and_task_flags(tmp_path, monkeypatch):
-    """``explain`` takes the audit's offsets, block length, depths and distractors into its
-    config; an aligned grid keeps the cache key of runs recorded before ``offsets`` existed."""
+    """``explain`` takes the audit's probe flags (one set of options): offsets, block length,
+    depths, distractors and the sink reach its probe; an aligned grid without a sink keeps the
+    cache key of runs recorded before ``offsets`` and ``sink_tokens`` existed."""
     from typer.testing import CliRunner
 
-    import phasemech.experiments.explain.tables as tables
+    import phasemech.experiments.explain.run as explain_run
     from phasemech.cli import app
     from phasemech.experiments.explain.config import ExplainConfig
     from phasemech.experiments.explain.jobs import ExplainJob
@@ -278,30 +279,31 @@ def test_cli_takes_the_audits_grid_and_task_flags(tmp_path, monkeypatch):
         (out / "summary.md").write_text("ok")
         return {"wall_s": 0.0}
 
-    monkeypatch.setattr(tables, "run_explain", fake)
+    monkeypatch.setattr(explain_run, "run_explain", fake)
     args = ["explain", "--design", "route", "-o", str(tmp_path / "x"), "--offsets", "per_head",
             "--block-len", "4", "--depths", "0.2,0.8", "--task", "multikey", "--distractors",
-            "2", "--analyses", "selection"]  # fmt: skip
+            "2", "--analyses", "selection", "--sink-tokens", "4"]  # fmt: skip
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output
-    cfg = seen["cfg"]
-    assert (cfg.offsets, cfg.block_len, cfg.depths, cfg.task, cfg.distractors) == (
-        "per_head", 4, (0.2, 0.8), "multikey", 2)  # fmt: skip
-    assert cfg.setting == "route_d4_w16_k1_per_head"
-    assert "offsets" in ExplainJob(cfg, "observe", (0,)).config["cfg"]
+    p = seen["cfg"].probe
+    assert (p.offsets, p.block_len, p.depths, p.task, p.distractors, p.sink_tokens) == (
+        "per_head", 4, (0.2, 0.8), "multikey", 2, 4)  # fmt: skip
+    assert seen["cfg"].setting == "route_d4_w16_k1_s4_per_head"
+    assert "offsets" in ExplainJob(seen["cfg"], "observe", (0,)).config["cfg"]
     aligned = ExplainJob(ExplainConfig(), "observe", (0,))
-    assert (
-        "offsets" not in aligned.config["cfg"] and aligned.key == "8dfc3256bce45568"
-    )  # as before the field
+    assert "offsets" not in aligned.config["cfg"] and "sink_tokens" not in aligned.config["cfg"]
+    assert aligned.key == "8dfc3256bce45568"  # as before the fields
     bad = CliRunner().invoke(app, [*args[:5], "--offsets", "diagonal"], env={"COLUMNS": "500"})
     lines = [ln for ln in bad.output.splitlines() if ln.strip()]
     assert bad.exit_code == 1 and len(lines) == 1 and "offsets='diagonal'" in lines[0]
+    two = CliRunner().invoke(app, [*args[:5], "--context", "512,1024"], env={"COLUMNS": "500"})
+    assert two.exit_code == 1 and "one design at one context" in two.output
 
 
 def test_no_gap_and_no_clean_prompt_are_refused():
     from phasemech.experiments.explain.config import ExplainConfig
     from phasemech.experiments.explain.jobs import contrast_phases
-    from phasemech.experiments.explain.tables import _pairs
+    from phasemech.experiments.explain.run import contrast_pairs
 
     cfg = ExplainConfig()
     with pytest.raises(ValueError, match="no gap") as err:
@@ -319,7 +321,7 @@ def test_no_gap_and_no_clean_prompt_are_refused():
     )
     prompts.loc[2, "design_correct"] = False
     with pytest.raises(ValueError, match="no content is answered right at phase 3") as err:
-        _pairs(cfg, prompts)
+        contrast_pairs(cfg, prompts)
     assert "\n" not in str(err.value)
 
 
@@ -328,9 +330,9 @@ def test_explain_end_to_end_and_cached_rerun(tmp_path):
     the summary, and a rerun that reads every job from the cache. Ablation (270 heads x 2 per
     prompt) is left to the in-process job test below, for time."""
     from phasemech.experiments.explain.config import ExplainConfig
-    from phasemech.experiments.explain.tables import run_explain
+    from phasemech.experiments.explain.run import run_explain
 
-    cfg = ExplainConfig(design="route", top_k=1, layers=tuple(range(2, 30)), context=128,
+    cfg = ExplainConfig.of(design="route", top_k=1, layers=tuple(range(2, 30)), context=128,
                         contents=1, contrast_phases=(0, 1), per_layer_oracle=False,
                         top_heads=2, n_boot=20, n_perm=20,
                         analyses=("selection", "oracle", "patching"))  # fmt: skip
@@ -369,8 +371,8 @@ def test_explain_jobs_on_a_tiny_model(tmp_path, monkeypatch):
 
     tl, model = _models()
     batch = _batch()
-    monkeypatch.setattr(ex, "_models", lambda cfg: (tl, model, batch))
-    cfg = ExplainConfig(contents=1, per_layer_oracle=True, n_boot=20, n_perm=20)
+    monkeypatch.setattr(ex, "explain_models", lambda cfg: (tl, model, batch))
+    cfg = ExplainConfig.of(contents=1, per_layer_oracle=True, n_boot=20, n_perm=20)
     obs = ex.ExplainJob(cfg, "observe", (0, 1)).run(tmp_path)["prompts"]
     assert len(obs[0]["oracle"]) == 1 + 4 + 2 * 3  # none, all x 4 forms, per layer x 2
     means = (sum(np.array(p["z_sums"]) for p in obs) / sum(p["z_rows"] for p in obs)).tolist()

@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import pandas as pd
+import pytest
 from test_explain_html import _tables
 
 from phasemech.experiments.claims.specialisation import real_model_lines
@@ -102,10 +103,16 @@ def test_patching_without_a_gap_is_nan_and_said(tmp_path):
     from phasemech.experiments.explain.summary import _skips
     from phasemech.experiments.explain.tables import patching_table
 
-    pairs = [dict(clean=c, corrupted=x, heads=[[x + 0.1, x]], resid=[x])
+    sides = dict(clean_prompt={"phase": 3}, corrupted_prompt={"phase": 1})
+    pairs = [dict(sides, clean=c, corrupted=x, heads=[[x + 0.1, x]], resid=[x])
              for c, x in [(1.0, 2.0), (0.5, 0.5)]]  # fmt: skip
     table = patching_table(pairs, n_boot=10, seed=0)
     assert len(table) == 3 and table.effect.isna().all() and table.raw.notna().all()
+    # every row names its contrast; pairs of two contrasts are two tables, never one
+    assert (table.clean_phase == 3).all() and (table.corrupted_phase == 1).all()
+    other = [dict(p, corrupted_prompt={"phase": 2}) for p in pairs]
+    with pytest.raises(ValueError, match="expected one contrast"):
+        patching_table(pairs + other, n_boot=10, seed=0)
     frame = pd.DataFrame([dict(clean=p["clean"], corrupted=p["corrupted"]) for p in pairs])
     cfg = SimpleNamespace(analyses=("oracle", "ablation"))
     lines = _skips(cfg, {"patching_pairs": frame})

@@ -187,7 +187,7 @@ def test_sink_in_the_audit():
     no sink leaves the audit's cache key as it was; a design without a ranking refuses."""
     from phasemech.experiments.audit.config import AuditConfig
 
-    a = AuditConfig(designs=("route", "mean"), sink_tokens=4, top_k=1, variants=("aligned",
+    a = AuditConfig.of(designs=("route", "mean"), sink_tokens=4, top_k=1, variants=("aligned",
                     "per_head", "topk_x2"))  # fmt: skip
     names = [n for n, _ in a.settings()]
     assert names == ["null", "route_d4_w16_k1_s4", "route_d4_w16_k1_s4_per_head",
@@ -195,10 +195,10 @@ def test_sink_in_the_audit():
                      "mean_d4_w16_per_head"]  # fmt: skip
     assert all(c.sink_tokens == 4 for n, c in a.settings() if n.startswith("route"))
     assert a.setting_meta()["route_d4_w16_k1_s4"]["budget"] == {1024: 4 + 16 + 4}
-    assert AuditConfig(sink_tokens=0).to_dict() == AuditConfig().to_dict()
+    assert AuditConfig.of(sink_tokens=0).to_dict() == AuditConfig().to_dict()
     assert "sink_tokens" not in AuditConfig().to_dict()
     with pytest.raises(ValueError, match="applies to none of designs"):
-        AuditConfig(designs=("mean",), sink_tokens=2)
+        AuditConfig.of(designs=("mean",), sink_tokens=2)
 
 
 def test_sink_fixes_table(tmp_path):

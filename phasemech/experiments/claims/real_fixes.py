@@ -11,7 +11,6 @@ files only; the verdict is the rule written next to it.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -41,10 +40,10 @@ def fix_audits(results: Path) -> list[tuple[str, dict]]:
 def audit_command(cfg: dict, design: str, fix: str) -> str:
     """The ``phasemech audit`` command that reproduces one row: its design(s), fix and every
     field of the audit that is not at its default (``rule_X``: ``--design route,X``)."""
-    default = {f.name: f.default for f in dataclasses.fields(AuditConfig)}
+    default = AuditConfig().to_dict()  # the probe's fields and the audit's, flat
     designs = f"{design},{fix[5:]}" if fix.startswith("rule_") else design
     parts = ["phasemech audit", f"--design {designs}"]
-    parts += [f"{flag} {cfg[k]}" for k, flag in _FLAGS.items() if cfg.get(k) != default[k]]
+    parts += [f"{flag} {cfg[k]}" for k, flag in _FLAGS.items() if cfg.get(k) != default.get(k)]
     if design != "mean" and fix[5:] != "mean":
         parts.append(f"--top-k {cfg['top_k']}")
     parts.append(f"--context {','.join(map(str, cfg['contexts']))}")
