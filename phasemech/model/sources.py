@@ -26,6 +26,7 @@ from transformer_lens import HookedTransformer
 
 from phasemech.core.config import layers_of_kind
 from phasemech.model.families import hooked_model
+from phasemech.model.gguf_cache import gguf_folder
 from phasemech.model.pretrained import LOCAL, gguf_path
 
 
@@ -55,12 +56,12 @@ class ModelSource:
         )
 
 
-def _hf_config(folder: Path, gguf_file: str | None = None):
+def _hf_config(folder: Path):
     from transformers import AutoConfig
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return AutoConfig.from_pretrained(folder, gguf_file=gguf_file)
+        return AutoConfig.from_pretrained(folder)
 
 
 def _from_config(spec: str, kind: str, path: Path, cfg) -> ModelSource:
@@ -85,7 +86,7 @@ def describe(spec: str) -> ModelSource:
     ``ConnectionError`` for an unreachable hub) naming the alternatives otherwise."""
     if spec in LOCAL:
         path = gguf_path(spec)
-        return _from_config(spec, "bundled", path, _hf_config(path.parent, path.name))
+        return _from_config(spec, "bundled", path, _hf_config(gguf_folder(path)))
     path = Path(spec).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -94,7 +95,7 @@ def describe(spec: str) -> ModelSource:
     if path.suffix == ".gguf":
         if not path.is_file():
             raise ValueError(f"model file {spec!r} does not exist")
-        return _from_config(spec, "gguf", path, _hf_config(path.parent, path.name))
+        return _from_config(spec, "gguf", path, _hf_config(gguf_folder(path)))
     return _hub(spec)
 
 
@@ -140,9 +141,7 @@ def tokenizer(source: ModelSource):
     if source.kind == "hub":
         return AutoTokenizer.from_pretrained(source.path)
     path = Path(source.path)
-    if source.kind == "folder":
-        return AutoTokenizer.from_pretrained(path)
-    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    return AutoTokenizer.from_pretrained(path if source.kind == "folder" else gguf_folder(path))
 
 
 def load(source: ModelSource, n_ctx: int, device: str | torch.device = "cpu") -> HookedTransformer:
@@ -155,11 +154,11 @@ def load(source: ModelSource, n_ctx: int, device: str | torch.device = "cpu") ->
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = Path(source.path)
-    folder, gguf = (path, None) if source.kind == "folder" else (path.parent, path.name)
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
+    folder = path if source.kind == "folder" else gguf_folder(path)  # a GGUF, converted once
+    tok = AutoTokenizer.from_pretrained(folder)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=torch.float32)
+        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     model = hooked_model(hf.eval(), tok, n_ctx, source.spec)
     return model.to(str(device), print_details=False)
 

@@ -217,11 +217,11 @@ def explain_tables(
             [long_frame(observed, "oracle"), long_frame(heads, "oracle")], ignore_index=True
         )
         t["oracle_prompts"] = orc
-        t["oracle"] = oracle_summary(orc, prompts, cfg.n_boot, cfg.seed)
+        t["oracle"] = oracle_summary(orc, prompts, cfg.n_boot, cfg.probe.seed)
     if "ablation" in cfg.analyses:
         prompts_inter = [p for r in inter for p in r["prompts"]]
         t["ablation"], t["ablation_specialization"] = ablation_tables(
-            prompts_inter, cfg, source.n_layers, source.n_heads, cfg.n_boot, cfg.seed, cfg.n_perm
+            prompts_inter, cfg, source.n_layers, source.n_heads, cfg.n_boot, cfg.probe.seed, cfg.n_perm
         )
     if patch is not None:
         t["patching"] = patch
