@@ -1,10 +1,8 @@
 """``phasemech audit``: bad input fails in one line before any forward; scoring in both regimes
-matches plain forwards; a tiny end-to-end audit on the bundled SmolLM2 writes every table and
-page. The end-to-end run is short prompts (128 tokens) and one content."""
+matches plain forwards (the end-to-end audit on the launcher is ``tests/test_probe.py``)."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -16,7 +14,7 @@ import pytest
 import torch
 
 from phasemech.experiments.audit.config import AuditConfig
-from phasemech.experiments.audit.study import check_audit, run_audit
+from phasemech.experiments.audit.study import check_audit
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -85,7 +83,9 @@ def test_score_prompt_matches_plain_forwards(smollm, regime):
     from phasemech.experiments.probe.worker import score_prompt
     from phasemech.model.decode import prefill, read_rows
 
-    a = AuditConfig.of(designs=("route",), contexts=(128,), regime=regime, layers=tuple(range(2, 30)))
+    a = AuditConfig.of(
+        designs=("route",), contexts=(128,), regime=regime, layers=tuple(range(2, 30))
+    )
     batch = build_retrieval_prompts(smollm.tokenizer, RetrievalTask(context=128), 1, seed=0)
     comp = PhaseTransformerFrom(smollm, a)
     rows, heads = score_prompt(smollm, [("null", smollm), ("route", comp)], batch, 2, regime, True)
@@ -123,36 +123,6 @@ def PhaseTransformerFrom(base, a: AuditConfig):  # noqa: N802
     from phasemech.model.transformer import PhaseTransformer
 
     return PhaseTransformer.from_hooked(base, a.compression(a.probe.designs[0])).eval()
-
-
-def test_tiny_audit_end_to_end(tmp_path):
-    a = AuditConfig.of(designs=("route", "mean", "partition"), contexts=(128,), contents=1,
-                    regime="decode", layers=tuple(range(2, 30)), n_boot=20, n_perm=20)  # fmt: skip
-    out = tmp_path / "audit"
-    summary = run_audit(a, out, num_cpus=1, progress=False)
-    for name in ("targets", "per_phase", "depth_phase", "head_phase", "summary"):
-        assert len(pd.read_parquet(out / f"{name}.parquet"))
-    t = pd.read_parquet(out / "targets.parquet")
-    settings = ["mean_d4_w16", "null", "partition_d4_w16", "route_d4_w16_k8"]
-    assert sorted(t.setting.unique()) == settings
-    assert sorted(t.phase.unique()) == [0, 1, 2, 3] and len(t) == 4 * 4
-    # partition's budget is one head's share of SmolLM2's 9 query heads, not a top-k
-    from phasemech.experiments.probe.config import kv_budget
-
-    budget = {r["setting"]: r["budget"] for r in summary["rows"]}
-    assert budget["partition_d4_w16"] == kv_budget(a.compression("partition"), 128, 9) < 128
-    assert [r["setting"] for r in summary["rows"]][0] == "null"
-    text = (out / "summary.md").read_text()
-    assert "decode regime" in text and "route_d4_w16_k8" in text
-    page = (out / "audit.html").read_text()
-    assert "phasemech-data" in page and "<script src=" not in page
-    assert json.loads((out / "summary.json").read_text())["config"]["regime"] == "decode"
-    # a rerun, even with other statistics sizes, reads every job from the cache
-    jobs = {p: p.stat().st_mtime_ns for p in (out / "jobs").glob("*.json")}
-    assert len(jobs) >= 1
-    again = run_audit(dataclasses.replace(a, n_boot=30), out, num_cpus=1, progress=False)
-    assert {p: p.stat().st_mtime_ns for p in (out / "jobs").glob("*.json")} == jobs
-    assert [r["accuracy"] for r in again["rows"]] == [r["accuracy"] for r in summary["rows"]]
 
 
 def test_audit_table_collects_summaries(tmp_path):

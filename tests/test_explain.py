@@ -1,6 +1,6 @@
 """``phasemech explain``: the lab's engines on real-model prompts (the adapter), the selection
-oracle, and the experiment end to end. Tiny rotary GQA models, and SmolLM2 at a short context
-for the pipeline."""
+oracle, and every step's job on tiny rotary GQA models (the pipeline end to end on SmolLM2 is
+``tests/test_probe.py``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from browser import page_data
 from conftest import make_hooked, tokens
 
 from phasemech import CompressionConfig, PhaseTransformer
@@ -323,42 +322,6 @@ def test_no_gap_and_no_clean_prompt_are_refused():
     with pytest.raises(ValueError, match="no content is answered right at phase 3") as err:
         contrast_pairs(cfg, prompts)
     assert "\n" not in str(err.value)
-
-
-def test_explain_end_to_end_and_cached_rerun(tmp_path):
-    """SmolLM2 at a short context, one content (the pipeline, not the findings): every table,
-    the summary, and a rerun that reads every job from the cache. Ablation (270 heads x 2 per
-    prompt) is left to the in-process job test below, for time."""
-    from phasemech.experiments.explain.config import ExplainConfig
-    from phasemech.experiments.explain.run import run_explain
-
-    cfg = ExplainConfig.of(design="route", top_k=1, layers=tuple(range(2, 30)), context=128,
-                        contents=1, contrast_phases=(0, 1), per_layer_oracle=False,
-                        top_heads=2, n_boot=20, n_perm=20,
-                        analyses=("selection", "oracle", "patching"))  # fmt: skip
-    out = tmp_path / "explain"
-    summary = run_explain(cfg, out, num_cpus=2, progress=False)  # two workers, one thread each
-    sel = pd.read_parquet(out / "selection.parquet")
-    assert len(sel) == 4 * 28 * 9 and set(sel.phase) == {0, 1, 2, 3}
-    orc = pd.read_parquet(out / "oracle.parquet")
-    assert set(orc.scope) == {"none", "all", "top heads"} and orc.accuracy.between(0, 1).all()
-    patch = pd.read_parquet(out / "patching.parquet")
-    assert set(patch.site) == {"head", "resid", "selection", "atp"}
-    assert (patch.n_pairs == 1).all()
-    sel_site = patch[patch.site == "selection"]
-    assert sorted(sel_site.layer) == [-1, *range(2, 30)] and sel_site.kept.between(1, 3).all()
-    att = pd.read_parquet(out / "head_attention.parquet")
-    assert len(att) == 2 * 30 * 9 * 4 and att.mass.between(0, 1).all()
-    assert summary["n_pairs"] == 1 and list(summary["contrast_phases"]) == [0, 1]
-    assert "route_d4_w16_k1" in (out / "summary.md").read_text()
-    page = page_data((out / "explain.html").read_text())
-    assert len(page["heads"]["labels"]) == 270 and "selection" in page["figures"]
-    assert summary["atp_check"]["n"] == 20 and summary["findings"]["top_patching"]
-    assert not (out / "ablation.parquet").exists()
-    jobs = {p: p.stat().st_mtime_ns for p in (out / "jobs").glob("*.json")}
-    again = run_explain(cfg, out, num_cpus=1, progress=False)
-    assert {p: p.stat().st_mtime_ns for p in (out / "jobs").glob("*.json")} == jobs
-    assert again["accuracy_by_phase"] == summary["accuracy_by_phase"]
 
 
 def test_explain_jobs_on_a_tiny_model(tmp_path, monkeypatch):
