@@ -165,3 +165,71 @@ def test_mcnemar_pairs_counts_discordant_contents():
     assert r.p == pytest.approx(2 * 0.5**6)  # exact two-sided binomial
     assert out[(out.phase_a == 0) & (out.phase_b == 2)].p.iloc[0] == 1.0
     assert (out.p_holm >= out.p).all()
+
+
+def test_the_gguf_cache_converts_once_atomically(tmp_path, monkeypatch):
+    """A GGUF file converts once into its folder; a failed conversion leaves nothing behind,
+    and a folder another process renamed into place first wins (no partial folder is read)."""
+    import phasemech.model.gguf_cache as cache
+
+    monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path / "cache"))
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(b"GGUF")
+    calls = []
+
+    def convert(path, out):
+        calls.append(out)
+        (out / "config.json").write_text("{}")
+
+    monkeypatch.setattr(cache, "_convert", convert)
+    folder = cache.gguf_folder(gguf)
+    assert folder.parent == tmp_path / "cache" / "gguf" and (folder / "config.json").is_file()
+    assert cache.gguf_folder(gguf) == folder and len(calls) == 1
+    assert [p.name for p in folder.parent.iterdir()] == [folder.name]  # no temporary left
+
+    def broken(path, out):
+        (out / "model.safetensors").write_text("half")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(cache, "_convert", broken)
+    gguf.write_bytes(b"GGUF v2")  # another file: another key
+    with pytest.raises(OSError, match="disk full"):
+        cache.gguf_folder(gguf)
+    assert [p.name for p in folder.parent.iterdir()] == [folder.name]
+
+    def beaten(path, out):  # another worker renames its complete copy in first
+        other = cache.cache_root() / "gguf" / key
+        other.mkdir()
+        (other / "config.json").write_text('{"winner": 1}')
+        convert(path, out)
+
+    gguf.write_bytes(b"GGUF v3")
+    st = gguf.resolve().stat()
+    import transformers
+
+    key = f"tiny-{st.st_size}-{st.st_mtime_ns}-tf{transformers.__version__}"
+    monkeypatch.setattr(cache, "_convert", beaten)
+    won = cache.gguf_folder(gguf)
+    assert (won / "config.json").read_text() == '{"winner": 1}'
+    assert sorted(p.name for p in won.parent.iterdir()) == sorted([folder.name, won.name])
+
+
+@needs_model
+def test_the_cached_weights_are_the_gguf_files_tensors():
+    """The cache's float32 weights are the GGUF's own dequantised tensors, bit for bit (the
+    embedding, Q8_0, and a Q4_1 MLP matrix that needs no reordering), read with gguf itself."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+    from safetensors.torch import load_file
+
+    from phasemech.model.gguf_cache import gguf_folder
+
+    path = gguf_path("smollm2-135m")
+    cached = load_file(gguf_folder(path) / "model.safetensors")
+    tensors = {t.name: t for t in GGUFReader(path).tensors}
+    pairs = [("token_embd.weight", "lm_head.weight"),  # tied to the embedding: kept once
+             ("blk.3.ffn_down.weight", "model.layers.3.mlp.down_proj.weight")]  # fmt: skip
+    for gguf_name, hf_name in pairs:
+        t = tensors[gguf_name]
+        want = torch.from_numpy(dequantize(t.data, t.tensor_type).copy()).float()
+        assert torch.equal(cached[hf_name], want.reshape(cached[hf_name].shape)), hf_name

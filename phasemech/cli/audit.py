@@ -34,8 +34,7 @@ def _variants(fix: str | None) -> tuple[str, ...]:
 def _contrast(value: str | None) -> tuple[int, int] | None:
     got = parse_ints(value, "--contrast-phases")
     if got is not None and len(got) != 2:
-        msg = f"{value!r}: expected two phases CLEAN,CORRUPT"
-        raise typer.BadParameter(msg, param_hint="--contrast-phases")
+        raise ValueError(f"--contrast-phases {value!r} is invalid: expected CLEAN,CORRUPT")
     return got
 
 
@@ -90,9 +89,12 @@ def explain(
     from phasemech.experiments.explain.config import ExplainConfig
     from phasemech.experiments.explain.run import run_explain
 
-    own = dict(contrast_phases=_contrast(contrast_phases), top_heads=top_heads,
-               analyses=split_list(analyses, "--analyses"))  # fmt: skip
-    summary = _study(lambda: ExplainConfig.of(**probe, **own), run_explain, run)
+    def build() -> ExplainConfig:
+        own = dict(contrast_phases=_contrast(contrast_phases), top_heads=top_heads,
+                   analyses=split_list(analyses, "--analyses"))  # fmt: skip
+        return ExplainConfig.of(**probe, **own)
+
+    summary = _study(build, run_explain, run)
     out = run.out
     console.print((out / "summary.md").read_text(), markup=False, highlight=False)
     console.print(

@@ -52,15 +52,15 @@ def split_list(
     value: str | None, flag: str = "", item: Callable[[str], Any] = str, expected: str = ""
 ) -> tuple | None:
     """The one comma-list parser of every command: ``"a, b,c"`` as ``item`` of each part
-    (``None`` stays ``None``); a part ``item`` rejects is a one-line usage error naming
-    ``flag`` and what is ``expected``."""
+    (``None`` stays ``None``); a part ``item`` rejects is a one-line ``ValueError`` naming
+    ``flag``, the value and what is ``expected`` (the command prints it and exits 1)."""
     if value is None:
         return None
     try:
         return tuple(item(v.strip()) for v in value.split(",") if v.strip())
     except ValueError:
-        msg = f"{value!r}: expected {expected or 'a comma-separated list'}"
-        raise typer.BadParameter(msg, param_hint=flag or None) from None
+        what = expected or "a comma-separated list"
+        raise ValueError(f"{flag} {value!r} is invalid: expected {what}".strip()) from None
 
 
 #: every command's ``--layers`` help: the one grammar of :func:`parse_layers`
@@ -90,16 +90,14 @@ def parse_layers(
 ) -> tuple[int, ...] | None:
     """The one ``--layers`` grammar of every command: ints and ranges (``2-29``, ``0,3-5``),
     or one of ``global``, ``local``, ``all`` (the model's layers of that type, resolved by
-    ``named``: a command without a model to read refuses the names in one line)."""
+    ``named``: a command without a model to read refuses the names). Bad input is a one-line
+    ``ValueError`` naming the flag and the value."""
     if value is None or value.strip() not in LAYER_KINDS:
         return parse_ints(value, flag)
     if named is None:
-        msg = f"{value!r}: {'/'.join(LAYER_KINDS)} need the model's layer types; give ints"
-        raise typer.BadParameter(msg, param_hint=flag)
-    try:
-        return named(value.strip())
-    except ValueError as err:
-        raise typer.BadParameter(str(err), param_hint=flag) from None
+        kinds = "/".join(LAYER_KINDS)
+        raise ValueError(f"{flag} {value!r} is invalid here: {kinds} need a model; give ints")
+    return named(value.strip())
 
 
 def print_frame(df, title: str, floats: str = ".3f") -> None:

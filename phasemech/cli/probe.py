@@ -20,7 +20,14 @@ from typing import Annotated, Any
 
 import typer
 
-from phasemech.cli.base import LAYERS_HELP, DeviceOpt, parse_ints, parse_layers, split_list
+from phasemech.cli.base import (
+    LAYERS_HELP,
+    DeviceOpt,
+    fail,
+    parse_ints,
+    parse_layers,
+    split_list,
+)
 from phasemech.experiments.probe.config import PROBE_DESIGNS, PROBE_OFFSETS
 
 
@@ -96,7 +103,10 @@ def probe_command(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(fn)
     def command(**kw: Any) -> Any:
-        probe = probe_fields({k: kw.pop(k) for k in PROBE_OPTIONS})
+        try:  # a list the grammar rejects is one line, before any work
+            probe = probe_fields({k: kw.pop(k) for k in PROBE_OPTIONS})
+        except ValueError as err:
+            raise fail(err) from err
         run = RunOptions(**{k: kw.pop(k) for k in RUN_OPTIONS})
         return fn(probe=probe, run=run, **kw)
 
