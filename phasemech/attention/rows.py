@@ -22,7 +22,7 @@ from transformer_lens.utilities.activation_functions import apply_softcap
 from phasemech.core.grid import Geometry
 
 
-def _masked_softmax(
+def masked_softmax(
     scores: Float[Tensor, "... key"], visible: Bool[Tensor, "... key"], neg_inf_masked: bool = False
 ) -> Float[Tensor, "... key"]:
     """Softmax over visible entries; rows with nothing visible give zeros (and finite grads).
@@ -101,7 +101,7 @@ class RowsMixin:
         tensor: it is scaled and masked in place (the largest tensor of a decode step)."""
         scores = apply_softcap(scores.div_(self.attn_scale), self.cfg.attn_scores_soft_cap)
         scores = scores.masked_fill_(~visible, float("-inf"))
-        return _masked_softmax(scores, visible, neg_inf_masked=True)
+        return masked_softmax(scores, visible, neg_inf_masked=True)
 
     def attend_rows(
         self,
