@@ -237,22 +237,19 @@ def private_imports(rel: Path, source: str, modules: set[str]) -> list[str]:
     (``from phasemech import _legacy``) is no name, so it is not counted; a module's import of
     its own name is no crossing either. Lazy imports (inside functions) count."""
     own = module_name(rel) if rel.parts[0] == "phasemech" else None
-    bad = []
+    found = []  # (line, name, module); ast.walk reaches lazy imports last, so sort by line
     for node in ast.walk(ast.parse(source)):
         if not (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module):
             continue
         if node.module.split(".")[0] != "phasemech" or node.module == own:
             continue
-        for alias in node.names:
-            if is_private(alias.name) and f"{node.module}.{alias.name}" not in modules:
-                bad.append(
-                    (
-                        node.lineno,
-                        f"{rel}:{node.lineno} imports {alias.name} from {node.module}: make it "
-                        "public there (or move it to where it is used)",
-                    )
-                )
-    return [message for _, message in sorted(bad)]
+        found += [(node.lineno, a.name, node.module) for a in node.names
+                  if is_private(a.name) and f"{node.module}.{a.name}" not in modules]  # fmt: skip
+    return [
+        f"{rel}:{line} imports {name} from {module}: make it public there (or move it to where "
+        "it is used)"
+        for line, name, module in sorted(found)
+    ]
 
 
 def package_modules() -> set[str]:
