@@ -27,7 +27,7 @@ import pandas as pd
 import typer
 
 from phasemech.experiments.claims.report import write_report
-from phasemech.experiments.claims.sources import Sources, _load_json
+from phasemech.experiments.claims.sources import Sources, load_json
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -42,7 +42,7 @@ def main(
     out: Annotated[Path, typer.Option(help="the report")] = RESULTS.parent / "REPORT.md",
 ) -> None:
     """Write the claims report from the figures experiment's tables and the recorded results."""
-    meta = _load_json(captions)
+    meta = load_json(captions)
     if meta is None or not (showcase / "per_phase.parquet").is_file():
         raise typer.BadParameter(
             f"{captions} or {showcase}/per_phase.parquet is missing: run analyses/figures.py first"
@@ -52,7 +52,7 @@ def main(
         for e in meta["figures"]
     }
     panels = [p["panel"] for p in json.loads((showcase / "panels.json").read_text())]
-    theory = _load_json(showcase / "theory_predictions.json")
+    theory = load_json(showcase / "theory_predictions.json")
     table = pd.read_parquet(showcase / "per_phase.parquet")
     write_report(Sources(table, panels, links, theory, meta["command"], RESULTS), out)
     print(f"wrote {out}")

@@ -45,7 +45,7 @@ def main() -> None:
     from phasemech.interventions.attribution import attribution_patch
     from phasemech.interventions.oracle import copy_selection
     from phasemech.interventions.patching_fast import patch_heads
-    from phasemech.interventions.prompt_patching import _resid_patch, ablate_prompt
+    from phasemech.interventions.prompt_patching import ablate_prompt, resid_patch
     from phasemech.interventions.prompts import bound, clean_run, cross_source, self_contrast
 
     cfg = ExplainConfig.of(design=args.design, top_k=args.top_k, layers=tuple(range(2, 30)),
@@ -73,7 +73,7 @@ def main() -> None:
         rows["heads"].append(t)
         foil = int(res.pairs["foil"].iloc[0])
         answer = int(corrupt.answer[0])
-        rows["resid"].append(_timed(_resid_patch, model, cl, corrupt, answer, foil)[0])
+        rows["resid"].append(_timed(resid_patch, model, cl, corrupt, answer, foil)[0])
         rows["selection"].append(_timed(copy_selection, model, clean, corrupt)[0])
         with bound(model, corrupt):
             rows["atp"].append(_timed(attribution_patch, model, c, source=cross_source(cl))[0])

@@ -18,7 +18,7 @@ import typer
 import phasemech.attention.selection as selection
 from phasemech.core.designs import SELECTING_DESIGNS
 from phasemech.experiments.sweep.profiles import PROFILES, RunSpec, train_config
-from phasemech.training.trainer import _train_step
+from phasemech.training.trainer import train_step
 
 
 def _step_seconds(cfg, model, opt, sched, dense: bool, step: int) -> float:
@@ -26,7 +26,7 @@ def _step_seconds(cfg, model, opt, sched, dense: bool, step: int) -> float:
     selection.DENSE_MAX_POS = previous if dense else 0  # 0: no context is short enough
     try:
         t0 = time.perf_counter()
-        _train_step(cfg, model, opt, sched, step)
+        train_step(cfg, model, opt, sched, step)
         return time.perf_counter() - t0
     finally:
         selection.DENSE_MAX_POS = previous

@@ -9,7 +9,7 @@ import torch
 from conftest import make_hooked, tokens
 
 from phasemech import CompressionConfig, PhaseTransformer
-from phasemech.interventions.prompts import _expanded, _plain
+from phasemech.interventions.prompts import expanded_cache, plain_cache
 from phasemech.model.decode import check_regime, needed_queries, prefill, read_rows
 
 torch.set_num_threads(1)
@@ -65,7 +65,7 @@ def test_copies_of_one_prefill_read_it_once(design):
     p = 23
     x = tokens(3, 40, seed=3)
     x[1:, :p] = x[0, :p]  # one document, three continuations
-    shared = _expanded(_plain(prefill(tl_model, x[:1, :p], needed_queries(model))), 3)
+    shared = expanded_cache(plain_cache(prefill(tl_model, x[:1, :p], needed_queries(model))), 3)
     want = _resid(model, x)[:, p:]
     for _ in range(2):  # the second forward reads the rotation the first one kept
         torch.testing.assert_close(read_rows(model, shared, x[:, p:]), want, atol=1e-5, rtol=0)

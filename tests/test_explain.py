@@ -394,7 +394,7 @@ def test_copying_a_prompts_own_selection_changes_nothing():
 def test_a_copied_pick_covers_every_token_the_clean_query_read():
     """Grids do not line up across phases: clean block 2 (tokens 4-7, offset 0) moved right by
     one token is corrupted blocks 2 and 3; the sink's block keeps token 0's block."""
-    from phasemech.interventions.oracle import _mapped, _token_map
+    from phasemech.interventions.oracle import map_kept_set, position_map
 
     clean = SimpleNamespace(meta={"prefix": 0})
     corrupt = SimpleNamespace(meta={"prefix": 1})
@@ -402,7 +402,7 @@ def test_a_copied_pick_covers_every_token_the_clean_query_read():
     kept[0, 2, 2] = True  # head 0, last row: tokens 4..7 -> 5..8
     kept[1, 1, 1] = True  # head 1: block 1 holds tokens 0..3 -> 0, 2, 3, 4
     zero = torch.zeros(1, dtype=torch.long)
-    out, has = _mapped(kept, zero, zero, _token_map(clean, corrupt), 4, (4, 7))
+    out, has = map_kept_set(kept, zero, zero, position_map(clean, corrupt), 4, (4, 7))
     assert has.tolist() == [False, True, True, True]  # rows aligned from the end
     assert out[0, 3].nonzero().flatten().tolist() == [2, 3]
     assert out[1, 2].nonzero().flatten().tolist() == [1, 2]

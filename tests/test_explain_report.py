@@ -131,9 +131,9 @@ def test_patching_without_a_gap_is_nan_and_said(tmp_path):
     assert atp_check(t["patching"]) is None
     f = findings(t, n_layers=2)
     assert f["top_patching"] == [] and json.dumps(json_safe(f), allow_nan=False)
-    from phasemech.experiments.claims.specialisation import _run_lines
+    from phasemech.experiments.claims.specialisation import explain_run_lines
 
-    said = "\n".join(_run_lines("explain_x", _summary(f))[0])
+    said = "\n".join(explain_run_lines("explain_x", _summary(f))[0])
     assert "Patching phase 3 into phase 1 (40 pairs): the clean phase's" in said
 
 

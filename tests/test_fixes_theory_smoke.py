@@ -13,11 +13,11 @@ import pandas as pd
 import pytest
 
 from phasemech.experiments.claims.converged import TABLES
-from phasemech.experiments.claims.fixes import _fixes_training_lines, claim_fixes, fix_runs
-from phasemech.experiments.claims.from_scratch import _converged_sweep_lines
-from phasemech.experiments.claims.sources import Sources, _load_json
-from phasemech.experiments.claims.specialisation import _converged_interventions
-from phasemech.experiments.claims.theory import _theory_run_lines
+from phasemech.experiments.claims.fixes import claim_fixes, fix_runs, fixes_training_lines
+from phasemech.experiments.claims.from_scratch import converged_sweep_lines
+from phasemech.experiments.claims.sources import Sources, load_json
+from phasemech.experiments.claims.specialisation import converged_interventions
+from phasemech.experiments.claims.theory import theory_run_lines
 from phasemech.experiments.showcase.panels import find_runs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -140,21 +140,21 @@ def test_theory_models_are_d_head_16_at_d4_and_wider_at_d8():
 def test_report_states_each_theory_runs_width():
     recorded = json.loads((RESULTS / "theory_trained_converged.json").read_text())
     assert "d_model" not in recorded["profile"]  # recorded before the summary stated it
-    text = "\n".join(_theory_run_lines("converged", recorded))
+    text = "\n".join(theory_run_lines("converged", recorded))
     assert "d_model 64, d_head 16," in text
     wide = {**recorded, "profile": {**recorded["profile"], "d_model": 128, "d_head": 32}}
-    assert "d_model 128, d_head 32," in "\n".join(_theory_run_lines("converged_d8", wide))
+    assert "d_model 128, d_head 32," in "\n".join(theory_run_lines("converged_d8", wide))
 
 
 def test_report_reads_json_results_never_markdown():
     for path in [ROOT / "analyses" / "report.py", *sorted(CLAIMS.glob("*.py"))]:
         text = path.read_text()
         assert '.md"' not in text.replace('"REPORT.md"', "") and "md_table" not in text, path
-    sweep = _load_json(RESULTS / "phase_sweep_default.json")
+    sweep = load_json(RESULTS / "phase_sweep_default.json")
     rows = [r for r in sweep["rows"] if r["targets"] == "all"]
     assert rows and {"design", "debiased_gap", "null_p95", "acc_by_phase"} <= set(rows[0])
     assert all(r["debiased_lo"] <= r["debiased_gap"] <= r["debiased_hi"] for r in rows)
-    pre = _load_json(RESULTS / "pretrained_default.json")
+    pre = load_json(RESULTS / "pretrained_default.json")
     assert {r["setting"] for r in pre["rows"]} >= {"null"}
 
 
@@ -260,16 +260,16 @@ def test_report_calls_a_fix_whose_models_never_learned_no_fix(tmp_path):
 
 def test_report_reads_every_converged_sweep_profile_as_one_table(tmp_path):
     src = Sources(pd.DataFrame(), [], {}, {}, "cmd", results=tmp_path)
-    lines, verdict = _converged_sweep_lines(src)
+    lines, verdict = converged_sweep_lines(src)
     assert verdict is None and "phase_sweep_converged.json` is missing" in lines[0]
     recorded = json.loads((RESULTS / "phase_sweep_converged.json").read_text())
     d8 = {t: [{**r, "stride": 8} for r in recorded[t]] for t in TABLES}
     (tmp_path / "phase_sweep_converged_d8.json").write_text(json.dumps(d8))
-    text = "\n".join(_converged_sweep_lines(src)[0])
+    text = "\n".join(converged_sweep_lines(src)[0])
     assert "phase_sweep_converged_d8.json" in text and "phase_sweep_converged.json`" not in text
     assert "| mean | 8 | 2 | 64 | 64 | 3 of 3 |" in text and "| mean | 4 | 2 | 64 |" not in text
     (tmp_path / "phase_sweep_converged.json").write_text(json.dumps(recorded))
-    lines, verdict = _converged_sweep_lines(src)
+    lines, verdict = converged_sweep_lines(src)
     text = "\n".join(lines)
     assert "| mean | 8 | 2 | 64 | 64 | 3 of 3 |" in text
     assert "| mean | 4 | 2 | 64 | 64 | 3 of 3 |" in text
@@ -277,7 +277,7 @@ def test_report_reads_every_converged_sweep_profile_as_one_table(tmp_path):
     assert "mean d=4 H=2 T=64" in verdict and "mean d=8 H=2 T=64" in verdict
     # the wide d = 8 profile is the same settings at d_model 128: rows of their own
     (tmp_path / "phase_sweep_converged_d8_wide.json").write_text(json.dumps(d8))
-    text = "\n".join(_converged_sweep_lines(src)[0])
+    text = "\n".join(converged_sweep_lines(src)[0])
     assert "| mean | 8 | 2 | 64 | 128 | 3 of 3 |" in text
     assert "| mean | 8 | 2 | 64 | 64 | 3 of 3 |" in text
 
@@ -294,7 +294,7 @@ def test_report_sets_each_fix_beside_its_baseline_along_training():
          "n": 5},
     ]  # fmt: skip
     conv += [{"fix": "random_offset", "seed": 0, "steps_to_95": None}]
-    lines = _fixes_training_lines({"convergence": conv, "matched": matched})
+    lines = fixes_training_lines({"convergence": conv, "matched": matched})
     text = "\n".join(lines)
     assert (
         "- staggered_head vs aligned: steps to 0.95 median 700 (3 of 3 seeds) vs median "
@@ -303,21 +303,21 @@ def test_report_sets_each_fix_beside_its_baseline_along_training():
     assert "random_offset vs aligned: steps to 0.95 never (1)" in text
     assert "no evaluations of both at accuracy 0.9-0.99" in text
     assert "aligned vs" not in text  # the baseline itself has none
-    assert _fixes_training_lines({"convergence": conv}) == []  # older recordings
+    assert fixes_training_lines({"convergence": conv}) == []  # older recordings
 
 
 def test_report_merges_the_converged_interventions_of_every_profile(tmp_path):
     src = Sources(pd.DataFrame(), [], {}, {}, "cmd", results=tmp_path)
-    assert _converged_interventions(src) is None
+    assert converged_interventions(src) is None
     recorded = json.loads((RESULTS / "interventions_converged.json").read_text())
     (tmp_path / "interventions_converged.json").write_text(json.dumps(recorded))
     n4 = len(recorded["models"])
-    _, lines4, _ = _converged_interventions(src)
+    _, lines4, _ = converged_interventions(src)
     d8 = {**recorded, "models": [{**m, "model": m["model"].replace("d4", "d8"), "stride": 8}
                                   for m in recorded["models"]]}  # fmt: skip
     d8["models"][0] = {**d8["models"][0], "phase_dependent_heads": 3}  # a dense control's head
     (tmp_path / "interventions_converged_d8.json").write_text(json.dumps(d8))
-    header, lines, verdict = _converged_interventions(src)
+    header, lines, verdict = converged_interventions(src)
     assert len(lines4) == n4 and len(lines) == 2 * n4
     assert "interventions_converged.json" in header and "interventions_converged_d8" in header
     comp = [m for m in recorded["models"] if m["design"] != "none"]
@@ -330,7 +330,7 @@ def test_report_merges_the_converged_interventions_of_every_profile(tmp_path):
     wide = {**d8, "profile": {**d8["profile"], "d_model": 128}, "models": recorded["models"]}
     wide["models"] = [{**m, "stride": 8} for m in recorded["models"]]
     (tmp_path / "interventions_converged_d8_wide.json").write_text(json.dumps(wide))
-    header, lines, verdict = _converged_interventions(src)
+    header, lines, verdict = converged_interventions(src)
     assert len(lines) == 3 * n4 and "interventions_converged_d8_wide" in header
     assert f"d = 8 d_model=128: {sig} of {len(comp)} converged compressed" in verdict
     assert f"d = 8: {sig} of {len(comp)} converged compressed models" in verdict

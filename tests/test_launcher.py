@@ -148,12 +148,12 @@ def test_an_unreachable_cluster_fails_fast_and_names_the_address(tmp_path):
 
 def test_each_running_job_gets_a_progress_row_with_its_own_eta():
     from phasemech.core.progress import progress_bar
-    from phasemech.experiments.launcher import _Rows
+    from phasemech.experiments.launcher import ProgressRows
 
     a, b = EchoJob(1), EchoJob(2)
     reports = {a.key: (3.0, 10.0)}
     bar = progress_bar(disable=True)
-    rows = _Rows(bar, lambda: dict(reports), "2 jobs", 2)
+    rows = ProgressRows(bar, lambda: dict(reports), "2 jobs", 2)
     rows.poll({"ref-a": a, "ref-b": b})
     [row] = [t for t in bar.tasks if t.description.strip() == a.label]
     assert (row.completed, row.total) == (3.0, 10.0)  # rich's ETA column reads these

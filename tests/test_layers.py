@@ -4,6 +4,9 @@ no module imports one that imports it back (no import cycle, inside a layer eith
 Every ``import`` in every module counts, including those inside functions and under
 ``TYPE_CHECKING`` (a lazy import is still a dependency). ``phasemech/__init__.py`` and the
 old-path shim ``_legacy.py`` are exempt from the layer order: they only re-export.
+
+Private means private: no file in ``phasemech/``, ``bench/``, ``analyses/`` or ``tests/`` imports
+a ``_name`` from another phasemech module (a private module such as ``_legacy`` is no name).
 """
 
 import ast
@@ -216,6 +219,74 @@ def test_the_check_catches_what_it_forbids():
         "the library never imports analyses/",
         "not a module in any layer",
     ]
+
+
+#: every folder whose files may import phasemech: a private name stays private in all of them
+SCANNED = ("phasemech", "bench", "analyses", "tests")
+
+
+def is_private(name: str) -> bool:
+    """``_x``: one leading underscore, not a dunder (``__version__`` is public)."""
+    return name.startswith("_") and not name.startswith("__")
+
+
+def private_imports(rel: Path, source: str, modules: set[str]) -> list[str]:
+    """Every ``_name`` a file imports from another phasemech module, ``file:line`` first.
+
+    ``modules``: the dotted names of phasemech's modules and packages. A private *module*
+    (``from phasemech import _legacy``) is no name, so it is not counted; a module's import of
+    its own name is no crossing either. Lazy imports (inside functions) count."""
+    own = module_name(rel) if rel.parts[0] == "phasemech" else None
+    found = []  # (line, name, module); ast.walk reaches lazy imports last, so sort by line
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module):
+            continue
+        if node.module.split(".")[0] != "phasemech" or node.module == own:
+            continue
+        found += [(node.lineno, a.name, node.module) for a in node.names
+                  if is_private(a.name) and f"{node.module}.{a.name}" not in modules]  # fmt: skip
+    return [
+        f"{rel}:{line} imports {name} from {module}: make it public there (or move it to where "
+        "it is used)"
+        for line, name, module in sorted(found)
+    ]
+
+
+def package_modules() -> set[str]:
+    return {module_name(p.relative_to(ROOT)) for p in PKG.rglob("*.py")}
+
+
+def test_no_file_imports_another_modules_private_name():
+    modules = package_modules()
+    bad = [
+        v
+        for folder in SCANNED
+        for p in sorted((ROOT / folder).rglob("*.py"))
+        for v in private_imports(p.relative_to(ROOT), p.read_text(), modules)
+    ]
+    assert not bad, f"{len(bad)} private names imported across modules:\n" + "\n".join(bad)
+
+
+def test_the_private_check_catches_a_private_import():
+    modules = {"phasemech", "phasemech._legacy", "phasemech.a", "phasemech.p", "phasemech.p._sub"}
+    test = Path("tests/test_planted.py")
+    planted = (
+        "from phasemech.a import _helper, public, __version__\n"
+        "def f():\n"
+        "    from phasemech import _hidden\n"  # lazy, and from the package: still a crossing
+        "from phasemech import _legacy\n"  # a private module is no name
+        "from phasemech.p import _sub\n"
+        "from elsewhere import _theirs\n"  # not phasemech's to police
+    )
+    assert private_imports(test, planted, modules) == [
+        f"{test}:1 imports _helper from phasemech.a: make it public there (or move it to where "
+        "it is used)",
+        f"{test}:3 imports _hidden from phasemech: make it public there (or move it to where it "
+        "is used)",
+    ]
+    assert private_imports(test, "from phasemech.a import public, __version__\n", modules) == []
+    own = Path("phasemech/a.py")  # a module importing its own private name crosses nothing
+    assert private_imports(own, "def f():\n    from phasemech.a import _helper\n", modules) == []
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ from conftest import N_CTX, make_model, tokens
 from threadpoolctl import threadpool_limits
 
 from phasemech.interventions.clustering import HeadClusters, cluster_heads
-from phasemech.interventions.probes import ProbeResult, _cross_validate, phase_probe
+from phasemech.interventions.probes import ProbeResult, grouped_cross_validate, phase_probe
 
 STRIDE = 4
 
@@ -265,7 +265,7 @@ def test_cross_validation_keeps_sequences_whole():
     groups = rng.permutation(np.repeat(np.arange(n_seq), rows_per_seq))  # rows interleaved
     x = rng.normal(size=(n_seq, 32))[groups]
     y = rng.integers(0, STRIDE, n_seq)[groups]
-    acc, std, hits = _cross_validate(x, y, groups, 5)
+    acc, std, hits = grouped_cross_validate(x, y, groups, 5)
     assert acc < 0.45 and std > 0
     assert hits == pytest.approx(acc * len(y), abs=0.02 * len(y))
 

@@ -20,9 +20,9 @@ from phasemech.data.retrieval import (
     COLUMNS,
     TASK_KINDS,
     RetrievalTask,
-    _exact_tails,
     build_retrieval_prompts,
     check_task,
+    exact_tails,
 )
 from phasemech.model.pretrained import INSTALL
 
@@ -200,7 +200,7 @@ def test_check_task_refuses_before_any_model_work(tok):
 
 
 def test_filler_fills_every_budget_exactly_or_says_it_cannot():
-    tails, least = _exact_tails([5, 5, 5, 4, 5], 200)  # SmolLM2's filler sentence lengths
+    tails, least = exact_tails([5, 5, 5, 4, 5], 200)  # SmolLM2's filler sentence lengths
     assert least == 12  # 11 = 4 * 5 - 4 - 5 is the largest budget 4s and 5s cannot make
     assert all(sum([5, 5, 5, 4, 5][i] for i in tails[b]) == b for b in range(12, 200))
-    assert _exact_tails([4, 6], 200)[1] is None  # a common divisor: odd budgets never fill
+    assert exact_tails([4, 6], 200)[1] is None  # a common divisor: odd budgets never fill

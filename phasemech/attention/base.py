@@ -49,7 +49,7 @@ from transformer_lens.hook_points import HookPoint
 from transformer_lens.utilities.activation_functions import apply_softcap
 
 from phasemech.attention.projection import OLMO_QK_NORM, fused_qkv
-from phasemech.attention.rows import RowsMixin, _masked_softmax
+from phasemech.attention.rows import RowsMixin, masked_softmax
 from phasemech.core.grid import Geometry, build_geometry, left_padding
 
 #: longest context the training fast path lays raw keys out densely for (``O(T^2)`` scores)
@@ -409,7 +409,7 @@ class CompressedAttentionMixin(RowsMixin):
         scores = scores.masked_fill(~visible, float("-inf"))
         if self.window >= 1 and geo.key_valid is None:  # each query sees itself: no empty row
             return torch.softmax(scores, dim=-1) @ values
-        return _masked_softmax(scores, visible, neg_inf_masked=True) @ values
+        return masked_softmax(scores, visible, neg_inf_masked=True) @ values
 
     def _pattern(
         self,
@@ -428,7 +428,7 @@ class CompressedAttentionMixin(RowsMixin):
         scores = self.hook_attn_scores(scores)
         if hooked:  # a hook may hide more entries (set -inf); respect it
             visible = visible & (scores > float("-inf"))
-        return self.hook_pattern(_masked_softmax(scores, visible, neg_inf_masked=not hooked))
+        return self.hook_pattern(masked_softmax(scores, visible, neg_inf_masked=not hooked))
 
     def block_attribution(
         self, x: Tensor | None, k: Tensor, v: Tensor, geo: Geometry

@@ -57,7 +57,7 @@ from transformer_lens.hook_points import HookPoint
 from transformer_lens.utilities.activation_functions import apply_softcap
 
 from phasemech.attention.mlp import MLPCompressorAttention
-from phasemech.attention.rows import _masked_softmax
+from phasemech.attention.rows import masked_softmax
 from phasemech.attention.selection import top_k_latest
 from phasemech.core.grid import Geometry
 
@@ -141,7 +141,7 @@ class NSAAttention(MLPCompressorAttention):
         """TransformerLens' scale and soft-cap, then a softmax over visible keys (zero rows
         where nothing is visible)."""
         scores = apply_softcap(scores / self.attn_scale, self.cfg.attn_scores_soft_cap)
-        return _masked_softmax(scores, visible)
+        return masked_softmax(scores, visible)
 
     def selection_blocks(
         self, geo: Geometry, seq: int

@@ -23,7 +23,7 @@ from phasemech.core.designs import CACHE_DESIGNS, traits
 from phasemech.core.grid import Geometry
 
 
-def _masked_softmax(
+def masked_softmax(
     scores: Float[Tensor, "... key"], visible: Bool[Tensor, "... key"], neg_inf_masked: bool = False
 ) -> Float[Tensor, "... key"]:
     """Softmax over visible entries; rows with nothing visible give zeros (and finite grads).
@@ -102,7 +102,7 @@ class RowsMixin:
         tensor: it is scaled and masked in place (the largest tensor of a decode step)."""
         scores = apply_softcap(scores.div_(self.attn_scale), self.cfg.attn_scores_soft_cap)
         scores = scores.masked_fill_(~visible, float("-inf"))
-        return _masked_softmax(scores, visible, neg_inf_masked=True)
+        return masked_softmax(scores, visible, neg_inf_masked=True)
 
     def attend_rows(
         self,

@@ -26,7 +26,7 @@ from typing import Any, Literal
 import numpy as np
 from transformer_lens import HookedTransformerConfig
 
-from phasemech.core.config_checks import _bad, _check_compression_acts, _freeze_offsets
+from phasemech.core.config_checks import check_compression_acts, freeze_offsets, invalid_field
 from phasemech.core.designs import (
     ALL_SCOPE_DESIGNS,
     BLOCK_SCOPES,
@@ -159,7 +159,7 @@ class CompressionConfig:
         # Frozen dataclass: normalise with object.__setattr__ (``_set``), validate before any
         # work starts. With several bad fields the first check to fail names its field.
         if self.design not in DESIGNS:
-            raise _bad("design", self.design, f"allowed: {DESIGNS}")
+            raise invalid_field("design", self.design, f"allowed: {DESIGNS}")
         self._check_grid()
         self._check_offsets()
         self._check_layers()
@@ -177,30 +177,34 @@ class CompressionConfig:
     def _check_grid(self) -> None:
         """``stride``, ``block_len``, ``window`` (filling their defaults) and ``visibility``."""
         if not is_int(self.stride) or self.stride < 1:
-            raise _bad("stride", self.stride, "must be an int >= 1")
+            raise invalid_field("stride", self.stride, "must be an int >= 1")
         self._set("stride", int(self.stride))
         if self.block_len is None:
             self._set("block_len", 2 * self.stride if self.design == "csa" else self.stride)
         if not is_int(self.block_len) or self.block_len < self.stride:
-            raise _bad("block_len", self.block_len, f"must be an int >= stride ({self.stride})")
+            raise invalid_field(
+                "block_len", self.block_len, f"must be an int >= stride ({self.stride})"
+            )
         self._set("block_len", int(self.block_len))
         if self.window is None:
             self._set("window", 2 * self.stride)
         if not is_int(self.window) or self.window < 0:
-            raise _bad("window", self.window, "must be an int >= 0 (raw tokens per query)")
+            raise invalid_field("window", self.window, "must be an int >= 0 (raw tokens per query)")
         self._set("window", int(self.window))
         if self.visibility not in VISIBILITY:
-            raise _bad("visibility", self.visibility, f"allowed: {VISIBILITY}")
+            raise invalid_field("visibility", self.visibility, f"allowed: {VISIBILITY}")
 
     def _check_offsets(self) -> None:
-        offsets = _freeze_offsets(self.offsets)
+        offsets = freeze_offsets(self.offsets)
         if isinstance(offsets, str) and offsets not in OFFSET_MODES:
-            raise _bad("offsets", offsets, f"allowed modes: {OFFSET_MODES}, or explicit ints")
+            raise invalid_field(
+                "offsets", offsets, f"allowed modes: {OFFSET_MODES}, or explicit ints"
+            )
         if not isinstance(offsets, str):
             flat = [offsets] if isinstance(offsets, int) else list(np.ravel(offsets))
             bad = [o for o in flat if not 0 <= o < self.stride]
             if bad:
-                raise _bad(
+                raise invalid_field(
                     "offsets",
                     self.offsets,
                     f"explicit offsets must lie in [0, stride={self.stride})",
@@ -211,12 +215,16 @@ class CompressionConfig:
         if self.layers is None:
             return
         if isinstance(self.layers, str) or not isinstance(self.layers, Sequence):
-            raise _bad("layers", self.layers, "must be None or a non-empty tuple of ints >= 0")
+            raise invalid_field(
+                "layers", self.layers, "must be None or a non-empty tuple of ints >= 0"
+            )
         layers = tuple(self.layers)
         if not layers or not all(is_int(i) and i >= 0 for i in layers):
-            raise _bad("layers", self.layers, "must be None or a non-empty tuple of ints >= 0")
+            raise invalid_field(
+                "layers", self.layers, "must be None or a non-empty tuple of ints >= 0"
+            )
         if len(set(layers)) != len(layers):
-            raise _bad("layers", self.layers, "layer indices must be unique")
+            raise invalid_field("layers", self.layers, "layer indices must be unique")
         self._set("layers", tuple(sorted(int(i) for i in layers)))
 
     def _takes(self, name: str, designs: tuple[str, ...], refusal: str) -> bool:
@@ -225,7 +233,7 @@ class CompressionConfig:
         if self.design in designs:
             return True
         if getattr(self, name) is not None:
-            raise _bad(name, getattr(self, name), refusal)
+            raise invalid_field(name, getattr(self, name), refusal)
         return False
 
     def _positive_int(self, name: str, default: int, allowed: str) -> None:
@@ -234,7 +242,7 @@ class CompressionConfig:
             self._set(name, default)
         value = getattr(self, name)
         if not is_int(value) or value < 1:
-            raise _bad(name, value, allowed)
+            raise invalid_field(name, value, allowed)
         self._set(name, int(value))
 
     def _check_top_k(self) -> None:
@@ -255,7 +263,7 @@ class CompressionConfig:
             allowed = f"must be a multiple of stride={self.stride}"
             self._positive_int("select_len", self.stride, allowed)
             if self.select_len % self.stride:
-                raise _bad("select_len", self.select_len, allowed)
+                raise invalid_field("select_len", self.select_len, allowed)
         refusal = f"only design='nsa' has branch gates, not {self.design!r}"
         if self._takes("gate_hidden", ("nsa",), refusal) and self.gate_hidden is not None:
             self._positive_int("gate_hidden", 1, "must be None (a linear gate) or an int >= 1")
@@ -269,7 +277,7 @@ class CompressionConfig:
         if self.indexer_train is None:
             self._set("indexer_train", "kl")
         if self.indexer_train not in INDEXER_TRAINING:
-            raise _bad("indexer_train", self.indexer_train, f"allowed: {INDEXER_TRAINING}")
+            raise invalid_field("indexer_train", self.indexer_train, f"allowed: {INDEXER_TRAINING}")
 
     def _check_series(self) -> None:
         refusal = f"only designs {SERIES_DESIGNS} take it, not {self.design!r}"
@@ -278,9 +286,9 @@ class CompressionConfig:
         if self.pool_rope is None:
             self._set("pool_rope", "pre")
         if self.pool_rope not in POOL_ROPE:
-            raise _bad("pool_rope", self.pool_rope, f"allowed: {POOL_ROPE}")
+            raise invalid_field("pool_rope", self.pool_rope, f"allowed: {POOL_ROPE}")
         if self.block_len % self.stride:
-            raise _bad(
+            raise invalid_field(
                 "block_len",
                 self.block_len,
                 f"{self.design} needs a multiple of stride={self.stride} (one projection series "
@@ -297,34 +305,38 @@ class CompressionConfig:
     def _check_rest(self) -> None:
         """``gate``, ``eval_offset`` and ``block_scope``, and how they fit the design."""
         if self.gate not in GATES:
-            raise _bad("gate", self.gate, f"allowed: {GATES}")
+            raise invalid_field("gate", self.gate, f"allowed: {GATES}")
         if self.gate != "scalar" and self.design != "gated":
-            raise _bad("gate", self.gate, f"only design='gated' has a gate, not {self.design!r}")
+            raise invalid_field(
+                "gate", self.gate, f"only design='gated' has a gate, not {self.design!r}"
+            )
         if not is_int(self.eval_offset) or not 0 <= self.eval_offset < self.stride:
-            raise _bad(
+            raise invalid_field(
                 "eval_offset", self.eval_offset, f"must be an int in [0, stride={self.stride})"
             )
         if self.block_scope is None:
             scope = "all" if self.design in ALL_SCOPE_DESIGNS else "outside_window"
             self._set("block_scope", scope)
         if self.block_scope not in BLOCK_SCOPES:
-            raise _bad("block_scope", self.block_scope, f"allowed: {BLOCK_SCOPES}")
+            raise invalid_field("block_scope", self.block_scope, f"allowed: {BLOCK_SCOPES}")
         if self.block_scope == "all" and self.design in SELECTING_DESIGNS:
-            raise _bad(
+            raise invalid_field(
                 "block_scope",
                 self.block_scope,
                 f"design={self.design!r} reads blocks raw, so its candidates must lie outside "
                 "the window",
             )
         if self.design in ("kpool", "dsa") and self.block_len != self.stride:
-            raise _bad(
+            raise invalid_field(
                 "block_len",
                 self.block_len,
                 f"{self.design}'s pools are disjoint runs of stride={self.stride} tokens; "
                 "allowed: block_len=None or = stride",
             )
         if self.eval_offset != 0 and self.offsets != "random":
-            raise _bad("eval_offset", self.eval_offset, "only offsets='random' uses eval_offset")
+            raise invalid_field(
+                "eval_offset", self.eval_offset, "only offsets='random' uses eval_offset"
+            )
 
     @property
     def enabled(self) -> bool:
@@ -373,7 +385,7 @@ class CompressionConfig:
             )
         d = dict(d)
         if isinstance(d.get("offsets"), list):
-            d["offsets"] = _freeze_offsets(d["offsets"])
+            d["offsets"] = freeze_offsets(d["offsets"])
         if isinstance(d.get("layers"), list):
             d["layers"] = tuple(d["layers"])
         return cls(**d)
@@ -448,7 +460,7 @@ class PhaseTransformerConfig(HookedTransformerConfig):
             ]
             # random offsets: training draws every offset of the stride
             offsets = set(range(c.stride)) if c.offsets == "random" else set(base.ravel().tolist())
-            _check_compression_acts(c, self.n_ctx, offsets)
+            check_compression_acts(c, self.n_ctx, offsets)
         if c.enabled and self.attention_dir != "causal":
             raise ValueError(
                 f"attention_dir={self.attention_dir!r} is invalid with compression: chunked KV "

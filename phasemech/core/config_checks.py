@@ -17,11 +17,12 @@ from phasemech.core.grid import last_query_blocks
 from phasemech.core.validation import is_int
 
 
-def _bad(field_name: str, value: Any, allowed: str) -> ValueError:
+def invalid_field(field_name: str, value: Any, allowed: str) -> ValueError:
+    """The error for ``CompressionConfig.<field_name>=value``, saying what is allowed."""
     return ValueError(f"CompressionConfig.{field_name}={value!r} is invalid: {allowed}")
 
 
-def _freeze_offsets(value: Any) -> OffsetSpec:
+def freeze_offsets(value: Any) -> OffsetSpec:
     """Turn a tensor / array / list of explicit offsets into nested tuples of ints."""
     if isinstance(value, str):
         return value
@@ -35,9 +36,11 @@ def _freeze_offsets(value: Any) -> OffsetSpec:
         if all(isinstance(v, Sequence) and len(v) > 0 and all(is_int(x) for x in v) for v in value):
             rows = tuple(tuple(int(x) for x in v) for v in value)
             if len({len(r) for r in rows}) != 1:
-                raise _bad("offsets", value, "explicit offset rows must all have the same length")
+                raise invalid_field(
+                    "offsets", value, "explicit offset rows must all have the same length"
+                )
             return rows
-    raise _bad(
+    raise invalid_field(
         "offsets",
         value,
         f"use one of {OFFSET_MODES}, an int, a [kv_head] or [layer, kv_head] sequence/tensor "
@@ -45,7 +48,7 @@ def _freeze_offsets(value: Any) -> OffsetSpec:
     )
 
 
-def _check_compression_acts(c: Any, n_ctx: int, offsets: set[int]) -> None:
+def check_compression_acts(c: Any, n_ctx: int, offsets: set[int]) -> None:
     """Refuse a compression that could never change the model in ``n_ctx`` positions: no
     query ever reads a block, or ``route``/``evict`` always keep every block. Such a model
     would silently be the dense one. ``c``: a checked ``CompressionConfig``; ``offsets``: the

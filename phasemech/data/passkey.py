@@ -90,7 +90,8 @@ class PasskeyBatch:
     stride: int
 
 
-def _ids(tok, text: str) -> list[int]:
+def token_ids(tok, text: str) -> list[int]:
+    """The token ids of ``text`` alone (no special tokens), to assemble prompts from."""
     return list(tok.encode(text, add_special_tokens=False))
 
 
@@ -116,10 +117,10 @@ def build_prompts(
     if isinstance(n_contents, bool) or not isinstance(n_contents, int) or n_contents < 1:
         raise ValueError(f"n_contents={n_contents!r} is invalid: expected an int >= 1")
     rng = np.random.default_rng(seed)
-    prefix = _ids(tok, PREFIX)
+    prefix = token_ids(tok, PREFIX)
     if len(prefix) < task.stride - 1:
         raise ValueError(f"stride={task.stride} needs a prefix of {task.stride - 1} tokens")
-    sentences = [_ids(tok, s) for s in FILLER]
+    sentences = [token_ids(tok, s) for s in FILLER]
     pad = pad_id if pad_id is not None else (tok.pad_token_id or 0)
     rows, seqs, answers = [], [], []
     for g in range(n_contents):
@@ -155,15 +156,15 @@ def _draw_content(
     others = []
     for i in names[1:]:
         other = int(rng.integers(10 ** (task.digits - 1), 10**task.digits))
-        others.append(_ids(tok, f" The pass code for {NAMES[i]} is {other}."))
+        others.append(token_ids(tok, f" The pass code for {NAMES[i]} is {other}."))
     # distractors at random other sentence boundaries
     body: list[list[int]] = list(filler)
     slots = sorted(rng.choice(len(filler) + 1, size=len(others), replace=True).tolist())
     for s_, o in zip(reversed(slots), reversed(others), strict=True):
         body.insert(s_, o)
     cut_b = cut + sum(1 for s_ in slots if s_ < cut)
-    needle_head = _ids(tok, f" The pass code for {name} is")
-    digits = _ids(tok, f" {number}")
+    needle_head = token_ids(tok, f" The pass code for {name} is")
+    digits = token_ids(tok, f" {number}")
     return _Content(
         depth=depth,
         name=name,
@@ -171,9 +172,9 @@ def _draw_content(
         before=[t for piece in body[:cut_b] for t in piece],
         needle_head=needle_head,
         digits=digits,
-        needle=needle_head + digits + _ids(tok, "."),
+        needle=needle_head + digits + token_ids(tok, "."),
         after=[t for piece in body[cut_b:] for t in piece],
-        question=_ids(tok, f" What is the pass code for {name}? The pass code for {name} is"),
+        question=token_ids(tok, f" What is the pass code for {name}? The pass code for {name} is"),
     )
 
 
@@ -232,4 +233,4 @@ def score(model, batch: PasskeyBatch, batch_size: int = 16, progress=None) -> pd
     return out
 
 
-__all__ = ["FILLER", "NAMES", "PasskeyBatch", "PasskeyTask", "build_prompts", "score"]
+__all__ = ["FILLER", "NAMES", "PasskeyBatch", "PasskeyTask", "build_prompts", "score", "token_ids"]

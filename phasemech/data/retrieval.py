@@ -52,7 +52,7 @@ import torch
 from jaxtyping import Int
 from torch import Tensor
 
-from phasemech.data.passkey import FILLER, NAMES, PREFIX, PasskeyBatch, _ids
+from phasemech.data.passkey import FILLER, NAMES, PREFIX, PasskeyBatch, token_ids
 
 TASK_KINDS = ("passkey", "multikey", "kv")
 MIN_CONTEXT = 64  # below this a needle at depth 0.1 and one at 0.9 are a few sentences apart
@@ -162,7 +162,7 @@ class _Content:
     answer: list[int]
 
 
-def _exact_tails(lengths: list[int], limit: int) -> tuple[dict[int, list[int]], int | None]:
+def exact_tails(lengths: list[int], limit: int) -> tuple[dict[int, list[int]], int | None]:
     """Fewest-sentence fills of every reachable budget up to ``limit``, and the least budget
     from which every larger one is reachable (``None`` when none is, e.g. a common divisor)."""
     tails: dict[int, list[int]] = {0: []}
@@ -179,7 +179,7 @@ def _exact_tails(lengths: list[int], limit: int) -> tuple[dict[int, list[int]], 
 
 def _split_answer(tok, code: str) -> tuple[list[int], list[int]]:
     """``(lead, answer)``: the tokens of ``" {code}"``, a bare-space first token split off."""
-    ids = _ids(tok, f" {code}")
+    ids = token_ids(tok, f" {code}")
     if len(ids) > 1 and tok.decode(ids[:1]).strip() == "":
         return ids[:1], ids[1:]
     return [], ids
@@ -209,7 +209,7 @@ def _prepare(
 ) -> _Pieces:
     """Tokenise the shared pieces; refuse a stride the prefix cannot shift or a context too
     short for the needle, the distractors and the question (at the longest keys)."""
-    prefix = _ids(tok, PREFIX)
+    prefix = token_ids(tok, PREFIX)
     if len(prefix) < task.stride - 1:
         raise _bad(
             "stride",
@@ -218,9 +218,9 @@ def _prepare(
             f"{len(prefix) + 1} phases; ",
             f"1..{len(prefix) + 1}",
         )
-    sentences = [_ids(tok, s) for s in FILLER]
+    sentences = [token_ids(tok, s) for s in FILLER]
     lengths = [len(s) for s in sentences]
-    tails, fill_min = _exact_tails(lengths, 64 * max(lengths))
+    tails, fill_min = exact_tails(lengths, 64 * max(lengths))
     if fill_min is None:
         raise ValueError(f"filler sentences of {lengths} tokens cannot fill a body exactly")
     # the common answer length: the commonest over a fixed probe, whatever the seed
@@ -230,9 +230,9 @@ def _prepare(
     lead = max(len(ld) for ld, _ in splits)
     keys = _KV_KEYS if task.kind == "kv" else NAMES
     heads, questions = zip(*(_texts(task.kind, k) for k in keys), strict=True)
-    dot = _ids(tok, ".")
-    needle = max(len(_ids(tok, h)) for h in heads) + lead + n_answer + len(dot)
-    question = max(len(_ids(tok, q)) for q in questions) + lead
+    dot = token_ids(tok, ".")
+    needle = max(len(token_ids(tok, h)) for h in heads) + lead + n_answer + len(dot)
+    question = max(len(token_ids(tok, q)) for q in questions) + lead
     d = task.distractors
     start = [tok.bos_token_id] if bos else []
     # d + 1 distinct sentence boundaries need d sentences at least
@@ -292,10 +292,10 @@ def _draw_content(
     codes = _draw_codes(tok, task, rng, 1 + d, p.n_answer)
     needles, offsets = [], []  # offsets: the first answer token within each needle
     for key, (_, lead, answer) in zip(keys, codes, strict=True):
-        head = _ids(tok, _texts(task.kind, key)[0]) + lead
+        head = token_ids(tok, _texts(task.kind, key)[0]) + lead
         needles.append(head + answer + p.dot)
         offsets.append(len(head))
-    question = _ids(tok, _texts(task.kind, keys[0])[1]) + codes[0][1]
+    question = token_ids(tok, _texts(task.kind, keys[0])[1]) + codes[0][1]
     budget = task.context - len(p.start) - (task.stride - 1) - len(question) - p.n_answer
     budget -= sum(map(len, needles))
     filler = _filler(p, budget, int(rng.integers(len(p.sentences))))
@@ -382,4 +382,11 @@ def check_task(tok, task: RetrievalTask, max_context: int | None = None, bos: bo
         )
 
 
-__all__ = ["COLUMNS", "TASK_KINDS", "RetrievalTask", "build_retrieval_prompts", "check_task"]
+__all__ = [
+    "COLUMNS",
+    "TASK_KINDS",
+    "RetrievalTask",
+    "build_retrieval_prompts",
+    "check_task",
+    "exact_tails",
+]

@@ -193,7 +193,7 @@ def _run_all(todo, results, out, address, num_cpus, resources, progress):
         }
         with progress_bar(Console(stderr=True), disable=not progress) as bar:
             snapshot = None if board is None else lambda: ray.get(board.snapshot.remote())
-            rows = _Rows(bar, snapshot, f"{len(todo)} jobs", len(todo))
+            rows = ProgressRows(bar, snapshot, f"{len(todo)} jobs", len(todo))
             while pending:
                 done, _ = ray.wait(list(pending), num_returns=1, timeout=0.5)
                 rows.poll(pending)
@@ -216,7 +216,7 @@ def _collect(ray, ref, job: Job, results: Path, out: Launch) -> None:
     out.ran.append(job.key)
 
 
-class _Rows:
+class ProgressRows:
     """The progress display: one bar over all jobs, plus one row per running job that reports
     progress (its own completed/total and ETA), removed when the job ends."""
 
@@ -244,4 +244,4 @@ class _Rows:
         self.bar.update(self.all, advance=1, item=item)
 
 
-__all__ = ["Failure", "Launch", "launch", "read_cached"]
+__all__ = ["Failure", "Launch", "ProgressRows", "launch", "read_cached"]

@@ -32,7 +32,7 @@ branch_*   zero (per head)              ``nsa``: the head's gate on one branch (
 ``mean`` replaces an activation by its mean over a *reference* set of sequences (per position for
 ``hook_z``, per block index for block entries); ``resample`` by the same activation of one
 reference sequence drawn at random per dataset sequence (the same draw for every unit, seeded).
-A query row that a mask leaves with nothing visible gets a zero output (``_masked_softmax``).
+A query row that a mask leaves with nothing visible gets a zero output (``masked_softmax``).
 One ablation applied to a model (the hooks, as the context manager :func:`ablation`) is
 :mod:`phasemech.interventions.ablation_hooks`.
 
@@ -72,18 +72,22 @@ from phasemech.interventions.ablation_plan import COMPONENTS as COMPONENTS
 from phasemech.interventions.ablation_plan import (
     DEFAULT_MODES,
     METRICS,
-    _check_dataset,
-    _design,
-    _grid,
-    _plan,
-    _Run,
+    AblationRun,
+    check_dataset,
+    model_design,
+    plan_runs,
+    resolve_grid,
     unit_kind,
 )
 from phasemech.interventions.ablation_plan import MODES as MODES
 from phasemech.interventions.ablation_plan import UNIT_KEYS as UNIT_KEYS
 from phasemech.interventions.ablation_plan import UNIT_KINDS as UNIT_KINDS
 from phasemech.interventions.ablation_plan import VALID_MODES as VALID_MODES
-from phasemech.interventions.ablation_result import AblationResult, _effects, _targets_frame
+from phasemech.interventions.ablation_result import (
+    AblationResult,
+    ablation_targets_frame,
+    phase_effects,
+)
 from phasemech.measure.readout import answer_logits
 from phasemech.model.transformer import PhaseTransformer
 
@@ -118,7 +122,7 @@ def _layer_stats(
     model: PhaseTransformer,
     ref_tokens: Tensor,
     layer: int,
-    runs: list[_Run],
+    runs: list[AblationRun],
     batch_size: int,
     advance: Any,
 ) -> _LayerStats:
@@ -167,7 +171,7 @@ def _layer_stats(
     return out
 
 
-def _replacement(run: _Run, stats: _LayerStats, donors: Tensor | None) -> Any:
+def _replacement(run: AblationRun, stats: _LayerStats, donors: Tensor | None) -> Any:
     u = run.unit
     if run.mode == "mean":
         if run.component == "head":
@@ -210,12 +214,12 @@ def _check_options(
 
 
 def _checked_tensors(
-    where: str, model: PhaseTransformer, ds: Any, reference: Any, runs: list[_Run]
+    where: str, model: PhaseTransformer, ds: Any, reference: Any, runs: list[AblationRun]
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """``ds``'s tokens ``[batch, pos]``, query positions and answers ``[batch, target]``, and
     the reference tokens ``[ref, pos]`` (None when no run needs reference statistics)."""
     columns = ("input_ids", "query_pos", "source_pos", "answer", "depth", "group_id", "seq_id")
-    seq_len = _check_dataset(where, "ds", ds, columns)
+    seq_len = check_dataset(where, "ds", ds, columns)
     if seq_len > model.cfg.n_ctx:
         raise ValueError(
             f"{where}: ds has sequences of {seq_len} tokens: at most n_ctx={model.cfg.n_ctx}"
@@ -223,7 +227,7 @@ def _checked_tensors(
     needs_ref = any(r.mode in ("mean", "resample") for r in runs)
     if needs_ref:
         reference = _default_reference(ds) if reference is None else reference
-        ref_len = _check_dataset(where, "reference", reference, ("input_ids",))
+        ref_len = check_dataset(where, "reference", reference, ("input_ids",))
         if ref_len != seq_len:
             raise ValueError(
                 f"{where}: reference has sequences of {ref_len} tokens, ds of {seq_len}: "
@@ -255,7 +259,7 @@ class _Scoring:
 def _score_into(
     out: np.ndarray,
     s: _Scoring,
-    run: _Run | None,
+    run: AblationRun | None,
     stats: _LayerStats | None,
     advance: Callable[[], Any],
 ) -> None:
@@ -287,7 +291,7 @@ def _progress_bar(progress: bool) -> Progress:
 
 def _score_runs(
     model: PhaseTransformer,
-    runs: list[_Run],
+    runs: list[AblationRun],
     tensors: tuple[Tensor, Tensor, Tensor, Tensor | None],
     seed: int,
     batch_size: int,
@@ -317,7 +321,7 @@ def _score_runs(
     model.eval()
     try:
         with bar:
-            task_id = bar.add_task(f"ablate {_design(model)}: {len(runs)} runs", total=total)
+            task_id = bar.add_task(f"ablate {model_design(model)}: {len(runs)} runs", total=total)
             advance = functools.partial(bar.advance, task_id)
             _score_into(base, scoring, None, None, advance)
             for layer, idx in by_layer.items():
@@ -365,21 +369,21 @@ def ablate(
     where = "ablate"
     if not isinstance(model, PhaseTransformer):
         raise ValueError(f"{where}: model is a {type(model).__name__}: expected a PhaseTransformer")
-    runs = _plan(model, components, modes, layers, where)
-    stride, grid_offset = _grid(model, stride, grid_offset, where)
+    runs = plan_runs(model, components, modes, layers, where)
+    stride, grid_offset = resolve_grid(model, stride, grid_offset, where)
     n_boot, seed, batch_size = _check_options(where, n_boot, seed, batch_size, progress)
     tensors = _checked_tensors(where, model, ds, reference, runs)
     frame = targets_frame(ds, stride, grid_offset)
     base, ablated = _score_runs(model, runs, tensors, seed, batch_size, progress)
     return AblationResult(
-        targets=_targets_frame(runs, frame, base, ablated, stride, grid_offset),
-        effects=_effects(runs, frame, base, ablated, stride, n_boot, seed),
+        targets=ablation_targets_frame(runs, frame, base, ablated, stride, grid_offset),
+        effects=phase_effects(runs, frame, base, ablated, stride, n_boot, seed),
         stride=stride,
         grid_offset=grid_offset,
         n_layers=model.cfg.n_layers,
         n_heads=model.cfg.n_heads,
         n_kv_heads=model.cfg.n_kv_heads,
-        design=_design(model),
+        design=model_design(model),
     )
 
 

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from phasemech.core.config import SELECTING_DESIGNS
 from phasemech.core.grid import n_blocks
-from phasemech.interventions.ablation_plan import BRANCH_COMPONENTS, _check_unit, bias_params
+from phasemech.interventions.ablation_plan import BRANCH_COMPONENTS, bias_params, check_unit
 from phasemech.model.transformer import PhaseTransformer
 
 
@@ -124,7 +124,7 @@ def ablation(
     for name, value in (("component", component), ("mode", mode)):
         if not isinstance(value, str):
             raise ValueError(f"{where}: {name}={value!r} is invalid: give one name (a str)")
-    _check_unit(where, model, component, mode, layer, unit)
+    check_unit(where, model, component, mode, layer, unit)
     _check_replacement(where, component, mode, replacement)
     hooks = _hooks(model, component, mode, int(layer), int(unit), replacement)
     params = bias_params(model.blocks[layer].attn) if component == "phase_bias" else []

@@ -59,7 +59,7 @@ UNIT_KINDS = ("head", "kv_head")
 UNIT_KEYS = ["component", "mode", "layer", "unit"]
 
 
-def _names(where: str, name: str, value: Any, allowed: Sequence[str]) -> tuple[str, ...]:
+def checked_names(where: str, name: str, value: Any, allowed: Sequence[str]) -> tuple[str, ...]:
     """A str or a sequence of str, each in ``allowed``; duplicates dropped, order kept."""
     items = (value,) if isinstance(value, str) else value
     if not isinstance(items, Sequence) or len(items) == 0:
@@ -72,7 +72,8 @@ def _names(where: str, name: str, value: Any, allowed: Sequence[str]) -> tuple[s
     return tuple(dict.fromkeys(items))
 
 
-def _design(model: PhaseTransformer) -> str:
+def model_design(model: PhaseTransformer) -> str:
+    """The compression design of ``model``'s config."""
     return model.cfg.compression.design
 
 
@@ -159,7 +160,7 @@ def _is_compressed(model: PhaseTransformer, layer: int) -> bool:
 
 
 @dataclass(frozen=True)
-class _Run:
+class AblationRun:
     """One ablation: one unit of one layer, one component, one mode."""
 
     component: str
@@ -221,15 +222,15 @@ def _component_layers(
     return [int(i) for i in layers]
 
 
-def _plan(
+def plan_runs(
     model: PhaseTransformer, components: Any, modes: Any, layers: Any, where: str = "ablate"
-) -> list[_Run]:
+) -> list[AblationRun]:
     """Every ablation to run, layer-major; raises on any invalid request before work starts."""
-    comps = _names(where, "component", components, COMPONENTS)
-    mode_list = _names(where, "mode", modes, MODES)
+    comps = checked_names(where, "component", components, COMPONENTS)
+    mode_list = checked_names(where, "mode", modes, MODES)
     n_layers = model.cfg.n_layers
     layers = _check_layers(where, layers, n_layers)
-    design = _design(model)
+    design = model_design(model)
     compressed = [i for i in range(n_layers) if _is_compressed(model, i)]
     runs = []
     for comp in comps:
@@ -237,18 +238,19 @@ def _plan(
         chosen = _chosen_modes(where, comp, mode_list, design)
         comp_layers = _component_layers(where, comp, layers, compressed, n_layers)
         for mode in chosen:
-            runs += [_Run(comp, mode, i, u) for i in comp_layers
+            runs += [AblationRun(comp, mode, i, u) for i in comp_layers
                      for u in range(_units(model, comp, mode, i))]  # fmt: skip
     order = {c: k for k, c in enumerate(COMPONENTS)}
     return sorted(runs, key=lambda r: (r.layer, order[r.component], MODES.index(r.mode), r.unit))
 
 
-def _check_unit(
+def check_unit(
     where: str, model: PhaseTransformer, component: str, mode: str, layer: Any, unit: Any
 ) -> None:
-    _names(where, "component", component, COMPONENTS)
-    _names(where, "mode", mode, MODES)
-    design = _design(model)
+    """Refuse one ablation (``component``, ``mode``, ``layer``, ``unit``) ``model`` can't run."""
+    checked_names(where, "component", component, COMPONENTS)
+    checked_names(where, "mode", mode, MODES)
+    design = model_design(model)
     _check_design(where, component, design)
     allowed = _modes_for(component, design)
     if mode not in allowed:
@@ -269,7 +271,8 @@ def _check_unit(
         raise ValueError(f"{where}: unit {unit!r} is invalid: allowed {kind} indices 0..{n - 1}")
 
 
-def _check_dataset(where: str, name: str, ds: Any, columns: tuple[str, ...]) -> int:
+def check_dataset(where: str, name: str, ds: Any, columns: tuple[str, ...]) -> int:
+    """Refuse ``ds`` unless it is a non-empty task set with ``columns``; returns its length."""
     if not isinstance(ds, Dataset):
         raise ValueError(f"{where}: {name} is a {type(ds).__name__}: expected a datasets.Dataset")
     if len(ds) == 0:
@@ -283,7 +286,11 @@ def _check_dataset(where: str, name: str, ds: Any, columns: tuple[str, ...]) -> 
     return len(ds[0]["input_ids"])
 
 
-def _grid(model: PhaseTransformer, stride: Any, grid_offset: Any, where: str) -> tuple[int, int]:
+def resolve_grid(
+    model: PhaseTransformer, stride: Any, grid_offset: Any, where: str
+) -> tuple[int, int]:
+    """The ``(stride, grid_offset)`` phases are read on: the given ones, checked, else the
+    model's reference grid (a stride alone keeps the model's offset)."""
     m_stride, m_offset = reference_grid(model.cfg.compression)
     if stride is not None:
         stride = check_int(where, "stride", stride, 2)

@@ -25,8 +25,8 @@ from phasemech.interventions.ablation_plan import (
     METRICS,
     MODES,
     UNIT_KINDS,
-    _names,
-    _Run,
+    AblationRun,
+    checked_names,
     unit_kind,
 )
 from phasemech.interventions.specialization import specialization
@@ -59,9 +59,9 @@ class AblationResult:
         """Per-phase mean effects ``[layer, unit, phase]`` over all the model's layers (NaN for
         layers, or phases, without that ablation)."""
         where = "AblationResult.tensor"
-        _names(where, "metric", metric, METRICS)
-        _names(where, "component", component, COMPONENTS)
-        _names(where, "mode", mode, MODES)
+        checked_names(where, "metric", metric, METRICS)
+        checked_names(where, "component", component, COMPONENTS)
+        checked_names(where, "mode", mode, MODES)
         e = self.effects
         sel = e[(e.metric == metric) & (e.component == component) & (e["mode"] == mode)]
         if sel.empty:
@@ -115,7 +115,7 @@ class AblationResult:
 _META = ("stride", "grid_offset", "n_layers", "n_heads", "n_kv_heads", "design")
 
 
-def _run_columns(runs: list[_Run], repeat: int) -> dict[str, Any]:
+def _run_columns(runs: list[AblationRun], repeat: int) -> dict[str, Any]:
     """``component, mode, layer, unit, unit_kind`` of each run, each repeated ``repeat`` times."""
 
     def cat(values: list[str], categories: tuple[str, ...]) -> pd.Categorical:
@@ -131,14 +131,16 @@ def _run_columns(runs: list[_Run], repeat: int) -> dict[str, Any]:
     }
 
 
-def _targets_frame(
-    runs: list[_Run],
+def ablation_targets_frame(
+    runs: list[AblationRun],
     frame: pd.DataFrame,
     base: np.ndarray,
     ablated: np.ndarray,
     stride: int,
     grid_offset: int,
 ) -> pd.DataFrame:
+    """One row per (run, target): the run's unit, the target's phase and depth, and each
+    metric's base and ablated value (the ``targets`` table of :class:`AblationResult`)."""
     n_runs, n = len(runs), len(frame)
     cols = _run_columns(runs, n)
     for c, dtype in (
@@ -179,8 +181,8 @@ def _cell_sums(
     return sums.reshape(n_runs, rows, n_cells)
 
 
-def _effects(
-    runs: list[_Run],
+def phase_effects(
+    runs: list[AblationRun],
     frame: pd.DataFrame,
     base: np.ndarray,
     ablated: np.ndarray,
@@ -225,7 +227,7 @@ def _effects(
 
 
 def _effects_frame(
-    runs: list[_Run],
+    runs: list[AblationRun],
     per_phase: dict[str, np.ndarray],
     n_phase: np.ndarray,
     mean_base: np.ndarray,
@@ -253,4 +255,4 @@ def _nan_quantiles(x: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
     return lo, hi
 
 
-__all__ = ["AblationResult"]
+__all__ = ["AblationResult", "ablation_targets_frame", "phase_effects"]

@@ -18,7 +18,7 @@ from transformer_lens import HookedTransformer
 
 from phasemech.core.device import model_device
 from phasemech.interventions.contrasts import Contrast, metric_values
-from phasemech.interventions.patching import _baseline, _check_model, _grid
+from phasemech.interventions.patching import baseline_runs, check_patch_inputs, shifted_grid
 from phasemech.interventions.patching_result import PatchResult
 
 
@@ -53,14 +53,14 @@ def attribution_patch(
     effect of patching every (layer, position, head) output. ``source(hook_name, corrupted_z)``
     replaces the clean run's ``z`` (as in :func:`~phasemech.interventions.patching_fast.
     patch_heads`)."""
-    _check_model(model, contrast, metric)
+    check_patch_inputs(model, contrast, metric)
     contrast = contrast.to(model_device(model))  # built on the CPU; the model may sit on a GPU
     model.eval()
     n_layers, n_heads = model.cfg.n_layers, model.cfg.n_heads
     batch, seq = contrast.corrupted_tokens.shape
     z_names = [f"blocks.{lay}.attn.hook_z" for lay in range(n_layers)]
     with torch.no_grad():  # not inference_mode: these tensors meet autograd below
-        runs = _baseline(model, contrast, metric, z_names)
+        runs = baseline_runs(model, contrast, metric, z_names)
     if source is not None:
         runs.src.update({n: source(n, runs.corr[n]) for n in z_names})
     values = np.zeros((n_layers, seq, n_heads, batch))
@@ -88,7 +88,7 @@ def attribution_patch(
         hooks.append((last_pattern, keep))
         with (
             torch.enable_grad(),
-            _grid(model, contrast.corrupted_grid[sl]),
+            shifted_grid(model, contrast.corrupted_grid[sl]),
             model.hooks(fwd_hooks=hooks),
         ):
             logits = model(contrast.corrupted_tokens[sl])

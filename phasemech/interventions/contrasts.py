@@ -89,7 +89,8 @@ class Contrast:
         return dataclasses.replace(self, **moved)
 
 
-def _check_choice(name: str, value: object, allowed: Iterable[str]) -> None:
+def check_choice(name: str, value: object, allowed: Iterable[str]) -> None:
+    """Refuse ``value`` unless it is one of ``allowed`` (``name`` names it in the error)."""
     allowed = tuple(allowed)
     if value not in allowed:
         raise ValueError(f"{name}={value!r} is invalid: allowed {', '.join(allowed)}")
@@ -99,7 +100,7 @@ def _check_contrast(
     ds: Dataset, kind: str, stride: int, grid_offset: int, shift: int | None, n_pairs: int | None
 ) -> tuple[int, int]:
     """Checked ``(shift, number of pairs)``; ``shift=None`` takes the kind's default."""
-    _check_choice("kind", kind, CONTRASTS)
+    check_choice("kind", kind, CONTRASTS)
     if isinstance(stride, bool) or not isinstance(stride, int) or stride < 2:
         raise ValueError(f"stride={stride!r} is invalid: expected an int >= 2")
     if isinstance(grid_offset, bool) or not isinstance(grid_offset, int):
@@ -246,4 +247,4 @@ def metric_values(
     return lp if metric == "logprob" else lp.exp()
 
 
-__all__ = ["Contrast", "make_contrast", "metric_values"]
+__all__ = ["Contrast", "check_choice", "make_contrast", "metric_values"]

@@ -248,7 +248,7 @@ def _verdicts(
     )
 
 
-def _token_map(clean: PromptRun, corrupt: PromptRun) -> Callable[[Tensor], Tensor]:
+def position_map(clean: PromptRun, corrupt: PromptRun) -> Callable[[Tensor], Tensor]:
     """Clean positions to corrupted ones (-1: none). A prompt is ``PREFIX[:k] + body``: the
     shift prefix's tokens keep their place, everything after it moves by the prefix difference;
     token 0 stays token 0 (the attention sink is a place, whatever token holds it)."""
@@ -277,7 +277,7 @@ def _kept(model, run: PromptRun) -> dict[int, tuple[Tensor, Tensor]]:
     return {i: (store[i, "hook_route_selected"], store[i, "hook_grid_offset"]) for i in layers}
 
 
-def _mapped(
+def map_kept_set(
     kept: Bool[Tensor, "head row block"],
     o_clean: Int[Tensor, "kv_head"],
     o_corrupt: Int[Tensor, "kv_head"],
@@ -319,7 +319,7 @@ def copy_selection(
     patched layers, the corrupted run's own count being the unpatched copies' baseline)."""
     layers = selecting_layers(model)
     clean_kept, n = _kept(model, clean), len(layers) + 1
-    move = _token_map(clean, corrupt)
+    move = position_map(clean, corrupt)
     offsets: dict[int, Tensor] = {}  # the corrupted run's, per layer
     gates: dict[int, Tensor] = {}
     kept_sum = torch.zeros(n, dtype=torch.float64)
@@ -334,7 +334,7 @@ def copy_selection(
         layer = int(hook.name.split(".")[1])
         k, oc = clean_kept[layer]
         stride = model.blocks[layer].attn.stride
-        new, has = _mapped(k, oc, offsets[layer][0], move, stride, tuple(mask.shape[2:]))
+        new, has = map_kept_set(k, oc, offsets[layer][0], move, stride, tuple(mask.shape[2:]))
         cand = torch.isfinite(gates[layer])  # [copy, head, row, block]
         on = torch.zeros(n, dtype=torch.bool, device=mask.device)
         on[[layers.index(layer), n - 1]] = True
@@ -364,4 +364,6 @@ __all__ = [
     "force_needle",
     "needle_selection",
     "selecting_layers",
+    "map_kept_set",
+    "position_map",
 ]

@@ -40,7 +40,7 @@ from phasemech.core.device import model_device
 from phasemech.interventions.contrasts import (
     METRICS,
     Contrast,
-    _check_choice,
+    check_choice,
     metric_values,
 )
 from phasemech.interventions.patching_result import PatchResult
@@ -54,13 +54,14 @@ from phasemech.interventions.patching_sites import (
 from phasemech.model.transformer import PhaseTransformer
 
 
-def _logits(model: HookedTransformer, rows: Float[Tensor, "copy d_model"]) -> Tensor:
+def unembed_rows(model: HookedTransformer, rows: Float[Tensor, "copy d_model"]) -> Tensor:
+    """Logits of residual-stream ``rows``: the final norm (if any), unembed, soft cap."""
     if model.cfg.normalization_type is not None:
         rows = model.ln_final(rows)
     return apply_softcap(model.unembed(rows[:, None])[:, 0], model.cfg.output_logits_soft_cap)
 
 
-def _grid(model: HookedTransformer, shift: Tensor):
+def shifted_grid(model: HookedTransformer, shift: Tensor):
     """``shift_grid`` on a PhaseTransformer; nothing on a plain HookedTransformer."""
     if isinstance(model, PhaseTransformer):
         return model.shift_grid(shift)
@@ -93,13 +94,15 @@ def _align(clean: Tensor, corr: Tensor, shift: int, pos_dim: int = 1) -> Tensor:
     return out
 
 
-def _baseline(model: HookedTransformer, c: Contrast, metric: str, names: list[str]) -> _Runs:
+def baseline_runs(model: HookedTransformer, c: Contrast, metric: str, names: list[str]) -> _Runs:
+    """The clean and corrupted runs of ``c``: their metric, the foil, and the activations at
+    hooks ``names`` (clean ones aligned to corrupted positions for a content contrast)."""
     want = set(names)
-    with _grid(model, c.clean_grid):
+    with shifted_grid(model, c.clean_grid):
         logits, clean_cache = model.run_with_cache(c.clean_tokens, names_filter=lambda n: n in want)
     ar = torch.arange(len(c), device=c.query_pos.device)
     clean_rows = logits[ar, c.query_pos]
-    with _grid(model, c.corrupted_grid):
+    with shifted_grid(model, c.corrupted_grid):
         logits, corr_cache = model.run_with_cache(
             c.corrupted_tokens, names_filter=lambda n: n in want
         )
@@ -131,8 +134,9 @@ def _baseline(model: HookedTransformer, c: Contrast, metric: str, names: list[st
     )
 
 
-def _check_model(model: HookedTransformer, c: Contrast, metric: str) -> None:
-    _check_choice("metric", metric, METRICS)
+def check_patch_inputs(model: HookedTransformer, c: Contrast, metric: str) -> None:
+    """Refuse a metric, contrast or model that cannot be patched together, before any run."""
+    check_choice("metric", metric, METRICS)
     if not isinstance(c, Contrast):
         raise ValueError(f"contrast={type(c).__name__} is invalid: build one with make_contrast")
     if c.clean_tokens.shape[1] > model.cfg.n_ctx:
@@ -158,7 +162,8 @@ def _check_model(model: HookedTransformer, c: Contrast, metric: str) -> None:
             )
 
 
-def _check_layers(model: HookedTransformer, layers: Iterable[int] | None) -> tuple[int, ...]:
+def check_layers(model: HookedTransformer, layers: Iterable[int] | None) -> tuple[int, ...]:
+    """``layers`` as sorted distinct valid layer indices (every layer when ``None``)."""
     n = model.cfg.n_layers
     if layers is None:
         return tuple(range(n))
@@ -171,7 +176,7 @@ def _check_layers(model: HookedTransformer, layers: Iterable[int] | None) -> tup
     return tuple(sorted(set(layers)))
 
 
-def _result(
+def patch_result(
     site: str,
     by_pos: bool,
     metric: str,
@@ -181,6 +186,8 @@ def _result(
     layers: tuple[int, ...],
     n_run: int,
 ) -> PatchResult:
+    """The :class:`PatchResult` of patched ``values``, with the pairs' foil and clean and
+    corrupted metrics."""
     pairs = c.pairs.copy()
     pairs["foil"] = runs.foil.cpu().numpy()
     pairs["clean"] = runs.clean.double().cpu().numpy()
@@ -213,9 +220,9 @@ def _site_layers(
             "patching them would leak later tokens into earlier queries"
         )
     if not site.compressed_only:
-        return _check_layers(model, layers)
+        return check_layers(model, layers)
     compressed = sorted(model.compressed_layers()) if isinstance(model, PhaseTransformer) else []
-    layers = _check_layers(model, compressed if layers is None else layers)
+    layers = check_layers(model, compressed if layers is None else layers)
     bad = [x for x in layers if x not in compressed]
     if bad:
         raise ValueError(
@@ -252,9 +259,9 @@ def _run_copies(
 
     hooks = [(name, put) for name in site.hooks(model, layer) if name in runs.corr]
     resid = runs.corr[f"blocks.{layer}.hook_resid_pre"][b]
-    with _grid(model, contrast.corrupted_grid[b]), model.hooks(fwd_hooks=hooks):
+    with shifted_grid(model, contrast.corrupted_grid[b]), model.hooks(fwd_hooks=hooks):
         out = model(resid, start_at_layer=layer, stop_at_layer=model.cfg.n_layers, return_type=None)
-    logits = _logits(model, out[rows, runs.qpos[b]])
+    logits = unembed_rows(model, out[rows, runs.qpos[b]])
     return metric_values(logits, contrast.answer[b], runs.foil[b], runs.metric)
 
 
@@ -289,9 +296,9 @@ def patch_sites(
     (a KV head's compressed entries, every block at once). Copies whose clean and corrupted
     slices are identical, or (position-resolved) sit after the answer, are not run: they cannot
     change the metric. ``z`` is the hook-based reference of the faster :func:`patch_heads`."""
-    _check_model(model, contrast, metric)
+    check_patch_inputs(model, contrast, metric)
     if not isinstance(site, Site):
-        _check_choice("site", site, SITES)
+        check_choice("site", site, SITES)
         site = SITES[site]
     if isinstance(max_copies, bool) or not isinstance(max_copies, int) or max_copies < 1:
         raise ValueError(f"max_copies={max_copies!r} is invalid: expected an int >= 1")
@@ -299,7 +306,7 @@ def patch_sites(
     contrast = contrast.to(model_device(model))  # built on the CPU; the model may sit on a GPU
     model.eval()
     names = [n for lay in layers for n in site.hooks(model, lay)]
-    runs = _baseline(
+    runs = baseline_runs(
         model, contrast, metric, names + [f"blocks.{x}.hook_resid_pre" for x in layers]
     )
     _check_fired(model, site, layers, runs)
@@ -319,7 +326,7 @@ def patch_sites(
             pos_idx = np.zeros(len(b), dtype=int) if p is None else p.cpu().numpy()
             values[lay, pos_idx, u.cpu().numpy(), b.cpu().numpy()] = got.double().cpu().numpy()
             n_run += len(b)
-    return _result(site.name, by_pos, metric, contrast, values, runs, layers, n_run)
+    return patch_result(site.name, by_pos, metric, contrast, values, runs, layers, n_run)
 
 
 #: TransformerLens-style shorthands of the engine
@@ -337,4 +344,10 @@ __all__ = [
     "patch_kv_blocks",
     "patch_patterns",
     "patch_sites",
+    "baseline_runs",
+    "check_layers",
+    "check_patch_inputs",
+    "shifted_grid",
+    "unembed_rows",
+    "patch_result",
 ]

@@ -43,13 +43,13 @@ from phasemech.attention import CompressedAttentionMixin
 from phasemech.core.device import model_device
 from phasemech.interventions.contrasts import Contrast, metric_values
 from phasemech.interventions.patching import (
-    _baseline,
-    _check_layers,
-    _check_model,
-    _grid,
-    _logits,
-    _result,
+    baseline_runs,
+    check_layers,
+    check_patch_inputs,
+    patch_result,
     patch_sites,
+    shifted_grid,
+    unembed_rows,
 )
 from phasemech.interventions.patching_result import PatchResult
 from phasemech.model.transformer import PhaseTransformer
@@ -176,7 +176,7 @@ def _patch_last_layer(model, contrast: Contrast, runs, L: _Layer, by_pos: bool, 
     row_mid = L.resid_mid[ar, runs.qpos]  # [batch, d_model]
     d_row = torch.einsum("bhd,hdm->bhm", L.dz[ar, runs.qpos], L.w_o)
     rows = _finish_block(model, model.cfg.n_layers - 1, row_mid[:, None] + d_row)
-    logits = _logits(model, rows.reshape(batch * n_heads, -1))
+    logits = unembed_rows(model, rows.reshape(batch * n_heads, -1))
     answer, foil = contrast.answer.repeat_interleave(n_heads), runs.foil.repeat_interleave(n_heads)
     got = metric_values(logits, answer, foil, runs.metric).reshape(batch, n_heads)
     changed = L.differs[ar, runs.qpos]
@@ -205,7 +205,9 @@ def _patch_inner_layer(
         b, p, h = (t[start : start + max_copies] for t in (b_idx, p_idx, h_idx))
         x = _patched_residual(model, layer, L, b, p, h, int(runs.qpos[b].max()) + 1, by_pos)
         final = _final_rows(model, contrast, runs, layer, x, b)
-        got = metric_values(_logits(model, final), contrast.answer[b], runs.foil[b], runs.metric)
+        got = metric_values(
+            unembed_rows(model, final), contrast.answer[b], runs.foil[b], runs.metric
+        )
         out[p.cpu().numpy(), h.cpu().numpy(), b.cpu().numpy()] = got.double().cpu().numpy()
     return len(b_idx)
 
@@ -225,7 +227,7 @@ def _patched_residual(model, layer: int, L: _Layer, b, p, h, upto_len: int, by_p
 def _final_rows(model, contrast: Contrast, runs, layer: int, x: Tensor, b: Tensor) -> Tensor:
     """The copies' final residual at their answer rows, run from ``layer + 1``."""
     n_layers = model.cfg.n_layers
-    with _grid(model, contrast.corrupted_grid[b]):
+    with shifted_grid(model, contrast.corrupted_grid[b]):
         if _rows_ok(model) and isinstance(model, PhaseTransformer):
             if layer + 1 < n_layers - 1:
                 x = model(x, start_at_layer=layer + 1, stop_at_layer=n_layers - 1, return_type=None)
@@ -252,8 +254,8 @@ def patch_heads(
     hook-based ``patch_sites(site="z")`` it falls back to where the delta trick does not hold.
     ``source(hook_name, corrupted_z)``: what each patch copies in instead of the clean ``z``
     (same shape); the result's ``clean`` is then still the clean run's metric."""
-    _check_model(model, contrast, metric)
-    layers = _check_layers(model, layers)
+    check_patch_inputs(model, contrast, metric)
+    layers = check_layers(model, layers)
     if isinstance(max_copies, bool) or not isinstance(max_copies, int) or max_copies < 1:
         raise ValueError(f"max_copies={max_copies!r} is invalid: expected an int >= 1")
     if not _fast_block(model):
@@ -265,7 +267,7 @@ def patch_heads(
     model.eval()
     mid = "hook_resid_post" if model.cfg.attn_only else "hook_resid_mid"
     names = [f"blocks.{x}.{h}" for x in layers for h in ("attn.hook_z", mid, "hook_resid_post")]
-    runs = _baseline(model, contrast, metric, list(dict.fromkeys(names)))
+    runs = baseline_runs(model, contrast, metric, list(dict.fromkeys(names)))
     if source is not None:
         for name in (f"blocks.{x}.attn.hook_z" for x in layers):
             runs.src[name] = source(name, runs.corr[name])
@@ -281,7 +283,7 @@ def patch_heads(
             n_run += _patch_inner_layer(
                 model, contrast, runs, lay, L, by_pos, max_copies, values[lay]
             )
-    return _result("z", by_pos, metric, contrast, values, runs, layers, n_run)
+    return patch_result("z", by_pos, metric, contrast, values, runs, layers, n_run)
 
 
 def zero_source(name: str, z: Tensor) -> Tensor:

@@ -145,7 +145,7 @@ def _check_index_list(name: str, value: Any, size: int, what: str) -> list[int]:
     return sorted(int(v) for v in value)
 
 
-def _cross_validate(
+def grouped_cross_validate(
     x: np.ndarray, y: np.ndarray, groups: np.ndarray, cv: int
 ) -> tuple[float, float, int]:
     """``(mean fold accuracy, std across folds, pooled out-of-fold hits)``."""
@@ -279,7 +279,7 @@ def _probe_scores(
 ) -> dict[str, Any]:
     """``accuracy, std, chance, n, p_value`` of one probe."""
     chance = max(1.0 / stride, float(np.bincount(y).max()) / len(y))
-    acc, std, hits = _cross_validate(x, y, groups, cv)
+    acc, std, hits = grouped_cross_validate(x, y, groups, cv)
     p = sps.binomtest(hits, len(y), chance, alternative="greater").pvalue
     return {"accuracy": acc, "std": std, "chance": chance, "n": len(y), "p_value": float(p)}
 
@@ -369,4 +369,4 @@ def phase_probe(
     return ProbeResult(frame=frame, stride=stride, grid_offset=grid_offset, random_grid=random_grid)
 
 
-__all__ = ["ProbeResult", "phase_probe"]
+__all__ = ["ProbeResult", "grouped_cross_validate", "phase_probe"]

@@ -76,7 +76,7 @@ def ablate_prompt(
 
 
 @torch.inference_mode()
-def _resid_patch(model, clean, corrupt: PromptRun, answer: int, foil: int) -> list[float]:
+def resid_patch(model, clean, corrupt: PromptRun, answer: int, foil: int) -> list[float]:
     """The metric with the clean residual stream (aligned) entering each layer."""
     n = model.cfg.n_layers
     out = []
@@ -133,7 +133,7 @@ def patch_pair(
         "corrupted": float(res.corrupted[0]),
         "foil": foil,
         "heads": res.values[:, 0, :, 0].tolist(),
-        "resid": _resid_patch(model, cl, corrupt, answer, foil),
+        "resid": resid_patch(model, cl, corrupt, answer, foil),
     }
     if any(isinstance(b.attn, SelectingAttention) for b in model.blocks):
         out |= _selection_patch(model, clean, corrupt, answer, foil)
@@ -144,4 +144,4 @@ def patch_pair(
     return out
 
 
-__all__ = ["ablate_prompt", "patch_pair", "z_sums"]
+__all__ = ["ablate_prompt", "patch_pair", "resid_patch", "z_sums"]

@@ -91,7 +91,7 @@ def prompt_run(
     )
 
 
-def _plain(cache: TransformerLensKeyValueCache) -> TransformerLensKeyValueCache:
+def plain_cache(cache: TransformerLensKeyValueCache) -> TransformerLensKeyValueCache:
     """A copy of ``cache`` made of ordinary tensors: the prefill runs under inference mode, and
     inference tensors cannot enter a graph (attribution patching differentiates through it)."""
     entries = []
@@ -103,7 +103,7 @@ def _plain(cache: TransformerLensKeyValueCache) -> TransformerLensKeyValueCache:
     return TransformerLensKeyValueCache(entries, cache.previous_attention_mask.clone(), True)
 
 
-def _expanded(cache: TransformerLensKeyValueCache, n: int) -> TransformerLensKeyValueCache:
+def expanded_cache(cache: TransformerLensKeyValueCache, n: int) -> TransformerLensKeyValueCache:
     """``cache`` for a batch of ``n`` copies: views, frozen (nothing is appended)."""
     entries = []
     for e in cache.entries:
@@ -126,12 +126,12 @@ def bound(model, run: PromptRun) -> Iterator[None]:
     if run.cache is None:
         yield
         return
-    original, views, plain = model.forward, {}, _plain(run.cache)
+    original, views, plain = model.forward, {}, plain_cache(run.cache)
 
     def forward(input, *args, **kw):  # noqa: A002 - TransformerLens' argument name
         n = input.shape[0]
         if n not in views:
-            views[n] = _expanded(plain, n)
+            views[n] = expanded_cache(plain, n)
         kw["past_kv_cache"] = views[n]
         if kw.get("start_at_layer") is None and kw.get("attention_mask") is None:
             kw["attention_mask"] = torch.ones_like(input)
@@ -230,6 +230,8 @@ __all__ = [
     "bound",
     "clean_run",
     "cross_source",
+    "expanded_cache",
+    "plain_cache",
     "prompt_run",
     "score",
     "self_contrast",

@@ -18,7 +18,7 @@ import torch
 from jaxtyping import Float, Int
 
 from phasemech.core.validation import check_int
-from phasemech.interventions.ablation_plan import METRICS, UNIT_KEYS, VALID_MODES, _names
+from phasemech.interventions.ablation_plan import METRICS, UNIT_KEYS, VALID_MODES, checked_names
 from phasemech.measure.stats.omnibus import holm
 
 #: relative tolerance of "a permuted statistic is at least the observed one" (float rounding)
@@ -109,7 +109,7 @@ def _check_frame(
             f"{where}: data is a {type(data).__name__}: expected an AblationResult or its "
             "targets DataFrame"
         )
-    _names(where, "metric", metric, METRICS)
+    checked_names(where, "metric", metric, METRICS)
     n_perm = check_int(where, "n_perm", n_perm, 1)
     seed = check_int(where, "seed", seed, 0)
     need = [*UNIT_KEYS, "group_id", "target", "phase", "depth", f"{metric}_base", metric]
@@ -338,7 +338,7 @@ def rank_heads(
         raise ValueError("rank_heads: data must be an AblationResult or its targets frame")
     keep = df["component"] == "head"
     if mode is not None:
-        _names("rank_heads", "mode", mode, VALID_MODES["head"])
+        checked_names("rank_heads", "mode", mode, VALID_MODES["head"])
         keep &= df["mode"] == mode
     if not keep.any():
         raise ValueError(f"rank_heads: no head ablation{'' if mode is None else f' ({mode})'}")

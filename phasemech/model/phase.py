@@ -67,7 +67,9 @@ class PhaseAttention:
         return wide
 
 
-def _pattern_hook_name(model: HookedTransformer, layer: int) -> str:
+def pattern_hook_name(model: HookedTransformer, layer: int) -> str:
+    """The hook of layer ``layer``'s per-token attention pattern (a compressed layer's
+    ``hook_token_pattern``, a dense layer's ``hook_pattern``)."""
     attn = model.blocks[layer].attn
     if isinstance(attn, CompressedAttentionMixin):
         return f"blocks.{layer}.attn.hook_token_pattern"
@@ -75,7 +77,7 @@ def _pattern_hook_name(model: HookedTransformer, layer: int) -> str:
 
 
 def _required(model: HookedTransformer, cache, layer: int) -> str:
-    name = _pattern_hook_name(model, layer)
+    name = pattern_hook_name(model, layer)
     if name not in cache:
         hint = (
             " (switch token patterns on: model.set_use_token_pattern(True))"
@@ -291,7 +293,7 @@ def _reduce_patterns(
     for i in layers:
         if isinstance(model.blocks[i].attn, CompressedAttentionMixin):
             fwd_hooks.append((f"blocks.{i}.attn.hook_grid_offset", grab_offsets))
-        fwd_hooks.append((_pattern_hook_name(model, i), reduce_hook))
+        fwd_hooks.append((pattern_hook_name(model, i), reduce_hook))
     dev = model_device(model)  # tokens are often built on the CPU; the model may sit on a GPU
     kwargs = {} if attention_mask is None else {"attention_mask": attention_mask.to(dev)}
     with torch.no_grad():
@@ -390,4 +392,4 @@ def combine_frames(frames: Sequence[pd.DataFrame]) -> pd.DataFrame:
     return out[["layer", "head", "phase", "mass", "n", "exact", "kind"]]
 
 
-__all__ = ["PhaseAttention", "combine_frames", "phase_attention"]
+__all__ = ["PhaseAttention", "combine_frames", "pattern_hook_name", "phase_attention"]

@@ -292,7 +292,7 @@ def _run_steps(
             name, total=cfg.steps, completed=step, loss=math.nan, acc="-", phases="-"
         )
         while step < cfg.steps:
-            recent.append(_train_step(cfg, model, opt, sched, step))
+            recent.append(train_step(cfg, model, opt, sched, step))
             step += 1
             bar.update(task_id, completed=step, loss=float(np.mean(recent[-50:])))
             if on_step is not None:
@@ -350,7 +350,7 @@ def _evaluate(
     return acc, by_phase
 
 
-def _train_step(cfg: TrainConfig, model: PhaseTransformer, opt, sched, step: int) -> float:
+def train_step(cfg: TrainConfig, model: PhaseTransformer, opt, sched, step: int) -> float:
     """One optimizer step on the batch of ``step`` (a pure function of the seed and the step,
     which is what makes a resumed run exact); the batch's loss."""
     dev = model_device(model)
@@ -388,4 +388,12 @@ def _log(log, row: dict) -> None:
     log.flush()
 
 
-__all__ = ["HeldOut", "TrainResult", "held_out_accuracy", "held_out_set", "lr_factor", "train"]
+__all__ = [
+    "HeldOut",
+    "TrainResult",
+    "held_out_accuracy",
+    "held_out_set",
+    "lr_factor",
+    "train",
+    "train_step",
+]

@@ -36,17 +36,17 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from phasemech.core.io import json_safe, write_text_atomic
-from phasemech.viz.dashboard import _html_escape
+from phasemech.viz.dashboard import html_escape
 from phasemech.viz.phase import per_phase_accuracy
 from phasemech.viz.style import (
     DESIGN_COLORS,
     PHASE_SCALE,
-    _check_stride,
-    _need,
-    _plain,
-    _rgba,
-    _style,
     apply_template,
+    check_stride,
+    need_columns,
+    plain_scalar,
+    rgba,
+    series_style,
 )
 
 NULL = "null"
@@ -81,14 +81,13 @@ def _check_col(
     bad = ~(ok | (np.isnan(v) & (col == "mass")))
     if bad.any():
         want = f"an int in 0..{int(top)}" if integer else f"a number in [0, {top:g}]"
-        raise ValueError(
-            f"{where}: {name} has {col} {_plain(frame[col].to_numpy()[bad][0])!r}: expected {want}"
-        )
+        first = plain_scalar(frame[col].to_numpy()[bad][0])
+        raise ValueError(f"{where}: {name} has {col} {first!r}: expected {want}")
 
 
 def _check_frame(where: str, name: str, frame: Any, d: int) -> pd.DataFrame:
     """``frame`` checked, with ``setting`` as str and ``phase`` as int."""
-    _need(where, name, frame, FRAME_COLUMNS[name])
+    need_columns(where, name, frame, FRAME_COLUMNS[name])
     _check_col(where, name, frame, "phase", d - 1, integer=True)
     frame = frame.assign(setting=frame["setting"].astype(str), phase=frame["phase"].astype(int))
     keys = [c for c in FRAME_COLUMNS[name] if c in _KEYS]
@@ -143,7 +142,9 @@ def _check_summary(where: str, summary: Any, settings: list[str], d: int) -> dic
         missing = [k for k in SETTING_KEYS if k not in e]
         if missing:
             raise ValueError(f"{where}: summary['settings'][{i}] lacks key(s) {missing}")
-        entries[str(e["setting"])] = dict(e, acc_by_phase=[_plain(a) for a in e["acc_by_phase"]])
+        entries[str(e["setting"])] = dict(
+            e, acc_by_phase=[plain_scalar(a) for a in e["acc_by_phase"]]
+        )
     for s in settings:
         if s not in entries:
             raise ValueError(f"{where}: summary['settings'] has no entry for setting {s!r}")
@@ -165,7 +166,7 @@ def _summary_stride(where: str, summary: Any) -> int:
         raise ValueError(
             f"{where}: summary regime={summary['regime']!r}: expected one of {REGIMES}"
         )
-    return _check_stride(where, summary["stride"])
+    return check_stride(where, summary["stride"])
 
 
 # --------------------------------------------------------------------------- figures
@@ -173,7 +174,7 @@ def _summary_stride(where: str, summary: Any) -> int:
 
 def _text(s: str) -> str:
     """A name as plotly text: plotly.js reads "<" as markup and decodes entities back."""
-    return _html_escape(str(s))
+    return html_escape(str(s))
 
 
 def _accuracy_figure(per_phase: pd.DataFrame, d: int, setting: str) -> go.Figure:
@@ -188,7 +189,7 @@ def _accuracy_figure(per_phase: pd.DataFrame, d: int, setting: str) -> go.Figure
     for trace in fig.data:
         if trace.legendgroup == NULL:  # the dense reference in its colour of every figure
             if trace.fill == "toself":
-                trace.fillcolor = _rgba(NULL_COLOR, 0.12)
+                trace.fillcolor = rgba(NULL_COLOR, 0.12)
             else:  # solid with circles: the reference, as "none" in every figure
                 trace.line.color = trace.marker.color = NULL_COLOR
                 if trace.mode == "lines+markers":
@@ -196,7 +197,7 @@ def _accuracy_figure(per_phase: pd.DataFrame, d: int, setting: str) -> go.Figure
     return fig
 
 
-def _heat(z: Any, y: list[str], custom: Any, zmax: float, bar: str, hover: str, **kw: Any):
+def phase_heatmap(z: Any, y: list[str], custom: Any, zmax: float, bar: str, hover: str, **kw: Any):
     """A phase-column heatmap in the phase colour scale, ``0..zmax``."""
     kw.update(zmin=0.0, zmax=zmax, xgap=1, colorscale=PHASE_SCALE, hovertemplate=hover)
     bar_ = dict(title=bar, thickness=12)
@@ -223,7 +224,9 @@ def _depth_figure(depth_phase: pd.DataFrame, d: int, setting: str) -> go.Figure:
             f"{name}<br>depth %{{y}}<br>phase %{{x}}<br>accuracy %{{z:.3f}}<br>n %{{customdata}}"
         )
         z, custom = acc.to_numpy(float), n.to_numpy(float)
-        trace = _heat(z, y, custom, 1.0, "accuracy", hover + "<extra></extra>", showscale=col == 2)
+        trace = phase_heatmap(
+            z, y, custom, 1.0, "accuracy", hover + "<extra></extra>", showscale=col == 2
+        )
         fig.add_trace(trace, row=1, col=col)
         fig.update_xaxes(title_text="needle phase", tickvals=list(range(d)), row=1, col=col)
     fig.update_yaxes(title_text="needle depth", type="category", autorange="reversed", row=1, col=1)
@@ -259,7 +262,7 @@ def _heads_figure(head_phase: pd.DataFrame, d: int, setting: str) -> go.Figure:
     hover = "%{y} phase %{x}<br>mass on needle %{z:.3f}<br>null %{customdata:.3f}<extra></extra>"
     ygap = 1 if len(g["labels"]) <= 60 else 0
     fig = go.Figure(
-        _heat(g["mass"], g["labels"], g["null_mass"], top or 1.0, "mass", hover, ygap=ygap)
+        phase_heatmap(g["mass"], g["labels"], g["null_mass"], top or 1.0, "mass", hover, ygap=ygap)
     )
     fig.update_xaxes(title_text="needle phase", tickvals=list(range(d)), fixedrange=True)
     fig.update_yaxes(title_text="layer.head", type="category", autorange="reversed")
@@ -292,7 +295,7 @@ def audit_figures(
     sorted by layer then head, ``customdata`` the null's mass on the same cells.
     """
     where = "audit_figures"
-    d = _check_stride(where, stride)
+    d = check_stride(where, stride)
     frames, settings = _frames(where, per_phase, depth_phase, head_phase, d)
     return _figures(frames, d, _check_setting(where, setting, settings))
 
@@ -319,7 +322,7 @@ def _setting_data(
     return dict(
         name=setting,
         summary=entry,
-        colors=dict(setting=_style(_text(setting), 0)[0], null=NULL_COLOR),
+        colors=dict(setting=series_style(_text(setting), 0)[0], null=NULL_COLOR),
         figures=figures,
         heads=dict(
             labels=g["labels"],
@@ -361,10 +364,12 @@ def render_audit(
         "null_accuracy": _overall(frames["per_phase"], NULL),
         "settings": [_setting_data(frames, d, s, entries[s]) for s in settings],
     }
-    return _page(str(summary["title"]), data)
+    return inline_page(str(summary["title"]), data)
 
 
-def _page(title: str, data: dict[str, Any], assets: Path = _ASSETS, name: str = "audit") -> str:
+def inline_page(
+    title: str, data: dict[str, Any], assets: Path = _ASSETS, name: str = "audit"
+) -> str:
     """``{name}.html`` of ``assets`` with the title, style (this module's ``audit.css``, then
     ``{name}.css`` where the page has one), plotly.js, ``data`` and ``{name}.js`` inlined."""
     text = json.dumps(json_safe(data), allow_nan=False)
@@ -377,7 +382,7 @@ def _page(title: str, data: dict[str, Any], assets: Path = _ASSETS, name: str = 
     if extra != _ASSETS / "audit.css" and extra.exists():
         style += extra.read_text()
     parts = {
-        "TITLE": _html_escape(title),
+        "TITLE": html_escape(title),
         "STYLE": style,
         "PLOTLYJS": get_plotlyjs(),
         "DATA": text,
@@ -411,6 +416,8 @@ __all__ = [
     "SETTING_KEYS",
     "SUMMARY_KEYS",
     "audit_figures",
+    "inline_page",
+    "phase_heatmap",
     "render_audit",
     "write_audit_html",
 ]

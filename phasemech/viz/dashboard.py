@@ -79,7 +79,7 @@ def render_dashboard(
     data = data.replace("<", "\\u003c")
     page = (_ASSETS / "dashboard.html").read_text()
     parts = {
-        "TITLE": _html_escape(title),
+        "TITLE": html_escape(title),
         "STYLE": (_ASSETS / "dashboard.css").read_text(),
         "PLOTLYJS": get_plotlyjs(),
         "DATA": data,
@@ -98,8 +98,9 @@ def _rgb_scale(name: str) -> list[list[Any]]:
     return [[float(t), c] for (t, _), c in zip(scale, colors, strict=True)]
 
 
-def _html_escape(s: str) -> str:
+def html_escape(s: str) -> str:
+    """``s`` with ``&``, ``<`` and ``>`` escaped, to put in HTML text."""
     return s.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
-__all__ = ["example_target", "head_rank_key", "render_dashboard"]
+__all__ = ["example_target", "head_rank_key", "html_escape", "render_dashboard"]

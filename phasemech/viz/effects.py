@@ -18,9 +18,9 @@ from phasemech.viz.style import (
     MEAN_DASH,
     OTHER_COLORS,
     UNCLUSTERED_COLOR,
-    _need,
-    _pick,
     apply_template,
+    need_columns,
+    pick_column,
 )
 
 #: columns that select one analysis out of a tidy effects frame; several values = ambiguous
@@ -29,8 +29,8 @@ SELECTOR_COLUMNS = ("component", "mode", "metric", "pos", "unit_kind", "site", "
 
 def _check_effects(where: str, frame: pd.DataFrame, value: str) -> str:
     """The unit column (``unit`` or ``head``) of a frame holding one analysis."""
-    _need(where, "frame", frame, ["layer", "phase", value])
-    unit = _pick(where, "frame", frame, ("unit", "head"))
+    need_columns(where, "frame", frame, ["layer", "phase", value])
+    unit = pick_column(where, "frame", frame, ("unit", "head"))
     multi = [c for c in SELECTOR_COLUMNS if c in frame.columns and frame[c].nunique() > 1]
     if multi:
         vals = {c: sorted(map(str, frame[c].unique())) for c in multi}
@@ -142,13 +142,13 @@ def effect_heatmap(
 def _label_units(where: str, spec: pd.DataFrame, clusters: pd.DataFrame | None) -> pd.DataFrame:
     """``spec`` with a ``name`` per unit (its cluster, ``"unclustered"`` or ``"unit"``) and
     ``served_phase``, ``p_holm`` (NaN where ``spec`` lacks them)."""
-    _need(where, "spec", spec, ["layer", "unit", "overall", "si"])
+    need_columns(where, "spec", spec, ["layer", "unit", "overall", "si"])
     df = spec.copy()
     df["layer"] = df["layer"].astype(int)
     df["unit"] = df["unit"].astype(int)
     if clusters is not None:
-        _need(where, "clusters", clusters, ["layer", "name"])
-        cu = _pick(where, "clusters", clusters, ("unit", "head"))
+        need_columns(where, "clusters", clusters, ["layer", "name"])
+        cu = pick_column(where, "clusters", clusters, ("unit", "head"))
         # units of several models: (model, layer, unit) when both frames name the model
         keys = ["model"] if "model" in df.columns and "model" in clusters.columns else []
         lab = clusters[[*keys, "layer", cu, "name"]].rename(columns={cu: "unit"})

@@ -31,9 +31,9 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from phasemech.core.io import write_text_atomic
-from phasemech.viz.audit import NULL_COLOR, _heat, _page
+from phasemech.viz.audit import NULL_COLOR, inline_page, phase_heatmap
 from phasemech.viz.phase import per_phase_accuracy
-from phasemech.viz.style import EFFECT_SCALE, _need, apply_template
+from phasemech.viz.style import EFFECT_SCALE, apply_template, need_columns
 
 NEED: dict[str, tuple[str, ...]] = {
     "prompts": ("phase", "design_correct", "null_correct"),
@@ -55,7 +55,7 @@ def _checked(tables: dict[str, pd.DataFrame | None]) -> dict[str, pd.DataFrame]:
     out = {}
     for name, cols in NEED.items():
         if tables.get(name) is not None and len(tables[name]):
-            _need(where, name, tables[name], cols)
+            need_columns(where, name, tables[name], cols)
             out[name] = tables[name]
     return out
 
@@ -68,8 +68,8 @@ def _selection_figure(rec: pd.DataFrame, d: int) -> go.Figure:
     z = rec.pivot(index="layer", columns="phase", values="recall").reindex(columns=range(d))
     rank = rec.pivot(index="layer", columns="phase", values="rank").reindex_like(z)
     hover = "layer %{y} phase %{x}<br>recall %{z:.2f}<br>median rank %{customdata}<extra></extra>"
-    fig = go.Figure(_heat(z.to_numpy(float), z.index.tolist(), rank.to_numpy(float), 1.0,
-                          "recall", hover))  # fmt: skip
+    fig = go.Figure(phase_heatmap(z.to_numpy(float), z.index.tolist(), rank.to_numpy(float), 1.0,
+                                  "recall", hover))  # fmt: skip
     fig.update_xaxes(title_text="needle phase", tickvals=list(range(d)))
     fig.update_yaxes(title_text="layer", autorange="reversed", dtick=1)
     title = "Selection recall: needle's block kept at the answer row"
@@ -108,8 +108,8 @@ def _oracle_layers_figure(orc: pd.DataFrame, d: int) -> go.Figure | None:
         hover = (
             f"{form} in layer %{{y}} alone<br>phase %{{x}}<br>accuracy %{{z:.2f}}<extra></extra>"
         )
-        fig.add_trace(_heat(z.to_numpy(float), z.index.tolist(), None, 1.0, "accuracy", hover,
-                            showscale=c == len(forms)), row=1, col=c)  # fmt: skip
+        fig.add_trace(phase_heatmap(z.to_numpy(float), z.index.tolist(), None, 1.0, "accuracy",
+                                    hover, showscale=c == len(forms)), row=1, col=c)  # fmt: skip
         fig.update_xaxes(title_text="needle phase", tickvals=list(range(d)), row=1, col=c)
     fig.update_yaxes(title_text="layer", autorange="reversed", dtick=1, row=1, col=1)
     title = "Oracle in one layer at a time (every row after the needle)"
@@ -286,7 +286,7 @@ def render_explain(tables: dict[str, pd.DataFrame | None], summary: dict[str, An
         figures=figs,
         heads=_heads_data(t, d),
     )
-    return _page(title, data, Path(__file__).with_name("explain_assets"), "explain")
+    return inline_page(title, data, Path(__file__).with_name("explain_assets"), "explain")
 
 
 def write_explain_html(

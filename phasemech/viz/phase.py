@@ -21,13 +21,13 @@ from phasemech.viz.style import (
     FONT,
     MEAN_DASH,
     PHASE_SCALE,
-    _band_style,
-    _check_stride,
-    _need,
-    _pick,
-    _plain,
-    _style,
     apply_template,
+    band_style,
+    check_stride,
+    need_columns,
+    pick_column,
+    plain_scalar,
+    series_style,
 )
 
 
@@ -95,7 +95,9 @@ def head_phase_heatmap(
     """
     # a PhaseAttention is read by its attributes: figures never import the model layer
     frame = getattr(pa, "frame", pa)
-    _need("head_phase_heatmap", "pa", frame, ["layer", "head", "phase", "mass", "n", "exact"])
+    need_columns(
+        "head_phase_heatmap", "pa", frame, ["layer", "head", "phase", "mass", "n", "exact"]
+    )
     layers = sorted(frame.layer.unique())
     subtitles = _layer_titles(frame, layers, layer_names or {})
     fig = make_subplots(rows=1, cols=len(layers), subplot_titles=subtitles, shared_yaxes=True)
@@ -118,14 +120,14 @@ CI_COLUMNS = (("ci_low", "ci_high"), ("boot_lo", "boot_hi"), ("wilson_lo", "wils
 def _phase_curve(where: str, label: str, frame: Any, stride: int) -> dict[str, Any]:
     """Columns of one per-phase series: ``phase``, ``acc``, ``lo``, ``hi`` (or None), ``mean``."""
     name = f"series[{label!r}]"
-    _need(where, name, frame, ["phase"])
-    acc_col = _pick(where, name, frame, ACC_COLUMNS)
+    need_columns(where, name, frame, ["phase"])
+    acc_col = pick_column(where, name, frame, ACC_COLUMNS)
     df = frame.sort_values("phase")
     phase = pd.to_numeric(df["phase"], errors="coerce").to_numpy(float)
     bad = ~np.isfinite(phase) | (phase < 0) | (phase >= stride) | (phase != np.round(phase))
     if bad.any():
         raise ValueError(
-            f"{where}: {name} has phase {_plain(df['phase'].to_numpy()[bad][0])!r}: expected "
+            f"{where}: {name} has phase {plain_scalar(df['phase'].to_numpy()[bad][0])!r}: expected "
             f"an int in 0..{stride - 1} (stride={stride})"
         )
     acc = df[acc_col].to_numpy(float)
@@ -177,7 +179,7 @@ def _mean_style(label: str, color: str) -> dict[str, Any]:
 
 def _accuracy_traces(label: str, i: int, c: dict[str, Any], d: int) -> list[go.Scatter]:
     """One series of :func:`per_phase_accuracy`: [band,] line, mean."""
-    color, dash, symbol = _style(label, i)
+    color, dash, symbol = series_style(label, i)
     traces = []
     if c["lo"] is not None:
         keep = np.isfinite(c["lo"]) & np.isfinite(c["hi"])
@@ -186,7 +188,7 @@ def _accuracy_traces(label: str, i: int, c: dict[str, Any], d: int) -> list[go.S
             go.Scatter(
                 x=np.r_[x, x[::-1]],
                 y=np.r_[c["hi"][keep], c["lo"][keep][::-1]],
-                **_band_style(label, color),
+                **band_style(label, color),
             )
         )
     custom = np.c_[c["lo"], c["hi"]] if c["lo"] is not None else np.full((len(c["acc"]), 2), np.nan)
@@ -229,7 +231,7 @@ def per_phase_accuracy(
     Traces per series, in order: band (``fill="toself"``, only with an interval), line, mean.
     """
     where = "per_phase_accuracy"
-    d = _check_stride(where, stride)
+    d = check_stride(where, stride)
     fig = go.Figure()
     for i, (label, frame) in enumerate(_series_items(where, series)):
         for trace in _accuracy_traces(label, i, _phase_curve(where, label, frame, d), d):
@@ -246,7 +248,7 @@ def _polar_traces(
 ) -> tuple[list[go.Scatterpolar], float]:
     """One series of :func:`per_phase_polar` ([band,] loop, mean circle) and its largest
     radius."""
-    color, dash, symbol = _style(label, i)
+    color, dash, symbol = series_style(label, i)
     theta = c["phase"] * 360.0 / d
     traces, rmax = [], 0.0
     if c["lo"] is not None:
@@ -257,7 +259,7 @@ def _polar_traces(
             go.Scatterpolar(
                 theta=np.r_[t, t[:1], t[:1], t[::-1]],
                 r=np.r_[hi, hi[:1], lo[:1], lo[::-1]],
-                **_band_style(label, color),
+                **band_style(label, color),
             )
         )
         rmax = float(np.nanmax(hi, initial=0.0))
@@ -293,7 +295,7 @@ def per_phase_polar(
     Traces per series, in order: band (only with an interval), loop, mean circle.
     """
     where = "per_phase_polar"
-    d = _check_stride(where, stride)
+    d = check_stride(where, stride)
     fig = go.Figure()
     rmax = 0.0
     for i, (label, frame) in enumerate(_series_items(where, series)):
@@ -453,7 +455,7 @@ def attention_pattern_phases(
     and annotated.
     """
     where = "attention_pattern_phases"
-    d = _check_stride(where, stride)
+    d = check_stride(where, stride)
     a, pos = _check_keys(where, pattern, grid_offset, key_positions)
     n_q, n_k = a.shape
     phase = (pos - int(grid_offset)) % d

@@ -91,7 +91,7 @@ def design_of(label: str) -> str | None:
     return None
 
 
-def _style(label: str, i: int) -> tuple[str, str, str]:
+def series_style(label: str, i: int) -> tuple[str, str, str]:
     """(colour, dash, marker symbol) of the ``i``-th series, by design when the label names one."""
     d = design_of(label)
     if d is not None:
@@ -103,16 +103,17 @@ def _style(label: str, i: int) -> tuple[str, str, str]:
     )
 
 
-def _rgba(color: str, alpha: float) -> str:
+def rgba(color: str, alpha: float) -> str:
+    """``color`` (hex or ``rgb(...)``) as an ``rgba(...)`` string of opacity ``alpha``."""
     r, g, b = pcolors.hex_to_rgb(color) if color.startswith("#") else pcolors.unlabel_rgb(color)
     return f"rgba({int(r)},{int(g)},{int(b)},{alpha})"
 
 
-def _band_style(label: str, color: str) -> dict[str, Any]:
+def band_style(label: str, color: str) -> dict[str, Any]:
     """Trace settings of a shaded 95% band (no line, no hover, grouped with its curve)."""
     return dict(
         fill="toself",
-        fillcolor=_rgba(color, 0.18),
+        fillcolor=rgba(color, 0.18),
         mode="lines",
         line=dict(width=0),
         hoverinfo="skip",
@@ -122,13 +123,15 @@ def _band_style(label: str, color: str) -> dict[str, Any]:
     )
 
 
-def _check_stride(where: str, stride: Any, low: int = 2) -> int:
+def check_stride(where: str, stride: Any, low: int = 2) -> int:
+    """``stride`` as an int >= ``low``, else a ValueError naming ``where``."""
     if isinstance(stride, bool) or not isinstance(stride, int | np.integer) or stride < low:
         raise ValueError(f"{where}: stride={stride!r} is invalid: expected an int >= {low}")
     return int(stride)
 
 
-def _need(where: str, name: str, frame: Any, columns: Sequence[str]) -> None:
+def need_columns(where: str, name: str, frame: Any, columns: Sequence[str]) -> None:
+    """Refuse ``frame`` unless it is a DataFrame with ``columns`` (``name`` names it)."""
     if not isinstance(frame, pd.DataFrame):
         raise ValueError(f"{where}: {name} is a {type(frame).__name__}: expected a DataFrame")
     missing = [c for c in columns if c not in frame.columns]
@@ -138,12 +141,13 @@ def _need(where: str, name: str, frame: Any, columns: Sequence[str]) -> None:
         )
 
 
-def _plain(v: Any) -> Any:
+def plain_scalar(v: Any) -> Any:
     """A numpy scalar as its Python value (for error messages)."""
     return v.item() if isinstance(v, np.generic) else v
 
 
-def _pick(where: str, name: str, frame: pd.DataFrame, options: Sequence[str]) -> str:
+def pick_column(where: str, name: str, frame: pd.DataFrame, options: Sequence[str]) -> str:
+    """The first of ``options`` that ``frame`` has as a column, else a ValueError."""
     for c in options:
         if c in frame.columns:
             return c

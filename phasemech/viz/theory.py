@@ -13,10 +13,10 @@ from phasemech.theory.dynamics import fmt_num, fmt_time, predictions
 from phasemech.viz.style import (
     COLUMN_WIDTH,
     MEAN_DASH,
-    _band_style,
-    _need,
-    _style,
     apply_template,
+    band_style,
+    need_columns,
+    series_style,
 )
 
 
@@ -37,12 +37,12 @@ def theory_curves(
     """
     where = "theory_curves"
     need = [x, y, series, *(band or ())]
-    _need(where, "frame", frame, need)
+    need_columns(where, "frame", frame, need)
     fig = go.Figure()
     for i, key in enumerate(dict.fromkeys(frame[series])):
         sub = frame[frame[series] == key].sort_values(x)
         label = str(key)
-        color, dash, symbol = _style(label, i)
+        color, dash, symbol = series_style(label, i)
         xs = sub[x].to_numpy()
         if band is not None:
             lo, hi = sub[band[0]].to_numpy(float), sub[band[1]].to_numpy(float)
@@ -50,7 +50,7 @@ def theory_curves(
                 go.Scatter(
                     x=np.r_[xs, xs[::-1]],
                     y=np.r_[hi, lo[::-1]],
-                    **_band_style(label, color),
+                    **band_style(label, color),
                 )
             )
         fig.add_trace(
@@ -81,11 +81,11 @@ def prediction_scatter(
     """Predicted (``x``) against observed (``y``) values, markers only, one trace per value of
     ``series`` (in order of first appearance), and the dotted ``y = x`` line last."""
     where = "prediction_scatter"
-    _need(where, "frame", frame, [x, y, series])
+    need_columns(where, "frame", frame, [x, y, series])
     fig = go.Figure()
     for i, key in enumerate(dict.fromkeys(frame[series])):
         sub = frame[frame[series] == key]
-        color, _, symbol = _style(str(key), i)
+        color, _, symbol = series_style(str(key), i)
         fig.add_trace(
             go.Scatter(
                 x=sub[x].to_numpy(float),

@@ -17,8 +17,8 @@ import plotly.graph_objects as go
 from phasemech.viz.style import (
     COLUMN_WIDTH,
     PHASE_SCALE,
-    _check_stride,
     apply_template,
+    check_stride,
 )
 
 
@@ -70,7 +70,7 @@ def training_dynamics(
     line.
     """
     where = "training_dynamics"
-    d = _check_stride(where, stride)
+    d = check_stride(where, stride)
     rows = _metric_rows(where, metrics)
     steps = np.array([r["step"] for r in rows])
     acc = _accuracy_by_phase(where, rows, d)

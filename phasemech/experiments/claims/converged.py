@@ -26,8 +26,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from phasemech.experiments.claims.sources import f3
 from phasemech.experiments.experiment import Profile
-from phasemech.experiments.sweep.summary import ACC_BINS, BAND_LABELS, _fmt
+from phasemech.experiments.sweep.summary import ACC_BINS, BAND_LABELS
 
 KEYS = ["stride", "heads", "seq_len", "d_model"]
 #: the width of a summary row that carries none: a profile's default (every sweep profile
@@ -127,11 +128,11 @@ def _at_own_band(out: pd.DataFrame, summary: dict[str, Any]) -> pd.DataFrame:
 def _band_cell(r) -> str:
     if pd.isna(r.band):  # no seed converged: nothing to compare
         return "-"
-    mine = "no evaluation" if pd.isna(r.band_gap) else f"{_fmt(r.band_gap)} ({int(r.band_n)})"
+    mine = "no evaluation" if pd.isna(r.band_gap) else f"{f3(r.band_gap)} ({int(r.band_n)})"
     dense = (
         "no dense evaluation"
         if pd.isna(r.band_dense_gap)
-        else f"{_fmt(r.band_dense_gap)} ({int(r.band_dense_n)})"
+        else f"{f3(r.band_dense_gap)} ({int(r.band_dense_n)})"
     )
     return f"{mine} / {dense} (band {r.band})"
 
@@ -165,15 +166,15 @@ def converged_claim_lines(summary: dict[str, Any], source: str) -> tuple[list[st
     ]
     for r in s.sort_values([*KEYS, "design"]).itertuples():
         gap = (
-            f"{_fmt(r.debiased_gap)} [{_fmt(r.debiased_lo)}, {_fmt(r.debiased_hi)}]"
+            f"{f3(r.debiased_gap)} [{f3(r.debiased_lo)}, {f3(r.debiased_hi)}]"
             if r.converged
             else "none converged: no gap"
         )
-        dense = f"{_fmt(r.dense_gap)} [{_fmt(r.dense_lo)}, {_fmt(r.dense_hi)}]"
+        dense = f"{f3(r.dense_gap)} [{f3(r.dense_lo)}, {f3(r.dense_hi)}]"
         lines.append(
             f"| {r.design} | {r.stride} | {r.heads} | {r.seq_len} | {r.d_model} "
             f"| {r.converged} of {r.seeds} "
-            f"| {_fmt(r.accuracy) if r.converged else '-'} | {gap} | {dense} | {_band_cell(r)} | "
+            f"| {f3(r.accuracy) if r.converged else '-'} | {gap} | {dense} | {_band_cell(r)} | "
             f"{'yes' if r.has_gap else 'no'} |"
         )
     ex = matched_excess(summary)
@@ -182,7 +183,7 @@ def converged_claim_lines(summary: dict[str, Any], source: str) -> tuple[list[st
         lines += [
             "",
             f"Along training, at equal held-out accuracy, the largest excess of a design's raw "
-            f"gap over the dense one is {_fmt(top['excess'])} ({top['design']} d={top['stride']} "
+            f"gap over the dense one is {f3(top['excess'])} ({top['design']} d={top['stride']} "
             f"H={top['heads']} T={top['seq_len']}{_width(top['d_model'])}, accuracy band "
             f"{top['band']}, {top['n']} "
             "evaluations).",
@@ -216,7 +217,7 @@ def interventions_claim_lines(summary: dict[str, Any], source: str) -> tuple[lis
     for r in models.itertuples():
         served = f"; heads opening a weak spot (served phase): {r.heads_opening_weak_spot}"
         lines.append(
-            f"- {r.model}: accuracy {_fmt(r.accuracy)}, per-phase range "
+            f"- {r.model}: accuracy {f3(r.accuracy)}, per-phase range "
             f"{r.phase_range_pts:.1f} pts, {r.phase_dependent_heads} phase-dependent heads"
             + (served if r.heads_opening_weak_spot else "")
             + "."

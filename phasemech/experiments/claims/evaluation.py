@@ -6,14 +6,14 @@ Axes: ``phase``; rows are models.
 
 from __future__ import annotations
 
-from phasemech.experiments.claims.sources import Sources, _fig, _model_rows, f3
+from phasemech.experiments.claims.sources import Sources, f3, figure_line, model_rows
 
 
 def claim_evaluation(src: Sources) -> str:
     out = ["## 5. The evaluation fix: report per phase", ""]
     out.append("*Paper*: report retrieval per phase, never only averaged over positions.")
     out.append("")
-    models = _model_rows(src)
+    models = model_rows(src)
     top = models.iloc[0]
     dense = models[models["design"] == "none"]
     out.append(
@@ -43,7 +43,7 @@ def claim_evaluation(src: Sources) -> str:
         "Verdict: **Adopted** (a practice, not a measurement): every phasemech evaluation is "
         "per phase.",
         "",
-        _fig(src, "accuracy_by_phase_polar_d8", "accuracy_by_phase_polar_d4"),
+        figure_line(src, "accuracy_by_phase_polar_d8", "accuracy_by_phase_polar_d4"),
     ]
     return "\n".join(out)
 

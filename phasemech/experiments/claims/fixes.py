@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from phasemech.experiments.claims.sources import Sources, _fig, _load_json, _missing, f3
+from phasemech.experiments.claims.sources import Sources, f3, figure_line, load_json, not_measured
 from phasemech.measure.learning import all_off_plateau, seeds_off_plateau
 
 # fixes.py profiles, in order of training budget (converged: every model trained to 0.99)
@@ -25,7 +25,7 @@ def _learned_at(fx: dict) -> tuple[float, str]:
 
 def fix_runs(results: Path) -> list[tuple[str, dict]]:
     """The recorded fixes runs, ``(profile, summary)``, shortest training budget first."""
-    runs = ((name, _load_json(results / f"fixes_{name}.json")) for name in FIX_PROFILES)
+    runs = ((name, load_json(results / f"fixes_{name}.json")) for name in FIX_PROFILES)
     return [(name, fx) for name, fx in runs if fx is not None]
 
 
@@ -83,7 +83,7 @@ def _fixes_run(name: str, fx: dict) -> tuple[list[str], list[str]]:
     return out, met
 
 
-def _fixes_training_lines(fx: dict) -> list[str]:
+def fixes_training_lines(fx: dict) -> list[str]:
     """Along training (profiles that record convergence and matched tables): each fix's steps
     to 0.95 held-out accuracy beside its baseline's, and their held-out raw gaps at equal
     accuracy (the 0.9-0.99 band, where converging models spend most evaluations)."""
@@ -122,13 +122,15 @@ def claim_fixes(src: Sources) -> str:
     out.append("")
     if not runs:
         out.append(
-            _missing("analyses/results/fixes_default.json", "phasemech run fixes --profile default")
+            not_measured(
+                "analyses/results/fixes_default.json", "phasemech run fixes --profile default"
+            )
         )
         return "\n".join([*out, "", "Verdict: **Open**: the fixes have not been measured."])
     met = []
     for name, fx in runs:
         lines, m = _fixes_run(name, fx)
-        out += [*lines, *_fixes_training_lines(fx), ""]
+        out += [*lines, *fixes_training_lines(fx), ""]
         met += m
     name, fx = runs[-1]
     cmp = pd.DataFrame(fx["comparison"])
@@ -151,9 +153,9 @@ def claim_fixes(src: Sources) -> str:
         f"accuracy change's CI above -{fx['noninferiority']:.0%}, every seed of the fix and of "
         f"its baseline {word} (held-out accuracy >= {at})): " + verdict + ".",
         "",
-        _fig(src, "fixes_by_phase"),
+        figure_line(src, "fixes_by_phase"),
     ]
     return "\n".join(out)
 
 
-__all__ = ["FIX_PROFILES", "claim_fixes", "fix_runs"]
+__all__ = ["FIX_PROFILES", "claim_fixes", "fix_runs", "fixes_training_lines"]

@@ -12,11 +12,11 @@ from pathlib import Path
 from phasemech.experiments.claims.converged import converged_claim_lines, merge_summaries
 from phasemech.experiments.claims.sources import (
     Sources,
-    _fig,
-    _load_json,
-    _missing,
-    _model_rows,
     f3,
+    figure_line,
+    load_json,
+    model_rows,
+    not_measured,
 )
 from phasemech.experiments.sweep.profiles import PROFILES as SWEEP_PROFILE_DEFS
 
@@ -25,7 +25,7 @@ def claim_from_scratch(src: Sources) -> str:
     out = ["## 2. Reproducible from scratch, across designs", ""]
     out.append("*Paper*: small transformers pretrained with several compression designs show it.")
     out.append("")
-    models = _model_rows(src)
+    models = model_rows(src)
     for r in models.itertuples():
         sig = "CI excludes 0" if r.lo > 0 else "CI includes 0"
         out.append(
@@ -33,7 +33,7 @@ def claim_from_scratch(src: Sources) -> str:
             f"[{f3(r.lo)}, {f3(r.hi)}] ({sig})."
         )
     out.append(f"  (`{src.command}`.)")
-    sweep = _load_json(src.results / "phase_sweep_default.json")
+    sweep = load_json(src.results / "phase_sweep_default.json")
     gapped: set[str] = set()
     if sweep is not None:
         rows = [r for r in sweep["rows"] if r["seed"] == "pooled" and r["targets"] == "all"]
@@ -52,7 +52,7 @@ def claim_from_scratch(src: Sources) -> str:
             + ". Source `analyses/results/phase_sweep_default.json` (`make sweep`)."
         )
     else:
-        out.append("- " + _missing("analyses/results/phase_sweep_default.json", "make sweep"))
+        out.append("- " + not_measured("analyses/results/phase_sweep_default.json", "make sweep"))
     designs = {r.design for r in models.itertuples() if r.lo > 0 and r.design != "none"}
     designs |= gapped
     verdict = (
@@ -61,7 +61,7 @@ def claim_from_scratch(src: Sources) -> str:
         else f"**Not supported**: only {len(designs)} design(s) show a gap"
     )
     rule = "at least two compressed designs with a debiased-gap CI above 0"
-    conv_lines, conv_verdict = _converged_sweep_lines(src)
+    conv_lines, conv_verdict = converged_sweep_lines(src)
     out += conv_lines
     if conv_verdict is not None:
         rule, verdict = CONVERGED_RULE, conv_verdict
@@ -69,7 +69,7 @@ def claim_from_scratch(src: Sources) -> str:
         "",
         f"Verdict (rule: {rule}): " + verdict + ".",
         "",
-        _fig(src, "accuracy_by_phase_d4", "accuracy_by_phase_polar_d8", "training_dynamics"),
+        figure_line(src, "accuracy_by_phase_d4", "accuracy_by_phase_polar_d8", "training_dynamics"),
     ]
     return "\n".join(out)
 
@@ -89,17 +89,17 @@ CONVERGED_RULE = (
 
 def converged_sweeps(results: Path) -> list[tuple[str, dict]]:
     """The recorded converged phase sweeps, ``(profile, summary)``, in profile order."""
-    runs = [(n, _load_json(results / f"phase_sweep_{n}.json")) for n in SWEEP_PROFILES]
+    runs = [(n, load_json(results / f"phase_sweep_{n}.json")) for n in SWEEP_PROFILES]
     return [(n, s) for n, s in runs if s is not None]
 
 
-def _converged_sweep_lines(src: Sources) -> tuple[list[str], str | None]:
+def converged_sweep_lines(src: Sources) -> tuple[list[str], str | None]:
     """The gap claim at convergence over every recorded converged sweep, and its verdict
     (None: no converged sweep is recorded)."""
     convs = converged_sweeps(src.results)
     if not convs:
         cmd = "phasemech run phase_sweep --profile converged"
-        return ["- " + _missing("analyses/results/phase_sweep_converged.json", cmd)], None
+        return ["- " + not_measured("analyses/results/phase_sweep_converged.json", cmd)], None
     named = ", ".join(
         f"`analyses/results/phase_sweep_{n}.json` (`phasemech run phase_sweep --profile {n}`)"
         for n, _ in convs
@@ -115,4 +115,10 @@ def _converged_sweep_lines(src: Sources) -> tuple[list[str], str | None]:
     return ["", intro, "", *lines], verdict
 
 
-__all__ = ["CONVERGED_RULE", "SWEEP_PROFILES", "claim_from_scratch", "converged_sweeps"]
+__all__ = [
+    "CONVERGED_RULE",
+    "SWEEP_PROFILES",
+    "claim_from_scratch",
+    "converged_sweep_lines",
+    "converged_sweeps",
+]

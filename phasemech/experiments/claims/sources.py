@@ -3,7 +3,7 @@
 the helpers every section formats them with.
 
 Axes: rows of the figures run's per-phase table are (design x stride x heads x T x grid x
-phase); a model row (:func:`_model_rows`) is one model on its own grid.
+phase); a model row (:func:`model_rows`) is one model on its own grid.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import pandas as pd
 # ------------------------------------------------------------------------ reading result files
 
 
-def _load_json(path: Path) -> dict | None:
+def load_json(path: Path) -> dict | None:
+    """The parsed JSON file at ``path``, or ``None`` where nothing is recorded there."""
     return json.loads(path.read_text()) if path.is_file() else None
 
 
@@ -40,16 +41,18 @@ class Sources:
     results: Path  # the recorded results (analyses/results/)
 
 
-def _missing(what: str, command: str) -> str:
+def not_measured(what: str, command: str) -> str:
+    """The line standing in for a result not recorded yet, with the command that makes it."""
     return f"*Not measured yet*: `{what}` is missing; run `{command}`."
 
 
-def _fig(src: Sources, *names: str) -> str:
+def figure_line(src: Sources, *names: str) -> str:
+    """The ``Figure:`` line linking the named figures that the figures run drew."""
     links = [f"[{n}]({src.figures[n]})" for n in names if n in src.figures]
     return "Figure: " + (", ".join(links) if links else "(not drawn in this run)")
 
 
-def _model_rows(src: Sources) -> pd.DataFrame:
+def model_rows(src: Sources) -> pd.DataFrame:
     """One row per model of the figures run on its own grid: acc, weakest phase, gap, CI."""
     t = src.table[src.table["grid"] == src.table["stride"]]
     rows = []
@@ -71,4 +74,4 @@ def _model_rows(src: Sources) -> pd.DataFrame:
     return pd.DataFrame(rows).sort_values("gap", ascending=False)
 
 
-__all__ = ["Sources", "f3", "pp"]
+__all__ = ["Sources", "f3", "figure_line", "load_json", "model_rows", "not_measured", "pp"]

@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from phasemech.experiments.claims.converged import D_MODEL, interventions_claim_lines
-from phasemech.experiments.claims.sources import Sources, _fig, _load_json, _missing, f3
-from phasemech.experiments.claims.theory import _learned, theory_runs
+from phasemech.experiments.claims.sources import Sources, f3, figure_line, load_json, not_measured
+from phasemech.experiments.claims.theory import model_learned, theory_runs
 from phasemech.experiments.explain.summary import _fmt as _f
 from phasemech.experiments.explain.summary import layer_span
 
@@ -69,7 +69,9 @@ def _range(acc: list[float]) -> float:
     return float(max(acc) - min(acc))
 
 
-def _run_lines(stem: str, s: dict) -> tuple[list[str], int | None]:
+def explain_run_lines(stem: str, s: dict) -> tuple[list[str], int | None]:
+    """The report lines of one recorded explain run (``analyses/results/{stem}.json``)
+    and its count of phase-dependent heads (``None``: the run had no ablation step)."""
     c, f = s["config"], s.get("findings", {})
     head = (
         f"- {s['model']}, `{c['setting']}`, {c['regime']} regime, T = {c['context']}, "
@@ -132,7 +134,7 @@ def real_model_lines(results: Path) -> tuple[list[str], str]:
     lines = ["On a real model (`phasemech explain`, the audit's paired prompts):", ""]
     hits, tested = [], 0
     for stem, s in runs:
-        more, n = _run_lines(stem, s)
+        more, n = explain_run_lines(stem, s)
         lines += more
         tested += n is not None
         if n:
@@ -157,13 +159,13 @@ def real_model_lines(results: Path) -> tuple[list[str], str]:
 INTERVENTION_PROFILES = ("converged", "converged_d8", "converged_d8_wide")
 
 
-def _converged_interventions(src: Sources) -> tuple[str, list[str], str] | None:
+def converged_interventions(src: Sources) -> tuple[str, list[str], str] | None:
     """The header, lines and verdict of the specialisation claim over every recorded
     converged interventions run (None where none is recorded)."""
     found = [
         (n, s)
         for n in INTERVENTION_PROFILES
-        if (s := _load_json(src.results / f"interventions_{n}.json")) is not None
+        if (s := load_json(src.results / f"interventions_{n}.json")) is not None
     ]
     if not found:
         return None
@@ -222,7 +224,7 @@ def claim_specialisation(src: Sources) -> str:
         )
     out.append(f"  (`{src.command}`: model panels.)")
     name, tt = (theory_runs(src.results) or [(None, None)])[0]
-    learned = [m for m in tt["models"] if _learned(m)] if tt else []
+    learned = [m for m in tt["models"] if model_learned(m)] if tt else []
     if learned:
         spec = sum(m["specialised_heads"] for m in learned)
         heads = sum(m["heads"] for m in learned)
@@ -243,7 +245,7 @@ def claim_specialisation(src: Sources) -> str:
         "Holm-corrected p < 0.05"
     )
     rule = "some compressed head's ablation effect differs across phases, Holm p < 0.05"
-    conv = _converged_interventions(src)
+    conv = converged_interventions(src)
     if conv is not None:
         header, lines, verdict = conv
         out += ["", header, "", *lines]
@@ -254,7 +256,7 @@ def claim_specialisation(src: Sources) -> str:
         )
     else:
         cmd = "phasemech run interventions --profile converged"
-        out.append("- " + _missing("analyses/results/interventions_converged.json", cmd))
+        out.append("- " + not_measured("analyses/results/interventions_converged.json", cmd))
     real, real_verdict = real_model_lines(src.results)
     out += [
         "",
@@ -264,7 +266,9 @@ def claim_specialisation(src: Sources) -> str:
         "",
         real_verdict,
         "",
-        _fig(src, "ablation_effects", "patching_grid", "specialization", "head_phase_attention"),
+        figure_line(
+            src, "ablation_effects", "patching_grid", "specialization", "head_phase_attention"
+        ),
     ]
     return "\n".join(out)
 
@@ -273,6 +277,8 @@ __all__ = [
     "INTERVENTION_PROFILES",
     "RULE",
     "claim_specialisation",
+    "converged_interventions",
+    "explain_run_lines",
     "explain_runs",
     "real_model_lines",
 ]

@@ -24,7 +24,7 @@ from typing import Any
 import pandas as pd
 
 from phasemech.experiments.claims.converged import converged_settings, merge_summaries
-from phasemech.experiments.sweep.summary import _fmt
+from phasemech.experiments.claims.sources import f3
 
 SWEEP_FILE = "phase_sweep_systems.json"
 #: the same systems at T = 128 (``phasemech run phase_sweep --profile systems_T128``), merged
@@ -105,7 +105,7 @@ def systems_table(sweep: dict[str, Any], interventions: dict[str, Any] | None) -
 def _gap_cell(r: Any, prefix: str = "debiased") -> str:
     """``gap [lo, hi]`` of a table row (``prefix``: ``debiased``, or ``dense`` for its control)."""
     gap, lo, hi = (getattr(r, f"{prefix}_{k}") for k in ("gap", "lo", "hi"))
-    return f"{_fmt(gap)} [{_fmt(lo)}, {_fmt(hi)}]"
+    return f"{f3(gap)} [{f3(lo)}, {f3(hi)}]"
 
 
 def _result_cells(r: Any) -> str:
@@ -113,7 +113,7 @@ def _result_cells(r: Any) -> str:
     tables): seeds, accuracy, gap, dense gap, the rule's answer, steps, the weak phase's unit."""
     conv = bool(r.converged)
     return (
-        f"| {r.converged} of {r.seeds} | {_fmt(r.accuracy) if conv else '-'} "
+        f"| {r.converged} of {r.seeds} | {f3(r.accuracy) if conv else '-'} "
         f"| {_gap_cell(r) if conv else 'none converged: no gap'} | {_gap_cell(r, 'dense')} "
         f"| {'yes' if r.has_gap else 'no'} | {r.steps if isinstance(r.steps, str) else '-'} "
         f"| {r.server if isinstance(r.server, str) else '-'} |"
@@ -141,7 +141,7 @@ def _fixes_lines(results: Path) -> list[str]:
                 continue
             rows = [r for r in fx.get("comparison", []) if r["targets"] == "all"]
             cells = [
-                f"{r['fix']}: gap {_fmt(r['gap_baseline'])} -> {_fmt(r['gap_other'])}, cut "
+                f"{r['fix']}: gap {f3(r['gap_baseline'])} -> {f3(r['gap_other'])}, cut "
                 f"{_cut(r)}, accuracy {r['accuracy_diff']:+.3f} "
                 f"({'meets the goal' if r['meets_goal'] else 'does not meet the goal'})"
                 for r in rows

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from phasemech.experiments.claims.converged import D_MODEL
-from phasemech.experiments.claims.sources import Sources, _fig, _load_json, _missing
+from phasemech.experiments.claims.sources import Sources, figure_line, load_json, not_measured
 from phasemech.experiments.theory_trained.profiles import D_HEAD
 from phasemech.theory.dynamics import fmt_num, fmt_time
 
@@ -53,7 +53,7 @@ def claim_theory(src: Sources) -> str:
         "Verdict (rule: every qualitative prediction holds, and the pooled rank test against "
         "trained models has p < 0.05): " + verdict + ".",
         "",
-        _fig(src, "theory_plateau", "theory_vs_trained"),
+        figure_line(src, "theory_plateau", "theory_vs_trained"),
     ]
     return "\n".join(out)
 
@@ -151,12 +151,12 @@ THEORY_PROFILES = ("converged", "converged_d8", "default")
 def theory_runs(results: Path) -> list[tuple[str, dict]]:
     """The recorded theory-vs-trained runs, ``(profile, summary)``: the converged profiles when
     any is recorded (the older one's models mostly never learned), else the default one."""
-    runs = [(n, _load_json(results / f"theory_trained_{n}.json")) for n in THEORY_PROFILES]
+    runs = [(n, load_json(results / f"theory_trained_{n}.json")) for n in THEORY_PROFILES]
     runs = [(n, tt) for n, tt in runs if tt is not None]
     return [r for r in runs if r[0] != "default"] or runs
 
 
-def _learned(m: dict) -> bool:
+def model_learned(m: dict) -> bool:
     """A model that learned by the recorded run's rule (older runs: off the loss plateau)."""
     return bool(m.get("learned", m["off_plateau"]))
 
@@ -167,19 +167,21 @@ def _theory_trained_lines(src: Sources) -> tuple[list[str], dict | None]:
     runs = theory_runs(src.results)
     if not runs:
         cmd = "phasemech run theory_trained --profile converged"
-        return ["- " + _missing("analyses/results/theory_trained_converged.json", cmd)], None
+        return ["- " + not_measured("analyses/results/theory_trained_converged.json", cmd)], None
     out: list[str] = []
     for name, tt in runs:
-        out += _theory_run_lines(name, tt)
+        out += theory_run_lines(name, tt)
     return out, runs[0][1]["pooled_rank_test"]["all"]
 
 
-def _theory_run_lines(name: str, tt: dict) -> list[str]:
+def theory_run_lines(name: str, tt: dict) -> list[str]:
+    """The report lines of one recorded ``theory_trained`` run: the models left out and the
+    theory's rank agreement with the measured accuracy by phase."""
     ms, pooled = tt["models"], tt["pooled_rank_test"]["all"]
     at = tt.get("learned_at", tt["plateau_exit"])
     word = "converged" if at > tt["plateau_exit"] else "left the loss plateau"
-    learned = [m for m in ms if _learned(m)]
-    stuck = [f"H={m['heads']} seed {m['seed']}" for m in ms if not _learned(m)]
+    learned = [m for m in ms if model_learned(m)]
+    stuck = [f"H={m['heads']} seed {m['seed']}" for m in ms if not model_learned(m)]
     weak_hit = sum(m["weak_observed"] == m["weak_predicted"] for m in learned)
     out = [
         f"- Against trained gated models (d = {tt['profile']['stride']}, H in "
@@ -220,4 +222,4 @@ def _theory_run_lines(name: str, tt: dict) -> list[str]:
     return out
 
 
-__all__ = ["THEORY_PROFILES", "claim_theory", "theory_runs"]
+__all__ = ["THEORY_PROFILES", "claim_theory", "model_learned", "theory_run_lines", "theory_runs"]

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from phasemech.experiments.claims.sources import (
     Sources,
-    _fig,
-    _load_json,
-    _missing,
-    _model_rows,
+    figure_line,
+    load_json,
+    model_rows,
+    not_measured,
     pp,
 )
 
@@ -26,8 +26,8 @@ def claim_weak_spots(src: Sources) -> str:
     )
     out.append("")
     best_gap, where = -1.0, ""
-    pre = _load_json(src.results / "pretrained_default.json")
-    pre_map = _load_json(src.results / "pretrained_map.json")
+    pre = load_json(src.results / "pretrained_default.json")
+    pre_map = load_json(src.results / "pretrained_map.json")
     if pre is not None:
         for r in [r for r in pre["rows"] if r["setting"].startswith("route")]:
             g, lo, hi, by = r["debiased_gap"], r["gap_lo"], r["gap_hi"], r["acc_by_phase"]
@@ -42,7 +42,9 @@ def claim_weak_spots(src: Sources) -> str:
             if g > best_gap:
                 best_gap, where = g, f"SmolLM2 {r['setting']}"
     else:
-        out.append("- " + _missing("analyses/results/pretrained_default.json", "make pretrained"))
+        out.append(
+            "- " + not_measured("analyses/results/pretrained_default.json", "make pretrained")
+        )
     if pre_map is not None:
         rows = [r for r in pre_map["rows"] if r["setting"] != "null"]
         top = max(rows, key=lambda r: r["debiased_gap"])
@@ -55,7 +57,7 @@ def claim_weak_spots(src: Sources) -> str:
         )
         if g > best_gap:
             best_gap, where = g, f"SmolLM2 {top['setting']}"
-    models = _model_rows(src)
+    models = model_rows(src)
     top = models.iloc[0]
     out.append(
         f"- From scratch (this `make figures` run): {top['model']} has mean accuracy "
@@ -72,7 +74,7 @@ def claim_weak_spots(src: Sources) -> str:
         f"{pp(best_gap)} ({where}), below the paper's {CLAIM_GAP_PP} pp."
     )
     out += ["", "Verdict (rule: largest debiased gap >= the paper's figure): " + verdict]
-    out += ["", _fig(src, "accuracy_by_phase_d8", "accuracy_by_phase_d4")]
+    out += ["", figure_line(src, "accuracy_by_phase_d8", "accuracy_by_phase_d4")]
     return "\n".join(out)
 
 

@@ -96,8 +96,8 @@ def ablation_tables(
     n_perm: int,
 ):
     """The lab's effects table and specialisation test from the per-prompt ablations."""
-    from phasemech.interventions.ablation_plan import METRICS, _Run
-    from phasemech.interventions.ablation_result import _effects, _targets_frame
+    from phasemech.interventions.ablation_plan import METRICS, AblationRun
+    from phasemech.interventions.ablation_result import ablation_targets_frame, phase_effects
     from phasemech.interventions.specialization import specialization
 
     items = sorted((p for p in inter if "ablation" in p), key=lambda p: p["prompt"]["prompt_id"])
@@ -106,7 +106,9 @@ def ablation_tables(
     frame = pd.DataFrame([p["prompt"] for p in items]).rename(columns={"prompt_id": "seq_id"})
     frame["target"] = 0
     modes = [m for m in ("zero", "mean") if m in items[0]["ablation"]]
-    runs = [_Run("head", m, i, h) for m in modes for i in range(n_layers) for h in range(n_heads)]
+    runs = [
+        AblationRun("head", m, i, h) for m in modes for i in range(n_layers) for h in range(n_heads)
+    ]
 
     def stack(margins: np.ndarray) -> np.ndarray:  # [.., target] -> [.., metric, target]
         # accuracy is the margin's sign; logprob is not computed (NaN, dropped below)
@@ -118,8 +120,8 @@ def ablation_tables(
         [[np.ravel(p["ablation"][m]) for p in items] for m in modes]
     )  # [mode, target, L*H]
     ablated = stack(abl.transpose(0, 2, 1).reshape(len(runs), len(items)))
-    effects = _effects(runs, frame, base, ablated, cfg.probe.stride, n_boot, seed)
-    targets = _targets_frame(runs, frame, base, ablated, cfg.probe.stride, 0)
+    effects = phase_effects(runs, frame, base, ablated, cfg.probe.stride, n_boot, seed)
+    targets = ablation_targets_frame(runs, frame, base, ablated, cfg.probe.stride, 0)
     spec = pd.concat(
         [
             specialization(targets, metric=m, n_perm=n_perm, seed=seed, stride=cfg.probe.stride)

@@ -42,7 +42,8 @@ def train_jobs(p: Profile, done: Done | None = None) -> list[TrainJob]:
     ]  # fmt: skip
 
 
-def _fix_of(job: TrainJob) -> str:
+def fix_of(job: TrainJob) -> str:
+    """The fix a training job trains: its name without the ``_s{seed}`` suffix."""
     return job.name.rsplit("_s", 1)[0]
 
 
@@ -117,7 +118,7 @@ class FixStatsJob(Job):
                 and all_off_plateau(rows, self.fix, self.min_accuracy)
                 and base_ok
             )
-            base_fix = _fix_of(self.baseline[0])
+            base_fix = fix_of(self.baseline[0])
             out.append({"fix": self.fix, "baseline": base_fix, "targets": scope, **c,
                         "baseline_learned": base_ok, "meets_goal": bool(meets)})  # fmt: skip
         return out
@@ -135,7 +136,7 @@ def stats_jobs(p: Profile, done: Done) -> list[FixStatsJob]:
     """Stage 2: one statistics job per fix (with its baseline's runs for the comparison)."""
     by_fix: dict[str, list[tuple[TrainJob, dict]]] = {}
     for job, result in done.of(TrainJob):
-        by_fix.setdefault(_fix_of(job), []).append((job, result))
+        by_fix.setdefault(fix_of(job), []).append((job, result))
     jobs = []
     for fix in p.get("fixes"):
         base = VARIANTS[fix].baseline
@@ -150,4 +151,4 @@ def stats_jobs(p: Profile, done: Done) -> list[FixStatsJob]:
     return jobs
 
 
-__all__ = ["FixStatsJob", "stats_jobs", "train_jobs"]
+__all__ = ["FixStatsJob", "fix_of", "stats_jobs", "train_jobs"]

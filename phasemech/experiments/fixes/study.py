@@ -17,7 +17,7 @@ import pandas as pd
 
 from phasemech.core.io import atomic_write, json_safe, write_json_atomic, write_text_atomic
 from phasemech.experiments.experiment import Done, Experiment, Profile
-from phasemech.experiments.fixes.jobs import FixStatsJob, _fix_of, stats_jobs, train_jobs
+from phasemech.experiments.fixes.jobs import FixStatsJob, fix_of, stats_jobs, train_jobs
 from phasemech.experiments.fixes.profiles import GOAL_REDUCTION, NONINFERIORITY, PROFILES, VARIANTS
 from phasemech.experiments.fixes.summary import (
     budget_markdown,
@@ -40,7 +40,7 @@ def fix_curves(done: Done) -> pd.DataFrame:
         if not len(c):
             continue
         by = np.vstack(c["accuracy_by_phase"].to_numpy())
-        c = c.assign(raw_gap=by.max(1) - by.min(1), fix=_fix_of(job), seed=job.train.seed)
+        c = c.assign(raw_gap=by.max(1) - by.min(1), fix=fix_of(job), seed=job.train.seed)
         frames.append(c[["fix", "seed", "step", "accuracy", "raw_gap"]])
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
@@ -66,7 +66,7 @@ def convergence_table(done: Done) -> pd.DataFrame:
     training seconds, and ``converged``."""
     runs = done.of(TrainJob)
     df = convergence_frame(runs)
-    df.insert(0, "fix", [_fix_of(j) for j, _ in runs])
+    df.insert(0, "fix", [fix_of(j) for j, _ in runs])
     return df
 
 

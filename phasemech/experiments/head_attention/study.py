@@ -19,7 +19,7 @@ from phasemech.experiments.experiment import Done, Experiment, Profile
 from phasemech.experiments.head_attention.jobs import CopyTaskJob, copy_jobs
 from phasemech.experiments.head_attention.profiles import PROFILES, VOCAB
 from phasemech.experiments.head_attention.summary import (
-    _accuracy_by_phase,
+    accuracy_by_phase,
     summary_markdown,
     tables,
     write_figures,
@@ -37,7 +37,7 @@ def finish(p: Profile, done: Done, out: Path) -> dict[str, Any]:
         {
             "seed": j.seed,
             "copy_accuracy": r["copy_accuracy_all"],
-            "copy_accuracy_by_needle_phase": _accuracy_by_phase(pd.DataFrame(r["copy_accuracy"])),
+            "copy_accuracy_by_needle_phase": accuracy_by_phase(pd.DataFrame(r["copy_accuracy"])),
             "final_loss": float(np.mean(r["train_loss"]["loss"][-20:])),
             "train_seconds": r["train_seconds"],
         }
@@ -53,7 +53,7 @@ def finish(p: Profile, done: Done, out: Path) -> dict[str, Any]:
         {
             "profile": profile,
             "copy_accuracy": float(acc["correct"].sum() / acc["n"].sum()),
-            "copy_accuracy_by_needle_phase": _accuracy_by_phase(acc),
+            "copy_accuracy_by_needle_phase": accuracy_by_phase(acc),
             "eval_sequences": p.test_sequences,
             "models": models,
             "figures": figures,

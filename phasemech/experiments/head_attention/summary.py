@@ -54,7 +54,7 @@ def write_figures(mean: pd.DataFrame, needle: pd.DataFrame, stride: int, out: Pa
     return list(figures)
 
 
-def _accuracy_by_phase(acc: pd.DataFrame) -> dict[int, float]:
+def accuracy_by_phase(acc: pd.DataFrame) -> dict[int, float]:
     """Copy accuracy per needle phase, pooled over seeds (correct / n)."""
     pooled = acc.groupby("phase")[["correct", "n"]].sum()
     return {int(p): float(r.correct / r.n) for p, r in pooled.iterrows()}
@@ -108,4 +108,11 @@ def summary_markdown(t: dict[str, pd.DataFrame], summary: dict[str, Any]) -> str
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["TABLES", "over_seeds", "summary_markdown", "tables", "write_figures"]
+__all__ = [
+    "TABLES",
+    "accuracy_by_phase",
+    "over_seeds",
+    "summary_markdown",
+    "tables",
+    "write_figures",
+]

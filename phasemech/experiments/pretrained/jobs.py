@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 from phasemech.experiments.experiment import Done, Profile
 from phasemech.experiments.jobs import Job, job_device, report_progress
-from phasemech.experiments.pretrained.profiles import _profile_settings
+from phasemech.experiments.pretrained.profiles import profile_settings
 from phasemech.measure.pretrained import Scorer, Setting, SweepConfig, check_settings
 
 #: one scorer per worker process: the model is loaded once for all the chunks it runs
@@ -52,7 +52,7 @@ class PasskeyJob(Job):
 def passkey_jobs(p: Profile, done: Done | None = None) -> list[PasskeyJob]:
     """Every setting's prompts in chunks of at least a batch (a few chunks per CPU balance the
     load; the model loads once per worker process)."""
-    cfg, settings = p.get("sweep"), _profile_settings(p.get("settings"))
+    cfg, settings = p.get("sweep"), profile_settings(p.get("settings"))
     check_settings(settings, cfg.task)
     n = cfg.contents * cfg.task.stride
     chunk = max(cfg.batch_size, -(-n // 8))

@@ -19,7 +19,8 @@ def _setting(design: str, d: int, w: int, first: int, k: int | None = None) -> S
     )
 
 
-def _profile_settings(name: str) -> list[Setting]:
+def profile_settings(name: str) -> list[Setting]:
+    """The settings a profile's ``settings`` name stands for, the null (uncompressed) first."""
     null = Setting("null")
     if name in ("tiny", "default"):
         return [null, _setting("route", 4, 32, 2, k=2)]
@@ -64,4 +65,4 @@ PROFILES = {
 }
 
 
-__all__ = ["PROFILES"]
+__all__ = ["PROFILES", "profile_settings"]

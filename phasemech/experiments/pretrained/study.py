@@ -17,14 +17,14 @@ import pandas as pd
 from phasemech.core.io import atomic_write, json_safe, write_json_atomic, write_text_atomic
 from phasemech.experiments.experiment import Done, Experiment, Profile
 from phasemech.experiments.pretrained.jobs import PasskeyJob, passkey_jobs
-from phasemech.experiments.pretrained.profiles import PROFILES, _profile_settings
+from phasemech.experiments.pretrained.profiles import PROFILES, profile_settings
 from phasemech.experiments.pretrained.summary import summary_markdown, write_figures
 from phasemech.measure.pretrained import report
 
 
 def finish(p: Profile, done: Done, out: Path) -> dict[str, Any]:
     """Tables, figures and summary of the sweep under ``out``."""
-    cfg, settings = p.get("sweep"), _profile_settings(p.get("settings"))
+    cfg, settings = p.get("sweep"), profile_settings(p.get("settings"))
     runs = done.of(PasskeyJob)
     targets = pd.concat([pd.DataFrame(r["targets"]) for _, r in runs], ignore_index=True)
     attention = pd.concat(

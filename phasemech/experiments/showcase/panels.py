@@ -95,9 +95,9 @@ def _example(model, ds, stride: int, offset: int, max_sequences: int = 4) -> dic
 
     from phasemech.core.device import model_device
     from phasemech.data.tasks import to_tensors
-    from phasemech.model.phase import _pattern_hook_name
+    from phasemech.model.phase import pattern_hook_name
 
-    names = [_pattern_hook_name(model, i) for i in range(model.cfg.n_layers)]
+    names = [pattern_hook_name(model, i) for i in range(model.cfg.n_layers)]
     chosen, covered = [], set()
     for i in range(min(len(ds), 8 * stride)):
         phases = {(int(sp) - offset) % stride for sp in ds[i]["source_pos"]}

@@ -18,22 +18,22 @@ from statsmodels.stats.contingency_tables import cochrans_q
 
 from phasemech.core.validation import check_int
 from phasemech.measure.stats.targets import (
-    _check_alpha,
-    _cluster_weights,
-    _content_seed_counts,
-    _depth_bins,
-    _gap,
-    _half_masks,
-    _load,
-    _percentile_ci,
-    _ratio,
-    _split_gap,
-    _Targets,
+    Targets,
+    check_alpha,
+    cluster_weights,
+    content_seed_counts,
+    depth_bins,
+    half_masks,
+    load_targets,
+    percentile_ci,
+    ratio_or_nan,
+    raw_gap,
+    split_gap,
 )
 
 
-def _phase_gap(
-    t: _Targets,
+def phase_gap_on_targets(
+    t: Targets,
     n_perm: int,
     n_boot: int,
     n_splits: int,
@@ -41,13 +41,15 @@ def _phase_gap(
     alpha: float,
     n_depth_bins: int,
 ) -> dict:
+    """:func:`phase_gap` on checked :func:`load_targets` output (:func:`phase_report`
+    checks its frame once for all its statistics)."""
     # Independent streams, so changing n_perm does not move the bootstrap draws and vice versa.
     perm_rng, split_rng, boot_rng = (
         np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(3)
     )
     k, n = t.phase_counts()
-    p = _ratio(k, n)
-    raw = float(_gap(p))
+    p = ratio_or_nan(k, n)
+    raw = float(raw_gap(p))
     seen = n > 0
     argmax = int(np.argmax(np.where(seen, p, -np.inf)))
     argmin = int(np.argmin(np.where(seen, p, np.inf)))
@@ -72,7 +74,7 @@ def _phase_gap(
 
 
 def _permutation_null(
-    t: _Targets,
+    t: Targets,
     n: np.ndarray,
     raw: float,
     n_perm: int,
@@ -87,13 +89,13 @@ def _permutation_null(
     """
     if not n_perm:
         return math.nan, math.nan, math.nan
-    stratum = t.seed * n_depth_bins + _depth_bins(t.depth, n_depth_bins)
+    stratum = t.seed * n_depth_bins + depth_bins(t.depth, n_depth_bins)
     k_perm = np.zeros((n_perm, t.stride))  # (B, d)
     for s in np.unique(stratum):
         rows = stratum == s
         colors = np.bincount(t.phase[rows], minlength=t.stride)
         k_perm += rng.multivariate_hypergeometric(colors, int(t.correct[rows].sum()), size=n_perm)
-    null = _gap(_ratio(k_perm, n))
+    null = raw_gap(ratio_or_nan(k_perm, n))
     null_median, null_p95 = (float(q) for q in np.quantile(null, [0.5, 0.95]))
     # 1e-12: equal gaps differ by round-off; ties count against the observed gap.
     p_perm = float((1 + np.sum(null >= raw - 1e-12)) / (n_perm + 1))
@@ -101,7 +103,7 @@ def _permutation_null(
 
 
 def _split_sample_gap(
-    t: _Targets,
+    t: Targets,
     k: np.ndarray,
     n: np.ndarray,
     kc: np.ndarray,
@@ -110,15 +112,15 @@ def _split_sample_gap(
     rng: np.random.Generator,
 ) -> float:
     """The split-sample gap on halves of the sequences (clusters never straddle halves)."""
-    masks = _half_masks(rng, t.cluster_seed, n_splits).astype(float)  # (splits, C)
+    masks = half_masks(rng, t.cluster_seed, n_splits).astype(float)  # (splits, C)
     k_a, n_a = masks @ kc, masks @ nc
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        return float(np.nanmean(_split_gap(k_a, n_a, k - k_a, n - n_a)))
+        return float(np.nanmean(split_gap(k_a, n_a, k - k_a, n - n_a)))
 
 
 def _bootstrap_split_gap(
-    t: _Targets,
+    t: Targets,
     kc: np.ndarray,
     nc: np.ndarray,
     n_boot: int,
@@ -138,13 +140,13 @@ def _bootstrap_split_gap(
     if not n_boot:
         return math.nan, math.nan
     n_inner = min(n_splits, 2)
-    w = _cluster_weights(rng, t.cluster_seed, n_boot).astype(float)  # (B, C)
+    w = cluster_weights(rng, t.cluster_seed, n_boot).astype(float)  # (B, C)
     k_w, n_w = w @ kc, w @ nc  # (B, d)
     inner = np.empty((n_inner, n_boot))
     for j in range(n_inner):
-        wa = w * _half_masks(rng, t.cluster_seed, n_boot)  # (B, C)
+        wa = w * half_masks(rng, t.cluster_seed, n_boot)  # (B, C)
         k_a, n_a = wa @ kc, wa @ nc
-        inner[j] = _split_gap(k_a, n_a, k_w - k_a, n_w - n_a)
+        inner[j] = split_gap(k_a, n_a, k_w - k_a, n_w - n_a)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         reps = np.nanmean(inner, axis=0)  # (B,)
@@ -155,7 +157,7 @@ def _bootstrap_split_gap(
             if total_var > 0:
                 shrink = math.sqrt(max(total_var - excess, 0.0) / total_var)
                 reps = np.nanmean(reps) + shrink * (reps - np.nanmean(reps))
-    lo, hi = (float(v) for v in _percentile_ci(reps, alpha))
+    lo, hi = (float(v) for v in percentile_ci(reps, alpha))
     return lo, hi
 
 
@@ -207,21 +209,23 @@ def phase_gap(
     ``n_perm=0`` / ``n_boot=0`` skip those parts (NaN).
     """
     where = "phase_gap"
-    t = _load(df, stride, where)
+    t = load_targets(df, stride, where)
     n_perm = check_int(where, "n_perm", n_perm, 0)
     n_boot = check_int(where, "n_boot", n_boot, 0)
     n_splits = check_int(where, "n_splits", n_splits, 1)
     n_depth_bins = check_int(where, "n_depth_bins", n_depth_bins, 1)
-    alpha = _check_alpha(where, alpha)
-    return _phase_gap(t, n_perm, n_boot, n_splits, seed, alpha, n_depth_bins)
+    alpha = check_alpha(where, alpha)
+    return phase_gap_on_targets(t, n_perm, n_boot, n_splits, seed, alpha, n_depth_bins)
 
 
-def _design_guard(t: _Targets, n_bins: int) -> dict:
+def design_guard_on_targets(t: Targets, n_bins: int) -> dict:
+    """:func:`design_guard` on checked :func:`load_targets` output (:func:`phase_report`
+    checks its frame once for all its statistics)."""
     d = t.stride
     counts = np.bincount(t.phase, minlength=d)
     uniform_p = float(sps.chisquare(counts).pvalue)
     table = np.zeros((d, n_bins), dtype=np.int64)  # (phase, depth bin)
-    np.add.at(table, (t.phase, _depth_bins(t.depth, n_bins)), 1)
+    np.add.at(table, (t.phase, depth_bins(t.depth, n_bins)), 1)
     table = table[table.sum(1) > 0][:, table.sum(0) > 0]  # drop empty phases and depth bins
     note = None
     if min(table.shape) < 2:
@@ -246,8 +250,8 @@ def design_guard(df: pd.DataFrame, stride: int, n_bins: int = 5) -> dict:
     Small p-values flag a design whose phase effect could be a depth or sampling artefact.
     With tens of thousands of targets even harmless imbalances give small p: read the counts.
     """
-    t = _load(df, stride, "design_guard", ("phase", "depth"))
-    return _design_guard(t, check_int("design_guard", "n_bins", n_bins, 1))
+    t = load_targets(df, stride, "design_guard", ("phase", "depth"))
+    return design_guard_on_targets(t, check_int("design_guard", "n_bins", n_bins, 1))
 
 
 #: the quantities :func:`compare_gaps` gives a bootstrap interval for
@@ -281,7 +285,7 @@ def compare_gaps(
     stride = check_int(where, "stride", stride, 2)
     n_boot = check_int(where, "n_boot", n_boot, 0)
     n_splits = check_int(where, "n_splits", n_splits, 1)
-    alpha = _check_alpha(where, alpha)
+    alpha = check_alpha(where, alpha)
     ka, na, kb, nb = _paired_counts(baseline, other, stride, where)
     split_rng, boot_rng = (np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(2))
     acc_a, gap_a = _point_split_gap(ka, na, n_splits, split_rng)
@@ -307,8 +311,8 @@ def _paired_counts(
     """Check both frames; ``k, n`` per (seed, content, phase) of each, ``(S, C, d)``, with
     content codes shared by the two frames."""
     cols = ("correct", "phase", "seq_id")
-    ta = _load(baseline, stride, f"{where} (baseline)", cols)
-    tb = _load(other, stride, f"{where} (other)", cols)
+    ta = load_targets(baseline, stride, f"{where} (baseline)", cols)
+    tb = load_targets(other, stride, f"{where} (other)", cols)
     only = set(baseline["seq_id"]) ^ set(other["seq_id"])
     if only:
         raise ValueError(
@@ -318,7 +322,7 @@ def _paired_counts(
     codes, uniq = pd.factorize(pd.concat([baseline["seq_id"], other["seq_id"]]), sort=True)
     ca, cb = codes[: len(baseline)], codes[len(baseline) :]
     n_contents = len(uniq)
-    counts = [*_content_seed_counts(ta, ca), *_content_seed_counts(tb, cb)]
+    counts = [*content_seed_counts(ta, ca), *content_seed_counts(tb, cb)]
     ka, na, kb, nb = (np.pad(x, ((0, 0), (0, n_contents - x.shape[1]), (0, 0))) for x in counts)
     return ka, na, kb, nb
 
@@ -332,7 +336,7 @@ def _split_gaps(
     full_n = np.einsum("bs,bc,scp->bp", w_seed, w_content, n)
     half_k = np.einsum("bs,bc,scp->bp", w_seed, w_content * masks, k)
     half_n = np.einsum("bs,bc,scp->bp", w_seed, w_content * masks, n)
-    return _split_gap(half_k, half_n, full_k - half_k, full_n - half_n)
+    return split_gap(half_k, half_n, full_k - half_k, full_n - half_n)
 
 
 def _point_split_gap(
@@ -341,7 +345,7 @@ def _point_split_gap(
     """``(accuracy, split gap averaged over n_splits random halves of the contents)``."""
     # contents are split as one pool: the masks ignore seeds (every seed is split alike)
     one_seed = np.zeros(k.shape[1], dtype=np.int64)
-    masks = _half_masks(rng, one_seed, n_splits).astype(float)
+    masks = half_masks(rng, one_seed, n_splits).astype(float)
     ones_s = np.ones((n_splits, k.shape[0]))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
@@ -368,7 +372,7 @@ def _paired_bootstrap(
     for k, n in ((ka, na), (kb, nb)):
         s = k.shape[0]
         w_s = rng.multinomial(s, np.full(s, 1 / s), size=n_boot).astype(float)
-        gaps = [_split_gaps(w_s, w_c, k, n, _half_masks(rng, one_seed, n_boot)) for _ in range(2)]
+        gaps = [_split_gaps(w_s, w_c, k, n, half_masks(rng, one_seed, n_boot)) for _ in range(2)]
         acc = np.einsum("bs,bc,scp->b", w_s, w_c, k) / np.einsum("bs,bc,scp->b", w_s, w_c, n)
         reps.append((acc, np.mean(gaps, axis=0)))
     return reps
@@ -388,7 +392,7 @@ def _paired_intervals(
     if not np.isfinite(reduction):
         red = np.full_like(red, np.nan)
     for key, x in zip(_CI_KEYS, (acc_b - acc_a, gap_b, red), strict=True):
-        out[f"{key}_lo"], out[f"{key}_hi"] = (float(v) for v in _percentile_ci(x, alpha))
+        out[f"{key}_lo"], out[f"{key}_hi"] = (float(v) for v in percentile_ci(x, alpha))
     return out
 
 
@@ -403,11 +407,15 @@ def paired_phase_test(df: pd.DataFrame, stride: int) -> dict:
     only the phase (and the absolute position) differs. Returns ``statistic, dof, p, blocks,
     dropped, discordant, note``; p is NaN without ``pair_id`` and 1 when no block is discordant.
     """
-    t = _load(df, stride, "paired_phase_test", ("correct", "phase"))
-    return _paired(t, df["pair_id"].to_numpy() if "pair_id" in df.columns else None)
+    t = load_targets(df, stride, "paired_phase_test", ("correct", "phase"))
+    return paired_phase_test_on_targets(
+        t, df["pair_id"].to_numpy() if "pair_id" in df.columns else None
+    )
 
 
-def _paired(t: _Targets, pair_id: np.ndarray | None) -> dict:
+def paired_phase_test_on_targets(t: Targets, pair_id: np.ndarray | None) -> dict:
+    """:func:`paired_phase_test` on checked :func:`load_targets` output; ``pair_id``:
+    per row, or ``None`` where the frame has none."""
     d = t.stride
     out = {
         "statistic": math.nan,
@@ -447,4 +455,12 @@ def _paired(t: _Targets, pair_id: np.ndarray | None) -> dict:
     return out
 
 
-__all__ = ["compare_gaps", "design_guard", "paired_phase_test", "phase_gap"]
+__all__ = [
+    "compare_gaps",
+    "design_guard",
+    "design_guard_on_targets",
+    "paired_phase_test",
+    "paired_phase_test_on_targets",
+    "phase_gap",
+    "phase_gap_on_targets",
+]

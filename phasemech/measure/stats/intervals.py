@@ -14,19 +14,19 @@ from statsmodels.stats.proportion import confint_proportions_2indep, proportion_
 
 from phasemech.core.validation import check_int
 from phasemech.measure.stats.targets import (
-    _check_alpha,
-    _cluster_weights,
-    _depth_bins,
-    _load,
-    _percentile_ci,
-    _ratio,
-    _Targets,
+    Targets,
+    check_alpha,
+    cluster_weights,
+    depth_bins,
+    load_targets,
+    percentile_ci,
+    ratio_or_nan,
 )
 
 
 def wilson_ci(k: Any, n: Any, alpha: float = 0.05) -> tuple[np.ndarray, np.ndarray]:
     """Wilson score interval for ``k`` successes of ``n`` (broadcasting); NaN where ``n == 0``."""
-    alpha = _check_alpha("wilson_ci", alpha)
+    alpha = check_alpha("wilson_ci", alpha)
     k, n = np.broadcast_arrays(np.asarray(k, dtype=float), np.asarray(n, dtype=float))
     if (k < 0).any() or (k > n).any():
         raise ValueError("wilson_ci: need 0 <= k <= n")
@@ -43,7 +43,7 @@ def newcombe_diff(
 
     For a pre-specified pair of phases. Targets are treated as independent.
     """
-    alpha = _check_alpha("newcombe_diff", alpha)
+    alpha = check_alpha("newcombe_diff", alpha)
     for name, v in (("n1", n1), ("n2", n2)):
         check_int("newcombe_diff", name, v, 1)
     if not (0 <= k1 <= n1 and 0 <= k2 <= n2):
@@ -54,20 +54,24 @@ def newcombe_diff(
     return float(k1 / n1 - k2 / n2), float(lo), float(hi)
 
 
-def _per_phase(t: _Targets, n_boot: int, rng: np.random.Generator, alpha: float) -> pd.DataFrame:
+def per_phase_on_targets(
+    t: Targets, n_boot: int, rng: np.random.Generator, alpha: float
+) -> pd.DataFrame:
+    """:func:`per_phase` on checked :func:`load_targets` output (:func:`phase_report`
+    checks its frame once for all its statistics)."""
     k, n = t.phase_counts()
     lo, hi = wilson_ci(k, n, alpha)
     boot_lo = boot_hi = np.full(t.stride, np.nan)
     if n_boot:
         kc, nc = t.cluster_counts()  # (C, d)
-        w = _cluster_weights(rng, t.cluster_seed, n_boot).astype(float)  # (B, C)
-        boot_lo, boot_hi = _percentile_ci(_ratio(w @ kc, w @ nc), alpha)  # from (B, d)
+        w = cluster_weights(rng, t.cluster_seed, n_boot).astype(float)  # (B, C)
+        boot_lo, boot_hi = percentile_ci(ratio_or_nan(w @ kc, w @ nc), alpha)  # from (B, d)
     return pd.DataFrame(
         {
             "phase": np.arange(t.stride),
             "n": n.astype(np.int64),
             "k": k.astype(np.int64),
-            "accuracy": _ratio(k, n),
+            "accuracy": ratio_or_nan(k, n),
             "wilson_lo": lo,
             "wilson_hi": hi,
             "boot_lo": boot_lo,
@@ -87,14 +91,16 @@ def per_phase(
     ``seed`` column has more than one value), so it widens when targets of a sequence are
     correlated. ``n_boot=0`` skips the bootstrap (NaN columns).
     """
-    t = _load(df, stride, "per_phase")
+    t = load_targets(df, stride, "per_phase")
     n_boot = check_int("per_phase", "n_boot", n_boot, 0)
-    alpha = _check_alpha("per_phase", alpha)
-    return _per_phase(t, n_boot, np.random.default_rng(seed), alpha)
+    alpha = check_alpha("per_phase", alpha)
+    return per_phase_on_targets(t, n_boot, np.random.default_rng(seed), alpha)
 
 
-def _by_depth(t: _Targets, n_bins: int, alpha: float) -> pd.DataFrame:
-    bins = _depth_bins(t.depth, n_bins)
+def by_depth_on_targets(t: Targets, n_bins: int, alpha: float) -> pd.DataFrame:
+    """:func:`by_depth` on checked :func:`load_targets` output (:func:`phase_report`
+    checks its frame once for all its statistics)."""
+    bins = depth_bins(t.depth, n_bins)
     k = np.bincount(bins, weights=t.correct, minlength=n_bins)
     n = np.bincount(bins, minlength=n_bins).astype(float)
     lo, hi = wilson_ci(k, n, alpha)
@@ -106,7 +112,7 @@ def _by_depth(t: _Targets, n_bins: int, alpha: float) -> pd.DataFrame:
             "depth_hi": edges[1:],
             "n": n.astype(np.int64),
             "k": k.astype(np.int64),
-            "accuracy": _ratio(k, n),
+            "accuracy": ratio_or_nan(k, n),
             "wilson_lo": lo,
             "wilson_hi": hi,
         }
@@ -119,9 +125,16 @@ def by_depth(df: pd.DataFrame, n_bins: int = 5, alpha: float = 0.05) -> pd.DataF
     Columns ``depth_bin, depth_lo, depth_hi, n, k, accuracy, wilson_lo, wilson_hi``; a bin's
     lower edge belongs to it, depth 1 to the last bin. Needs only ``correct`` and ``depth``.
     """
-    t = _load(df, None, "by_depth", ("correct", "depth"))
+    t = load_targets(df, None, "by_depth", ("correct", "depth"))
     n_bins = check_int("by_depth", "n_bins", n_bins, 1)
-    return _by_depth(t, n_bins, _check_alpha("by_depth", alpha))
+    return by_depth_on_targets(t, n_bins, check_alpha("by_depth", alpha))
 
 
-__all__ = ["by_depth", "newcombe_diff", "per_phase", "wilson_ci"]
+__all__ = [
+    "by_depth",
+    "by_depth_on_targets",
+    "newcombe_diff",
+    "per_phase",
+    "per_phase_on_targets",
+    "wilson_ci",
+]

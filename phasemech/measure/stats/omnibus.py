@@ -18,10 +18,12 @@ from statsmodels.genmod import families
 from statsmodels.genmod.generalized_linear_model import GLM
 
 from phasemech.core.validation import check_int
-from phasemech.measure.stats.targets import _check_alpha, _load, _ratio, _Targets
+from phasemech.measure.stats.targets import Targets, check_alpha, load_targets, ratio_or_nan
 
 
-def _chi2_phase(t: _Targets) -> dict:
+def chi2_phase_on_targets(t: Targets) -> dict:
+    """:func:`chi2_phase` on checked :func:`load_targets` output (:func:`phase_report`
+    checks its frame once for all its statistics)."""
     k, n = t.phase_counts()
     seen = n > 0
     table = np.stack([k[seen], n[seen] - k[seen]], axis=1)  # (phases seen, 2)
@@ -50,7 +52,7 @@ def chi2_phase(df: pd.DataFrame, stride: int) -> dict:
     ``correct`` it returns ``statistic 0, p 1`` and says so in ``note``. Targets are treated
     as independent and depth is ignored: see :func:`logistic_phase_test` for the adjusted test.
     """
-    return _chi2_phase(_load(df, stride, "chi2_phase"))
+    return chi2_phase_on_targets(load_targets(df, stride, "chi2_phase"))
 
 
 _RIDGE = 1e-4  # per-observation L2 weight of the fallback fit: tiny next to loglike / nobs
@@ -83,7 +85,9 @@ def _fit_llf(y: np.ndarray, x: np.ndarray, ridge: bool) -> tuple[float, bool, bo
     return llf, converged and math.isfinite(llf), separated
 
 
-def _logistic(t: _Targets, depth_df: int) -> dict:
+def logistic_phase_test_on_targets(t: Targets, depth_df: int) -> dict:
+    """:func:`logistic_phase_test` on checked :func:`load_targets` output (:func:`phase_report`
+    checks its frame once for all its statistics)."""
     y = t.correct
     if y.min() == y.max():
         dof = len(np.unique(t.phase)) - 1
@@ -118,7 +122,7 @@ def _logistic(t: _Targets, depth_df: int) -> dict:
             f"(L2 weight {_RIDGE:g} per target) and the unpenalised likelihood ratio"
         )
         if not all(f[1] for f in fits):
-            chi = _chi2_phase(t)
+            chi = chi2_phase_on_targets(t)
             notes.append("ridge fits failed too: p is the unadjusted chi-square test's")
             return {**chi, "note": "; ".join(notes)}
     elif any(f[2] for f in fits):
@@ -148,8 +152,10 @@ def logistic_phase_test(df: pd.DataFrame, stride: int, depth_df: int = 4) -> dic
     ridge penalty and the unpenalised log-likelihoods at those estimates are compared; if that
     fails too, the unadjusted :func:`chi2_phase` result is returned with a note.
     """
-    t = _load(df, stride, "logistic_phase_test")
-    return _logistic(t, check_int("logistic_phase_test", "depth_df", depth_df, 0))
+    t = load_targets(df, stride, "logistic_phase_test")
+    return logistic_phase_test_on_targets(
+        t, check_int("logistic_phase_test", "depth_df", depth_df, 0)
+    )
 
 
 def holm(p: np.ndarray) -> np.ndarray:
@@ -165,10 +171,12 @@ def holm(p: np.ndarray) -> np.ndarray:
     return out
 
 
-def _harmonics(t: _Targets, alpha: float) -> pd.DataFrame:
+def harmonics_on_targets(t: Targets, alpha: float) -> pd.DataFrame:
+    """:func:`harmonics` on checked :func:`load_targets` output (:func:`phase_report`
+    checks its frame once for all its statistics)."""
     d = t.stride
     k, n = t.phase_counts()
-    p = _ratio(k, n)
+    p = ratio_or_nan(k, n)
     ks = np.arange(1, d // 2 + 1)
     angle = 2 * np.pi * np.outer(ks, np.arange(d)) / d  # (harmonic, phase)
     amplitude = (2 / d) * np.abs((p * np.exp(-1j * angle)).sum(1))
@@ -222,8 +230,15 @@ def harmonics(df: pd.DataFrame, stride: int, alpha: float = 0.05) -> pd.DataFram
     with no target makes ``amplitude``, ``statistic``, ``p`` and ``p_holm`` NaN and
     ``significant`` False.
     """
-    t = _load(df, stride, "harmonics")
-    return _harmonics(t, _check_alpha("harmonics", alpha))
+    t = load_targets(df, stride, "harmonics")
+    return harmonics_on_targets(t, check_alpha("harmonics", alpha))
 
 
-__all__ = ["chi2_phase", "harmonics", "logistic_phase_test"]
+__all__ = [
+    "chi2_phase",
+    "chi2_phase_on_targets",
+    "harmonics",
+    "harmonics_on_targets",
+    "logistic_phase_test",
+    "logistic_phase_test_on_targets",
+]

@@ -17,17 +17,17 @@ import pandas as pd
 from phasemech.core.io import atomic_write
 from phasemech.core.validation import check_int
 from phasemech.measure.stats.gap import (
-    _design_guard,
-    _paired,
-    _phase_gap,
+    design_guard_on_targets,
+    paired_phase_test_on_targets,
+    phase_gap_on_targets,
 )
-from phasemech.measure.stats.intervals import _by_depth, _per_phase
+from phasemech.measure.stats.intervals import by_depth_on_targets, per_phase_on_targets
 from phasemech.measure.stats.omnibus import (
-    _chi2_phase,
-    _harmonics,
-    _logistic,
+    chi2_phase_on_targets,
+    harmonics_on_targets,
+    logistic_phase_test_on_targets,
 )
-from phasemech.measure.stats.targets import _check_alpha, _load
+from phasemech.measure.stats.targets import check_alpha, load_targets
 
 
 def _plain(x: Any) -> Any:
@@ -172,25 +172,27 @@ def phase_report(
     strata. The logistic test uses its default spline (``depth_df=4``), the gap 20 splits.
     """
     where = "phase_report"
-    t = _load(df, stride, where)
+    t = load_targets(df, stride, where)
     n_boot = check_int(where, "n_boot", n_boot, 0)
     n_perm = check_int(where, "n_perm", n_perm, 0)
     n_depth_bins = check_int(where, "n_depth_bins", n_depth_bins, 1)
-    alpha = _check_alpha(where, alpha)
+    alpha = check_alpha(where, alpha)
     return PhaseReport(
         stride=t.stride,
         n=len(t.correct),
         accuracy=float(t.correct.mean()),
         # Same seed handling as the standalone functions, so their results match the report's.
-        per_phase=_per_phase(t, n_boot, np.random.default_rng(seed), alpha),
-        by_depth=_by_depth(t, n_depth_bins, alpha),
-        chi2=_chi2_phase(t),
-        logistic=_logistic(t, 4),
-        harmonics=_harmonics(t, alpha),
-        gap=_phase_gap(t, n_perm, n_boot, 20, seed, alpha, n_depth_bins),
-        guard=_design_guard(t, n_depth_bins),
+        per_phase=per_phase_on_targets(t, n_boot, np.random.default_rng(seed), alpha),
+        by_depth=by_depth_on_targets(t, n_depth_bins, alpha),
+        chi2=chi2_phase_on_targets(t),
+        logistic=logistic_phase_test_on_targets(t, 4),
+        harmonics=harmonics_on_targets(t, alpha),
+        gap=phase_gap_on_targets(t, n_perm, n_boot, 20, seed, alpha, n_depth_bins),
+        guard=design_guard_on_targets(t, n_depth_bins),
         # the frame is already checked: reuse its flattened form
-        paired=_paired(t, df["pair_id"].to_numpy()) if "pair_id" in df.columns else {},
+        paired=paired_phase_test_on_targets(t, df["pair_id"].to_numpy())
+        if "pair_id" in df.columns
+        else {},
     )
 
 

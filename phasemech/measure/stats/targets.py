@@ -18,7 +18,8 @@ from phasemech.core.validation import check_int
 REQUIRED = ("correct", "phase", "depth", "seq_id")
 
 
-def _check_alpha(where: str, alpha: Any) -> float:
+def check_alpha(where: str, alpha: Any) -> float:
+    """``alpha`` as a float in (0, 1), else a ValueError naming ``where``."""
     if not isinstance(alpha, int | float | np.floating) or not 0 < alpha < 1:
         raise ValueError(f"{where}: alpha={alpha!r} is invalid: must be a float in (0, 1)")
     return float(alpha)
@@ -33,7 +34,7 @@ def _first_bad(series: pd.Series, bad: np.ndarray) -> str:
 
 
 @dataclass(frozen=True)
-class _Targets:
+class Targets:
     """Checked input as flat arrays (all ``(N,)`` except where noted)."""
 
     correct: np.ndarray  # float 0/1
@@ -72,7 +73,7 @@ class _Targets:
         return k, n
 
 
-def _load(df: Any, stride: Any, where: str, columns: tuple[str, ...] = REQUIRED) -> _Targets:
+def load_targets(df: Any, stride: Any, where: str, columns: tuple[str, ...] = REQUIRED) -> Targets:
     """Check ``df`` (only the listed ``columns``; ``stride`` unless it is None) and flatten it."""
     if stride is not None:
         stride = check_int(where, "stride", stride, 2)
@@ -90,7 +91,7 @@ def _load(df: Any, stride: Any, where: str, columns: tuple[str, ...] = REQUIRED)
     pair_key = seed * (int(seq.max()) + 1) + seq
     keys, cluster = np.unique(pair_key, return_inverse=True)
     cluster_seed = keys // (int(seq.max()) + 1)
-    return _Targets(
+    return Targets(
         correct=correct,
         phase=phase,
         depth=depth,
@@ -170,18 +171,18 @@ def _codes(df: pd.DataFrame, name: str, where: str) -> np.ndarray:
     return pd.factorize(df[name], sort=True)[0].astype(np.int64)
 
 
-def _depth_bins(depth: np.ndarray, n_bins: int) -> np.ndarray:
+def depth_bins(depth: np.ndarray, n_bins: int) -> np.ndarray:
     """Equal-width bins on [0, 1]; an edge belongs to the upper bin, depth 1 to the last."""
     return np.minimum((depth * n_bins).astype(np.int64), n_bins - 1)
 
 
-def _ratio(k: np.ndarray, n: np.ndarray) -> np.ndarray:
+def ratio_or_nan(k: np.ndarray, n: np.ndarray) -> np.ndarray:
     """``k / n`` with NaN where ``n == 0`` (an unobserved phase has no accuracy)."""
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.where(n > 0, k / np.where(n > 0, n, 1), np.nan)
 
 
-def _cluster_weights(rng: np.random.Generator, cluster_seed: np.ndarray, n_boot: int) -> np.ndarray:
+def cluster_weights(rng: np.random.Generator, cluster_seed: np.ndarray, n_boot: int) -> np.ndarray:
     """Cluster bootstrap multiplicities ``(B, C)``.
 
     One seed: resample the C sequences with replacement (``Multinomial(C, 1/C)`` counts). Several
@@ -204,7 +205,7 @@ def _cluster_weights(rng: np.random.Generator, cluster_seed: np.ndarray, n_boot:
     return weights
 
 
-def _half_masks(rng: np.random.Generator, cluster_seed: np.ndarray, n: int) -> np.ndarray:
+def half_masks(rng: np.random.Generator, cluster_seed: np.ndarray, n: int) -> np.ndarray:
     """``n`` random halves of the clusters, ``(n, C)`` bool; each seed is split in half.
 
     Splitting within seeds keeps a seed's effect out of the A-versus-B contrast.
@@ -217,20 +218,20 @@ def _half_masks(rng: np.random.Generator, cluster_seed: np.ndarray, n: int) -> n
     return masks
 
 
-def _gap(p: np.ndarray) -> np.ndarray:
+def raw_gap(p: np.ndarray) -> np.ndarray:
     """``max - min`` over the last (phase) axis, ignoring unobserved (NaN) phases."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         return np.nanmax(p, axis=-1) - np.nanmin(p, axis=-1)
 
 
-def _split_gap(k_a: np.ndarray, n_a: np.ndarray, k_b: np.ndarray, n_b: np.ndarray) -> np.ndarray:
+def split_gap(k_a: np.ndarray, n_a: np.ndarray, k_b: np.ndarray, n_b: np.ndarray) -> np.ndarray:
     """Split-sample gap for each row of ``(..., d)`` counts: pick on one half, measure on the other.
 
     Choosing the best and worst phase on half A and reading them off half B removes the
     selection bias of ``max - min`` (B's noise is independent of the choice); then swap halves.
     """
-    p_a, p_b = _ratio(k_a, n_a), _ratio(k_b, n_b)
+    p_a, p_b = ratio_or_nan(k_a, n_a), ratio_or_nan(k_b, n_b)
 
     def pick_measure(p_pick: np.ndarray, p_measure: np.ndarray) -> np.ndarray:
         def at(i: np.ndarray) -> np.ndarray:
@@ -243,14 +244,15 @@ def _split_gap(k_a: np.ndarray, n_a: np.ndarray, k_b: np.ndarray, n_b: np.ndarra
     return (pick_measure(p_a, p_b) + pick_measure(p_b, p_a)) / 2
 
 
-def _percentile_ci(x: np.ndarray, alpha: float, axis: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def percentile_ci(x: np.ndarray, alpha: float, axis: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """The percentile interval ``(lo, hi)`` at level ``1 - alpha`` along ``axis``, NaN ignored."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN columns: unobserved phase
         lo, hi = np.nanquantile(x, [alpha / 2, 1 - alpha / 2], axis=axis)
     return lo, hi
 
 
-def _content_seed_counts(t: _Targets, contents: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def content_seed_counts(t: Targets, contents: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``k, n`` per (seed, shared content, phase), ``(S, C, d)``: ``contents`` maps each row to a
     content code shared by the frames being compared."""
     s, c, d = t.n_seeds, int(contents.max()) + 1, t.stride
