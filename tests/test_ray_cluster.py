@@ -309,17 +309,26 @@ def test_a_node_lost_mid_run_costs_only_its_jobs(
     jobs = [GatedJob(j.value, str(gate)) for j in GATED]
     folders = [dest / launcher.WORK_DIR / j.key for j in jobs]
     victim_env = user_env(c["home"], c["tmp"], RAY_AUTH_MODE="token")
-    with ray_connect.ray_connected(address, None):
-        others = {n["NodeID"] for n in ray.nodes() if n["Alive"]}  # the head and first worker
-        victim = Node(["--address", address], victim_env, tmp_path / "victim.log", cpus=2)
-        try:
+    args = ["--address", address, "--labels", "role=victim"]
+    victim = Node(args, victim_env, tmp_path / "victim.log", cpus=2)  # starts meanwhile
+    try:
+        with ray_connect.ray_connected(address, None):
+
+            def nodes(alive: bool = True, victims: bool = False) -> set[str]:
+                return {
+                    n["NodeID"]
+                    for n in ray.nodes()
+                    if n["Alive"] == alive and ("role" in n["Labels"]) == victims
+                }
+
+            others = nodes()  # the head and the first worker
             held = placement_group(
                 [{"CPU": 1}] * len(others),
                 bundle_label_selector=[{launcher.NODE_ID: n} for n in others],
             )
             ray.get(held.ready(), timeout=60)
             victim.wait_started()
-            [lost] = {n["NodeID"] for n in ray.nodes() if n["Alive"]} - others
+            [lost] = nodes(victims=True)
 
             def kill_when_running() -> None:
                 """Once both jobs run on the victim: kill its processes, open the gate (only
@@ -336,24 +345,24 @@ def test_a_node_lost_mid_run_costs_only_its_jobs(
 
             killer = threading.Thread(target=kill_when_running, daemon=True)
             killer.start()
-            out = launch(jobs, dest)  # with progress: its board must not be lost with the node
+            out = launch(jobs, dest, progress=False)
             killer.join(60)
             # Ray marks the node dead some 15 s later: its notice of that is not printed
             deadline = time.monotonic() + 60
-            while lost not in {n["NodeID"] for n in ray.nodes() if not n["Alive"]}:
+            while lost not in nodes(alive=False, victims=True):
                 assert time.monotonic() < deadline, "Ray did not mark the lost node dead"
                 time.sleep(0.2)
             time.sleep(1)  # the notice reaches this driver
-            alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
-        finally:
-            victim.stop()
+            alive = nodes() | nodes(victims=True)
+    finally:
+        victim.stop()
     said = capfd.readouterr()
     assert not out.failures and sorted(out.ran) == sorted(out.rerun) == sorted(j.key for j in jobs)
     assert out.results == embedded["gated"]  # the embedded run's numbers
     assert written == Counter(f"{j.key}.json" for j in jobs)  # each cached once, none missing
     for folder in folders:
         starts = [line.split() for line in (folder / "starts").read_text().splitlines()]
-        assert [node for node, _ in starts][0] == lost and starts[1][0] in others
+        assert len(starts) == 2 and starts[0][0] == lost and starts[1][0] in others
         assert all(Path(where).is_relative_to(ROOT) for _, where in starts)  # this checkout's
         [end] = (folder / "ends").read_text().split()  # finished once, not on the lost node
         assert end in others
