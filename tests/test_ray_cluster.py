@@ -192,26 +192,48 @@ def user_env(home: Path, tmp: Path, **extra) -> dict:
 
 
 @pytest.fixture(scope="module")
-def token_cluster():
-    """A head and a worker node started with the ray CLI, token authentication on."""
+def booting_cluster():
+    """A head and a worker node started with the ray CLI, token authentication on. They boot
+    in a thread, while the embedded run computes (it asks for this fixture first): use
+    ``token_cluster``, which waits for them."""
     root = Path(tempfile.mkdtemp(prefix="pm-ray-", dir="/tmp"))  # short: Ray's socket paths
     home, tmp = root / "home", root / "tmp"
     home.mkdir()
     tmp.mkdir()
     env = user_env(home, tmp)
-    # the user's token, where Ray keeps it (~/.ray/auth_token); ray start then turns auth on
-    subprocess.run([RAY, "get-auth-token", "--generate"], env=env, check=True, capture_output=True)
-    token = (home / ".ray" / "auth_token").read_text().strip()
+    # a worker node joins in token mode (Ray's CLI picks the token up only when told)
+    worker_env = {**env, "RAY_AUTH_MODE": "token"}
     port = free_port()
-    nodes = [Node(head_args(port), env, root / "h")]
+    cluster = {"root": root, "home": home, "tmp": tmp, "port": port, "nodes": []}
+    nodes, errors = cluster["nodes"], []
+
+    def boot() -> None:
+        try:
+            # the user's token, where Ray keeps it (~/.ray/auth_token): ray start turns auth on
+            get = [RAY, "get-auth-token", "--generate"]
+            subprocess.run(get, env=env, check=True, capture_output=True)
+            cluster["token"] = (home / ".ray" / "auth_token").read_text().strip()
+            nodes.append(Node(head_args(port), env, root / "h"))
+            nodes[0].wait_started()
+            nodes.append(Node(["--address", f"127.0.0.1:{port}"], worker_env, root / "w"))
+            nodes[1].wait_started()
+        except BaseException as err:  # raised where the cluster is awaited
+            errors.append(err)
+
+    booting = threading.Thread(target=boot, daemon=True)
+    booting.start()
+
+    def ready() -> dict:
+        booting.join()
+        if errors:
+            raise errors[0]
+        return cluster
+
+    cluster["ready"] = ready
     try:
-        nodes[0].wait_started()
-        # a worker node joins in token mode (Ray's CLI picks the token up only when told)
-        worker_env = {**env, "RAY_AUTH_MODE": "token"}
-        nodes.append(Node(["--address", f"127.0.0.1:{port}"], worker_env, root / "w"))
-        nodes[1].wait_started()
-        yield {"root": root, "home": home, "tmp": tmp, "port": port, "token": token, "nodes": nodes}
+        yield cluster
     finally:
+        booting.join()
         for node in reversed(nodes):
             node.stop()
         shutil.rmtree(root, ignore_errors=True)
@@ -219,8 +241,15 @@ def token_cluster():
 
 
 @pytest.fixture(scope="module")
-def embedded(tmp_path_factory):
-    """The embedded run's results (no address): the tiny sweep's and ``GATED``'s, in one Ray."""
+def token_cluster(booting_cluster):
+    """The booted cluster: ``root``, ``home``, ``tmp``, ``port``, ``token``, ``nodes``."""
+    return booting_cluster["ready"]()
+
+
+@pytest.fixture(scope="module")
+def embedded(booting_cluster, tmp_path_factory):
+    """The embedded run's results (no address): the tiny sweep's and ``GATED``'s, in one Ray,
+    computed while the cluster boots."""
     folder = tmp_path_factory.mktemp("embedded")
     with ray_connect.ray_connected(None, 2):
         run = run_experiment(experiment("phase_sweep"), "tiny", folder, progress=False)
@@ -252,7 +281,7 @@ def no_auth_env(monkeypatch, tmp_path):
     return tmp_path
 
 
-def test_cli_joins_a_token_cluster_by_address(token_cluster, embedded_sweep, tmp_path):
+def test_cli_joins_a_token_cluster_by_address(embedded_sweep, token_cluster, tmp_path):
     c = token_cluster
     env = user_env(c["home"], c["tmp"])  # a user's shell: the token in ~/.ray, no mode set
     cmd = [sys.executable, "-m", "phasemech.cli", "run", "phase_sweep", "--profile", "tiny"]
@@ -272,7 +301,7 @@ def test_cli_joins_a_token_cluster_by_address(token_cluster, embedded_sweep, tmp
 
 
 def test_auto_joins_with_the_token_from_the_environment(
-    token_cluster, embedded_sweep, no_auth_env, monkeypatch, tmp_path
+    embedded_sweep, token_cluster, no_auth_env, monkeypatch, tmp_path
 ):
     monkeypatch.setenv("RAY_TMPDIR", str(token_cluster["tmp"]))  # where `auto` looks
     monkeypatch.setenv("RAY_AUTH_TOKEN", token_cluster["token"])
@@ -288,7 +317,7 @@ def test_auto_joins_with_the_token_from_the_environment(
 
 
 def test_a_node_lost_mid_run_costs_only_its_jobs(
-    token_cluster, embedded, no_auth_env, monkeypatch, tmp_path, capfd
+    embedded, token_cluster, no_auth_env, monkeypatch, tmp_path, capfd
 ):
     """A third node joins with 2 CPUs; the head's and the first worker's are held (a placement
     group), so both jobs start there. Its processes are killed while they run: the launch

@@ -200,7 +200,7 @@ def _run_all(todo, results, out, address, num_cpus, resources, progress):
     with ray_connected(address, num_cpus):
         task = ray.remote(num_cpus=cpus_per_job, num_gpus=gpus_per_job, max_retries=0)(_run_job)
         board = _board(ray) if progress else None
-        snapshot = None if board is None else lambda: ray.get(board.snapshot.remote(), timeout=9)
+        snapshot = None if board is None else lambda: ray.get(board.snapshot.remote())
 
         def submit(job: Job, avoid: set[str]):
             args = (job, str(results / WORK_DIR / job.key), cpus_per_job, board, device)
@@ -253,7 +253,7 @@ def _collect(ray, ref, job: Job, results: Path, out: Launch, losses: _Losses) ->
     try:
         result = ray.get(ref)
     except Exception as err:  # the worker's exception, with its traceback
-        if _lost(ray, err):
+        if _lost(err):
             times = out.rerun.count(job.key) + 1
             if times <= MAX_LOSSES:
                 out.rerun.append(job.key)
@@ -271,7 +271,7 @@ def _collect(ray, ref, job: Job, results: Path, out: Launch, losses: _Losses) ->
     return False
 
 
-def _lost(ray, err: Exception) -> bool:
+def _lost(err: Exception) -> bool:
     """Whether ``err`` says the job was lost with its node (or its result with the node that
     held it), not that the job failed. A job's own exception is a ``RayTaskError`` even where
     it wraps one of these (a job's own ``ray.get``)."""
@@ -333,9 +333,11 @@ class _Rows:
     def poll(self, pending: dict) -> None:
         if self.snapshot is None:
             return
+        from ray.exceptions import RayError
+
         try:
             reports = self.snapshot()
-        except Exception:  # the board is gone (its node lost): the overall bar goes on
+        except RayError:  # the board is gone (lost with its node): the overall bar goes on
             self.snapshot = None
             return
         running = {job.key: job for job in pending.values()}
