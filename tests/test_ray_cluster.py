@@ -374,7 +374,7 @@ def test_a_node_lost_mid_run_costs_only_its_jobs(
 
             killer = threading.Thread(target=kill_when_running, daemon=True)
             killer.start()
-            out = launch(jobs, dest, progress=False)
+            out = launch(jobs, dest)  # with progress: its board stays on the driver's node
             killer.join(60)
             # Ray marks the node dead some 15 s later: its notice of that is not printed
             deadline = time.monotonic() + 60

@@ -140,18 +140,27 @@ def _throttled(board: Any, key: str, every: float = 0.5):
     return report
 
 
-class _Board:
-    """A Ray actor holding each running job's ``(done, total)``: the launcher polls it to draw
-    one progress row (with its own ETA) per running job."""
+def _board_class() -> type:
+    """The board's class, made in a function: Ray ships it by value, so the board's worker
+    starts without importing phasemech (seconds on a busy machine: ``transformer_lens``)."""
 
-    def __init__(self) -> None:
-        self.rows: dict[str, tuple[float, float]] = {}
+    class _Board:
+        """A Ray actor holding each running job's ``(done, total)``: the launcher polls it to
+        draw one progress row (with its own ETA) per running job."""
 
-    def report(self, key: str, done: float, total: float) -> None:
-        self.rows[key] = (done, total)
+        def __init__(self) -> None:
+            self.rows: dict[str, tuple[float, float]] = {}
 
-    def snapshot(self) -> dict[str, tuple[float, float]]:
-        return dict(self.rows)
+        def report(self, key: str, done: float, total: float) -> None:
+            self.rows[key] = (done, total)
+
+        def snapshot(self) -> dict[str, tuple[float, float]]:
+            return dict(self.rows)
+
+    return _Board
+
+
+_Board = _board_class()
 
 
 def launch(
