@@ -357,6 +357,10 @@ def test_a_node_lost_mid_run_costs_only_its_jobs(
             )
             ray.get(held.ready(), timeout=60)
             victim.wait_started()
+            deadline = time.monotonic() + 30
+            while not nodes(victims=True):  # registered by now, but the GCS may lag
+                assert time.monotonic() < deadline, "the victim did not join"
+                time.sleep(0.2)
             [lost] = nodes(victims=True)
 
             def kill_when_running() -> None:
