@@ -1,11 +1,13 @@
 """The experiment launcher on Ray: job keys, the on-disk cache, failures reported while the
-other jobs finish, the embedded Ray's quiet authentication, and a launcher interrupted
-mid-sweep whose rerun completes only the missing jobs. Clusters: ``test_ray_cluster.py``.
+other jobs finish, the embedded Ray's quiet authentication, a launcher interrupted mid-sweep
+whose rerun completes only the missing jobs, and which errors count as a lost node (rerun)
+rather than a failure. Clusters, and a node killed mid-run: ``test_ray_cluster.py``.
 
 Ray's worker start-up costs seconds on 2 cores: each test launches few, small jobs."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -17,10 +19,11 @@ from pathlib import Path
 from typing import ClassVar
 
 import pytest
+from rich.console import Console
 
 ray = pytest.importorskip("ray")
 
-from phasemech.experiments import Job, experiment, launch  # noqa: E402
+from phasemech.experiments import Job, experiment, launch, launcher  # noqa: E402
 from phasemech.experiments.launcher import read_cached  # noqa: E402
 from phasemech.experiments.sweep.jobs import train_jobs  # noqa: E402
 from phasemech.experiments.sweep.profiles import PROFILES  # noqa: E402
@@ -45,6 +48,17 @@ class EchoJob(Job):
         return {"double": 2 * self.value, "threads": torch.get_num_threads(), "nan": float("nan")}
 
 
+@dataclass(frozen=True)
+class SaysLostJob(Job):
+    """A job that itself raises Ray's lost-node error: its own failure, not a lost node."""
+
+    kind: ClassVar[str] = "says_lost"
+    value: int
+
+    def run(self, workdir: Path) -> dict:
+        raise ray.exceptions.NodeDiedError("Node IP: 10.0.0.9, node ID: abc1. (the job's own)")
+
+
 def test_job_keys_are_stable_and_name_the_config():
     a, b, c = EchoJob(1), EchoJob(1), EchoJob(2)
     assert a.key == b.key != c.key and len(a.key) == 16
@@ -61,7 +75,7 @@ def test_job_keys_are_stable_and_name_the_config():
 
 
 def test_launch_caches_results_and_reports_failures(tmp_path, monkeypatch, capfd, caplog):
-    jobs = [EchoJob(1), EchoJob(2), EchoJob(3, fail=True), EchoJob(1)]  # a duplicate
+    jobs = [EchoJob(1), EchoJob(2), EchoJob(3, fail=True), EchoJob(1), SaysLostJob(4)]
     home = tmp_path / "home"
     monkeypatch.setenv("HOME", str(home))
     for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
@@ -74,8 +88,9 @@ def test_launch_caches_results_and_reports_failures(tmp_path, monkeypatch, capfd
     assert not home.exists() and "RAY_AUTH_MODE" not in os.environ
     assert {out.results[j.key]["double"] for j in jobs[:2]} == {2, 4}
     assert out.results[jobs[0].key]["threads"] == 1 and out.results[jobs[0].key]["nan"] is None
-    assert len(out.ran) == 2 and not out.cached
-    [failure] = out.failures
+    assert len(out.ran) == 2 and not out.cached and not out.rerun
+    failure, says_lost = sorted(out.failures, key=lambda f: f.config["value"])
+    assert "the job's own" in says_lost.error and "lost node" not in said  # not rerun
     assert failure.config == {"kind": "echo", "value": 3, "fail": True}
     assert "RuntimeError: boom 3" in failure.error and 'test_launcher.py", line' in failure.error
     assert "\x1b" not in failure.error  # plain text, no terminal colours
@@ -85,7 +100,7 @@ def test_launch_caches_results_and_reports_failures(tmp_path, monkeypatch, capfd
     # a rerun computes only what is missing (the failed job), and reads the rest
     again = launch(jobs, tmp_path, num_cpus=2, progress=False)
     assert sorted(again.cached) == sorted({j.key for j in jobs[:2]}) and not again.ran
-    assert len(again.failures) == 1
+    assert len(again.failures) == 2
     # a corrupt cache file is recomputed, not trusted
     (tmp_path / f"{jobs[0].key}.json").write_text("{half")
     assert read_cached(tmp_path, jobs[0]) is None
@@ -171,3 +186,44 @@ def test_each_running_job_gets_a_progress_row_with_its_own_eta():
     reports.pop(b.key)
     rows.poll({"ref-b": b, "ref-c": EchoJob(3)})  # a job that never reports gets no row
     assert len(bar.tasks) == 2
+
+
+def test_only_a_lost_node_or_result_means_rerun(tmp_path):
+    """Ray's NodeDiedError and ObjectLostError: the job runs again, ``MAX_LOSSES`` times at
+    most (then it is a failure). A job's own exception (even one wrapping those), a worker that
+    died alone, a task Ray's memory monitor killed: failures at once."""
+    rex = ray.exceptions
+    died = "Task failed because the node it was running on is dead or unavailable. "
+    lost = rex.NodeDiedError(died + "Node IP: 10.0.0.7, node ID: 9f3c2a1b0d. This can happen")
+    wrapped = rex.RayTaskError("run", "Traceback ...", lost).as_instanceof_cause()
+    assert isinstance(wrapped, rex.NodeDiedError)  # why RayTaskError is checked first
+    others = [wrapped, rex.WorkerCrashedError(), rex.OutOfMemoryError("killed"), ValueError()]
+
+    class FakeRay:  # ray.get of a finished job's ref raises the job's error
+        def get(self, err):
+            raise err
+
+    said = io.StringIO()
+    losses = launcher._Losses(Console(file=said, width=200))
+    out, job = launcher.Launch(), EchoJob(1)
+    args = (tmp_path, out, losses)
+    object_lost = rex.ObjectLostError("ab" * 14, None, "")
+    assert launcher._collect(FakeRay(), object_lost, job, *args)
+    for _ in range(launcher.MAX_LOSSES - 1):
+        assert launcher._collect(FakeRay(), lost, job, *args)
+    assert not launcher._collect(FakeRay(), lost, job, *args)  # once too often: a failure
+    [failure] = out.failures
+    assert failure.error.startswith(f"lost with its node {launcher.MAX_LOSSES + 1} times")
+    assert out.rerun == [job.key] * launcher.MAX_LOSSES and losses.dead == {"9f3c2a1b0d"}
+    for err in others:
+        assert not launcher._collect(FakeRay(), err, EchoJob(2), *args)
+    assert len(out.failures) == 1 + len(others) and not list(tmp_path.glob("*.json"))
+    losses.announce()  # within GRACE of the last loss: not yet
+    assert said.getvalue() == ""
+    losses.announce(final=True)  # the launch ends: one line per node
+    assert said.getvalue().splitlines() == [
+        "lost a node: 1 job rerun on the remaining nodes",  # ObjectLostError names none
+        "lost node 10.0.0.7 (9f3c2a1b, dead or unreachable): 2 jobs rerun on the remaining nodes",
+    ]
+    losses.announce(final=True)  # said once
+    assert len(said.getvalue().splitlines()) == 2

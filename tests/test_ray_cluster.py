@@ -3,13 +3,16 @@ token authentication on where a token is configured), a head and a worker node o
 machine, in a temporary ``RAY_TMPDIR`` and ``HOME``. The tiny sweep through ``--address``
 (the CLI, the token from the default file) and through ``auto`` (in process, the token from
 ``RAY_AUTH_TOKEN``) gives the embedded run's numbers; every refusal is one line raised before
-``ray.init``. Only the nodes these tests start are stopped (their own process groups)."""
+``ray.init``; a node killed while its jobs run costs only those jobs, run again on the nodes
+that remain. Only the nodes these tests start are stopped (their own sessions). The
+nodes import phasemech from this checkout (``PYTHONPATH``), as the driver does."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -18,6 +21,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -30,9 +34,11 @@ from phasemech.experiments import (  # noqa: E402
     Job,
     experiment,
     launch,
+    launcher,
     ray_connect,
     run_experiment,
 )
+from phasemech.experiments.jobs import payload  # noqa: E402
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,6 +55,37 @@ class DoubleJob(Job):
         return {"double": 2 * self.value}
 
 
+@dataclass(frozen=True)
+class GatedJob(Job):
+    """Notes in its folder each start (the node and the phasemech it runs) and each end; with
+    a ``gate`` (not in the key) it waits for that file first, a minute at most."""
+
+    kind: ClassVar[str] = "gated"
+    value: int
+    gate: str = payload(default="")
+
+    def run(self, workdir: Path) -> dict:
+        import torch
+
+        import phasemech
+
+        node = ray.get_runtime_context().get_node_id()
+        with open(workdir / "starts", "a") as f:
+            f.write(f"{node} {phasemech.__file__}\n")
+        deadline = time.monotonic() + 60
+        while self.gate and not Path(self.gate).exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no gate {self.gate}")
+            time.sleep(0.05)
+        with open(workdir / "ends", "a") as f:
+            f.write(f"{node}\n")
+        numbers = torch.randn(8, generator=torch.Generator().manual_seed(self.value))
+        return {"value": self.value, "sum": float(numbers.sum())}
+
+
+GATED = [GatedJob(v) for v in range(2)]  # as many as the lost node's CPUs: all running there
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -56,13 +93,15 @@ def free_port() -> int:
 
 
 class Node:
-    """One ``ray start --block`` in a process group of its own, logging to a file."""
+    """One ``ray start --block`` in a session of its own, logging to a file. The session holds
+    the node's processes: its raylet and agents, and its workers, which Ray starts each in a
+    process group of its own (a kill of the group alone leaves them running)."""
 
-    def __init__(self, args: list[str], env: dict, log: Path) -> None:
+    def __init__(self, args: list[str], env: dict, log: Path, cpus: int = 1) -> None:
         self.log = log
         with open(log, "w") as out:
             self.proc = subprocess.Popen(
-                [RAY, "start", "--num-cpus", "1", "--block", *args],
+                [RAY, "start", "--num-cpus", str(cpus), "--block", *args],
                 env=env,
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -78,34 +117,58 @@ class Node:
 
     def stop(self) -> None:
         """SIGTERM ``ray start --block`` (it stops its node's processes), then kill what is
-        left of its process group: this node's processes and no others."""
+        left of its session: this node's processes and no others."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(60)
             except subprocess.TimeoutExpired:
                 pass
+        self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL every process of this node at once, as a machine that is lost goes."""
+        for _ in range(100):
+            pids = self._session()
+            if not pids:
+                break
+            for pid in pids:
+                self._signal(pid)
+            time.sleep(0.05)
+        if self.proc.poll() is None:
+            self.proc.wait(10)
+
+    def _signal(self, pid: int) -> None:
+        """SIGKILL ``pid`` if it is still this node's (a pidfd: a PID reused meanwhile is not
+        signalled)."""
         try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+            fd = os.pidfd_open(pid)
         except ProcessLookupError:
-            pass  # the group is already empty
+            return
+        try:
+            if pid in self._session():
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        finally:
+            os.close(fd)
 
     def running(self, wait: float = 10.0) -> list[int]:
-        """The live (not zombie) processes of this node's group, once none is left or after
+        """The live (not zombie) processes of this node's session, once none is left or after
         ``wait`` seconds (a killed process takes a moment to go)."""
         deadline = time.monotonic() + wait
-        while (pids := self._group()) and time.monotonic() < deadline:
+        while (pids := self._session()) and time.monotonic() < deadline:
             time.sleep(0.2)
         return pids
 
-    def _group(self) -> list[int]:
+    def _session(self) -> list[int]:
         pids = []
         for stat in Path("/proc").glob("[0-9]*/stat"):
             try:
                 fields = stat.read_text().rsplit(")", 1)[1].split()
             except OSError:
                 continue  # gone meanwhile
-            if int(fields[2]) == self.proc.pid and fields[0] != "Z":
+            if int(fields[3]) == self.proc.pid and fields[0] != "Z":
                 pids.append(int(stat.parent.name))
         return pids
 
@@ -121,31 +184,56 @@ def head_args(port: int) -> list[str]:
 
 
 def user_env(home: Path, tmp: Path, **extra) -> dict:
+    """A user's shell in this checkout: its phasemech first on the path (the nodes' workers
+    import it, not an installed one), ``HOME`` and ``RAY_TMPDIR`` the test's."""
     env = {k: v for k, v in os.environ.items() if k not in AUTH_VARS}
-    return {**env, "HOME": str(home), "RAY_TMPDIR": str(tmp), **extra}
+    path = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    return {**env, "HOME": str(home), "RAY_TMPDIR": str(tmp), "PYTHONPATH": path, **extra}
 
 
 @pytest.fixture(scope="module")
-def token_cluster():
-    """A head and a worker node started with the ray CLI, token authentication on."""
+def booting_cluster():
+    """A head and a worker node started with the ray CLI, token authentication on. They boot
+    in a thread, while the embedded run computes (it asks for this fixture first): use
+    ``token_cluster``, which waits for them."""
     root = Path(tempfile.mkdtemp(prefix="pm-ray-", dir="/tmp"))  # short: Ray's socket paths
     home, tmp = root / "home", root / "tmp"
     home.mkdir()
     tmp.mkdir()
     env = user_env(home, tmp)
-    # the user's token, where Ray keeps it (~/.ray/auth_token); ray start then turns auth on
-    subprocess.run([RAY, "get-auth-token", "--generate"], env=env, check=True, capture_output=True)
-    token = (home / ".ray" / "auth_token").read_text().strip()
+    # a worker node joins in token mode (Ray's CLI picks the token up only when told)
+    worker_env = {**env, "RAY_AUTH_MODE": "token"}
     port = free_port()
-    nodes = [Node(head_args(port), env, root / "h")]
+    cluster = {"root": root, "home": home, "tmp": tmp, "port": port, "nodes": []}
+    nodes, errors = cluster["nodes"], []
+
+    def boot() -> None:
+        try:
+            # the user's token, where Ray keeps it (~/.ray/auth_token): ray start turns auth on
+            get = [RAY, "get-auth-token", "--generate"]
+            subprocess.run(get, env=env, check=True, capture_output=True)
+            cluster["token"] = (home / ".ray" / "auth_token").read_text().strip()
+            nodes.append(Node(head_args(port), env, root / "h"))
+            nodes[0].wait_started()
+            nodes.append(Node(["--address", f"127.0.0.1:{port}"], worker_env, root / "w"))
+            nodes[1].wait_started()
+        except BaseException as err:  # raised where the cluster is awaited
+            errors.append(err)
+
+    booting = threading.Thread(target=boot, daemon=True)
+    booting.start()
+
+    def ready() -> dict:
+        booting.join()
+        if errors:
+            raise errors[0]
+        return cluster
+
+    cluster["ready"] = ready
     try:
-        nodes[0].wait_started()
-        # a worker node joins in token mode (Ray's CLI picks the token up only when told)
-        worker_env = {**env, "RAY_AUTH_MODE": "token"}
-        nodes.append(Node(["--address", f"127.0.0.1:{port}"], worker_env, root / "w"))
-        nodes[1].wait_started()
-        yield {"root": root, "home": home, "tmp": tmp, "port": port, "token": token}
+        yield cluster
     finally:
+        booting.join()
         for node in reversed(nodes):
             node.stop()
         shutil.rmtree(root, ignore_errors=True)
@@ -153,11 +241,26 @@ def token_cluster():
 
 
 @pytest.fixture(scope="module")
-def embedded_sweep(tmp_path_factory):
+def token_cluster(booting_cluster):
+    """The booted cluster: ``root``, ``home``, ``tmp``, ``port``, ``token``, ``nodes``."""
+    return booting_cluster["ready"]()
+
+
+@pytest.fixture(scope="module")
+def embedded(booting_cluster, tmp_path_factory):
+    """The embedded run's results (no address): the tiny sweep's and ``GATED``'s, in one Ray,
+    computed while the cluster boots."""
     folder = tmp_path_factory.mktemp("embedded")
-    run = run_experiment(experiment("phase_sweep"), "tiny", folder, num_cpus=2, progress=False)
-    assert not run.failures and run.ran == 4
-    return job_results(run.folder)
+    with ray_connect.ray_connected(None, 2):
+        run = run_experiment(experiment("phase_sweep"), "tiny", folder, progress=False)
+        gated = launch(GATED, folder / "gated", progress=False)
+    assert not run.failures and run.ran == 4 and not gated.failures
+    return {"sweep": job_results(run.folder), "gated": gated.results}
+
+
+@pytest.fixture(scope="module")
+def embedded_sweep(embedded):
+    return embedded["sweep"]
 
 
 def job_results(folder: Path) -> dict:
@@ -178,7 +281,7 @@ def no_auth_env(monkeypatch, tmp_path):
     return tmp_path
 
 
-def test_cli_joins_a_token_cluster_by_address(token_cluster, embedded_sweep, tmp_path):
+def test_cli_joins_a_token_cluster_by_address(embedded_sweep, token_cluster, tmp_path):
     c = token_cluster
     env = user_env(c["home"], c["tmp"])  # a user's shell: the token in ~/.ray, no mode set
     cmd = [sys.executable, "-m", "phasemech.cli", "run", "phase_sweep", "--profile", "tiny"]
@@ -198,7 +301,7 @@ def test_cli_joins_a_token_cluster_by_address(token_cluster, embedded_sweep, tmp
 
 
 def test_auto_joins_with_the_token_from_the_environment(
-    token_cluster, embedded_sweep, no_auth_env, monkeypatch, tmp_path
+    embedded_sweep, token_cluster, no_auth_env, monkeypatch, tmp_path
 ):
     monkeypatch.setenv("RAY_TMPDIR", str(token_cluster["tmp"]))  # where `auto` looks
     monkeypatch.setenv("RAY_AUTH_TOKEN", token_cluster["token"])
@@ -211,6 +314,99 @@ def test_auto_joins_with_the_token_from_the_environment(
     assert not run.failures and run.ran == 4 and not ray.is_initialized()
     assert job_results(run.folder) == embedded_sweep
     assert "RAY_AUTH_MODE" not in os.environ  # the process environment is restored
+
+
+def test_a_node_lost_mid_run_costs_only_its_jobs(
+    embedded, token_cluster, no_auth_env, monkeypatch, tmp_path, capfd
+):
+    """A third node joins with 2 CPUs; the head's and the first worker's are held (a placement
+    group), so both jobs start there. Its processes are killed while they run: the launch
+    runs them again on the other two nodes, caches each once, and says so in one line."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    c = token_cluster
+    monkeypatch.setenv("RAY_AUTH_TOKEN", c["token"])
+    address = f"127.0.0.1:{c['port']}"
+    written = Counter()  # each results file the launcher writes
+    write = launcher.write_json_atomic
+    monkeypatch.setattr(
+        launcher,
+        "write_json_atomic",
+        lambda p, obj: (written.update([Path(p).name]), write(p, obj)),
+    )
+    gate, dest = tmp_path / "gate", tmp_path / "jobs"
+    jobs = [GatedJob(j.value, str(gate)) for j in GATED]
+    folders = [dest / launcher.WORK_DIR / j.key for j in jobs]
+    victim_env = user_env(c["home"], c["tmp"], RAY_AUTH_MODE="token")
+    args = ["--address", address, "--labels", "role=victim"]
+    victim = Node(args, victim_env, tmp_path / "victim.log", cpus=2)  # starts meanwhile
+    try:
+        with ray_connect.ray_connected(address, None):
+
+            def nodes(alive: bool = True, victims: bool = False) -> set[str]:
+                return {
+                    n["NodeID"]
+                    for n in ray.nodes()
+                    if n["Alive"] == alive and ("role" in n["Labels"]) == victims
+                }
+
+            others = nodes()  # the head and the first worker
+            held = placement_group(
+                [{"CPU": 1}] * len(others),
+                bundle_label_selector=[{launcher.NODE_ID: n} for n in others],
+            )
+            ray.get(held.ready(), timeout=60)
+            victim.wait_started()
+            deadline = time.monotonic() + 30
+            while not nodes(victims=True):  # registered by now, but the GCS may lag
+                assert time.monotonic() < deadline, "the victim did not join"
+                time.sleep(0.2)
+            [lost] = nodes(victims=True)
+
+            def kill_when_running() -> None:
+                """Once both jobs run on the victim: kill its processes, open the gate (only
+                then: no job on the victim can end), free the other nodes' CPUs."""
+                deadline = time.monotonic() + 60
+                try:
+                    while not all((f / "starts").exists() for f in folders):
+                        assert time.monotonic() < deadline, "the jobs did not start"
+                        time.sleep(0.05)
+                    victim.kill()  # its raylet, agents and workers, at once
+                finally:
+                    gate.touch()
+                    remove_placement_group(held)
+
+            killer = threading.Thread(target=kill_when_running, daemon=True)
+            killer.start()
+            out = launch(jobs, dest)  # with progress: its board stays on the driver's node
+            killer.join(60)
+            # Ray marks the node dead some 15 s later: its notice of that is not printed
+            deadline = time.monotonic() + 60
+            while lost not in nodes(alive=False, victims=True):
+                assert time.monotonic() < deadline, "Ray did not mark the lost node dead"
+                time.sleep(0.2)
+            time.sleep(1)  # the notice reaches this driver
+            alive = nodes() | nodes(victims=True)
+    finally:
+        victim.stop()
+    said = capfd.readouterr()
+    assert not out.failures and sorted(out.ran) == sorted(out.rerun) == sorted(j.key for j in jobs)
+    assert out.results == embedded["gated"]  # the embedded run's numbers
+    assert written == Counter(f"{j.key}.json" for j in jobs)  # each cached once, none missing
+    for folder in folders:
+        starts = [line.split() for line in (folder / "starts").read_text().splitlines()]
+        assert len(starts) == 2 and starts[0][0] == lost and starts[1][0] in others
+        assert all(Path(where).is_relative_to(ROOT) for _, where in starts)  # this checkout's
+        [end] = (folder / "ends").read_text().split()  # finished once, not on the lost node
+        assert end in others
+    [line] = [line for line in said.err.splitlines() if "lost" in line]
+    said_lost = (
+        rf"lost node \S+ \({lost[:8]}, dead or unreachable\): 2 jobs rerun on the remaining nodes"
+    )
+    assert re.fullmatch(said_lost, line), line
+    assert "Traceback" not in said.err and "marked dead" not in said.out + said.err
+    assert not victim.running(wait=0)
+    assert alive == others and all(node.proc.poll() is None for node in c["nodes"])
 
 
 def refusal(address: str, monkeypatch, tmp_path: Path, capfd) -> str:

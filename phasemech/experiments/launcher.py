@@ -13,6 +13,14 @@ atomically by the launcher as each job returns) and ``work/<key>/``, the job's o
 loses only the jobs in flight; rerunning the same experiment runs only what is missing. A job
 that fails is reported with its config and traceback at the end; the others finish.
 
+A node lost mid-run (dead or unreachable: Ray fails each of its jobs with ``NodeDiedError``
+about 2 s later, long before the GCS marks it dead) costs only its jobs in flight: the launcher
+runs them again on the nodes that remain (never that node again), says so in one line per node,
+and caches each result once, as ever. A result lost with its node after the job finished
+(``ObjectLostError``) is recomputed the same way. A job lost ``MAX_LOSSES`` times is reported as
+a failure (a job that takes its node down must not take every node down); a job that raises,
+or whose worker alone dies, is a failure at once, as before.
+
 On a multi-machine cluster ``work/`` is written on the node that ran the job: point the results
 folder at a shared filesystem to keep checkpoints in one place. The results themselves travel
 back through Ray, so the cache is complete either way.
@@ -39,6 +47,10 @@ from phasemech.experiments.ray_connect import ray_connected
 
 WORK_DIR = "work"
 ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours its tracebacks
+MAX_LOSSES = 3  # times a job may be lost with its node before it is reported as failed
+GRACE = 3.0  # seconds: the jobs of one lost node fail within about a second of each other
+NODE_DIED = re.compile(r"Node IP: ([^,\s]+), node ID: ([0-9a-f]+)")  # in NodeDiedError's text
+NODE_ID = "ray.io/node-id"  # the label Ray gives every node: reruns avoid the lost ones
 
 
 @dataclass(frozen=True)
@@ -59,6 +71,7 @@ class Launch:
     failures: list[Failure] = field(default_factory=list)
     ran: list[str] = field(default_factory=list)  # keys computed by this launch
     cached: list[str] = field(default_factory=list)  # keys read from the results folder
+    rerun: list[str] = field(default_factory=list)  # keys run again after a lost node, per loss
     seconds: float = 0.0
 
     def frame(self, jobs: Sequence[Job]) -> pd.DataFrame:
@@ -127,18 +140,27 @@ def _throttled(board: Any, key: str, every: float = 0.5):
     return report
 
 
-class _Board:
-    """A Ray actor holding each running job's ``(done, total)``: the launcher polls it to draw
-    one progress row (with its own ETA) per running job."""
+def _board_class() -> type:
+    """The board's class, made in a function: Ray ships it by value, so the board's worker
+    starts without importing phasemech (seconds on a busy machine: ``transformer_lens``)."""
 
-    def __init__(self) -> None:
-        self.rows: dict[str, tuple[float, float]] = {}
+    class _Board:
+        """A Ray actor holding each running job's ``(done, total)``: the launcher polls it to
+        draw one progress row (with its own ETA) per running job."""
 
-    def report(self, key: str, done: float, total: float) -> None:
-        self.rows[key] = (done, total)
+        def __init__(self) -> None:
+            self.rows: dict[str, tuple[float, float]] = {}
 
-    def snapshot(self) -> dict[str, tuple[float, float]]:
-        return dict(self.rows)
+        def report(self, key: str, done: float, total: float) -> None:
+            self.rows[key] = (done, total)
+
+        def snapshot(self) -> dict[str, tuple[float, float]]:
+            return dict(self.rows)
+
+    return _Board
+
+
+_Board = _board_class()
 
 
 def launch(
@@ -186,34 +208,126 @@ def _run_all(todo, results, out, address, num_cpus, resources, progress):
     cpus_per_job, gpus_per_job, device = resources
     with ray_connected(address, num_cpus):
         task = ray.remote(num_cpus=cpus_per_job, num_gpus=gpus_per_job, max_retries=0)(_run_job)
-        board = ray.remote(num_cpus=0)(_Board).remote() if progress else None
-        pending = {
-            task.remote(job, str(results / WORK_DIR / job.key), cpus_per_job, board, device): job
-            for job in todo
-        }
-        with progress_bar(Console(stderr=True), disable=not progress) as bar:
-            snapshot = None if board is None else lambda: ray.get(board.snapshot.remote())
+        board = _board(ray) if progress else None
+        snapshot = None if board is None else lambda: ray.get(board.snapshot.remote())
+
+        def submit(job: Job, avoid: set[str]):
+            args = (job, str(results / WORK_DIR / job.key), cpus_per_job, board, device)
+            return _avoiding(task, avoid).remote(*args)
+
+        console = Console(stderr=True)
+        losses = _Losses(console)
+        pending = {submit(job, set()): job for job in todo}
+        with progress_bar(console, disable=not progress) as bar:
             rows = ProgressRows(bar, snapshot, f"{len(todo)} jobs", len(todo))
             while pending:
                 done, _ = ray.wait(list(pending), num_returns=1, timeout=0.5)
                 rows.poll(pending)
                 if done:
                     job = pending.pop(done[0])
-                    _collect(ray, done[0], job, results, out)
-                    rows.finish(job, failed=job.key not in out.results)
+                    lost = _collect(ray, done[0], job, results, out, losses)
+                    if lost:
+                        pending[submit(job, losses.dead)] = job
+                    else:
+                        rows.finish(job, failed=job.key not in out.results)
+                losses.announce(final=not pending)
 
 
-def _collect(ray, ref, job: Job, results: Path, out: Launch) -> None:
-    """Cache a finished job's result, or record its failure."""
+def _board(ray) -> Any:
+    """The progress board, on the driver's node where Ray allows (a node lost mid-run must
+    not take the progress display with it)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    try:
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+    except Exception:  # e.g. a driver that is no node of its own (Ray Client)
+        here = "DEFAULT"
+    return ray.remote(num_cpus=0, scheduling_strategy=here)(_Board).remote()
+
+
+def _avoiding(task, nodes: set[str]):
+    """``task`` kept off ``nodes`` (node IDs; Ray takes a while to mark a lost node dead, and
+    until then could place a rerun there)."""
+    if not nodes:
+        return task
+    try:
+        return task.options(label_selector={NODE_ID: f"!in({', '.join(sorted(nodes))})"})
+    except (TypeError, ValueError):  # a Ray without label selectors: Ray's own choice
+        return task
+
+
+def _collect(ray, ref, job: Job, results: Path, out: Launch, losses: _Losses) -> bool:
+    """Cache a finished job's result, or record its failure; True where the job was lost with
+    its node (to be run again)."""
     try:
         result = ray.get(ref)
     except Exception as err:  # the worker's exception, with its traceback
-        out.failures.append(Failure(job.key, job.label, job.config, ANSI.sub("", str(err))))
-        return
+        if _lost(err):
+            times = out.rerun.count(job.key) + 1
+            if times <= MAX_LOSSES:
+                out.rerun.append(job.key)
+                losses.lost(str(err))
+                return True
+            text = f"lost with its node {times} times; the last time: {_first_line(err)}"
+        else:
+            text = ANSI.sub("", str(err))
+        out.failures.append(Failure(job.key, job.label, job.config, text))
+        return False
     payload = {"key": job.key, "config": job.config, "result": json_safe(result)}
     write_json_atomic(results / f"{job.key}.json", payload)
     out.results[job.key] = payload["result"]
     out.ran.append(job.key)
+    return False
+
+
+def _lost(err: Exception) -> bool:
+    """Whether ``err`` says the job was lost with its node (or its result with the node that
+    held it), not that the job failed. A job's own exception is a ``RayTaskError`` even where
+    it wraps one of these (a job's own ``ray.get``)."""
+    from ray import exceptions as rex
+
+    if isinstance(err, rex.RayTaskError):
+        return False
+    return isinstance(err, rex.NodeDiedError | rex.ObjectLostError)
+
+
+def _first_line(err: Exception) -> str:
+    text = ANSI.sub("", str(err)).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+class _Losses:
+    """The nodes lost during a launch and the jobs lost with them: one line per node, once its
+    jobs have all failed over (``GRACE`` seconds after the last), or when the launch ends."""
+
+    def __init__(self, console: Console) -> None:
+        self.console = console
+        self.dead: set[str] = set()  # node IDs
+        self.nodes: dict[str, list] = {}  # node ID (or "") -> [IP, jobs not yet said, time]
+
+    def lost(self, message: str) -> None:
+        found = NODE_DIED.search(message)
+        ip, node = found.groups() if found else ("", "")
+        if node:
+            self.dead.add(node)
+        entry = self.nodes.setdefault(node, [ip, 0, 0.0])
+        entry[1] += 1
+        entry[2] = time.monotonic()
+
+    def announce(self, final: bool = False) -> None:
+        now = time.monotonic()
+        for node, entry in self.nodes.items():
+            ip, count, last = entry
+            if count and (final or now - last >= GRACE):
+                entry[1] = 0
+                jobs = f"{count} job{'s' if count > 1 else ''}"
+                where = f"node {ip} ({node[:8]}, dead or unreachable)" if node else "a node"
+                self.console.print(
+                    f"lost {where}: {jobs} rerun on the remaining nodes",
+                    markup=False,
+                    highlight=False,
+                    soft_wrap=True,
+                )
 
 
 class ProgressRows:
@@ -228,8 +342,15 @@ class ProgressRows:
     def poll(self, pending: dict) -> None:
         if self.snapshot is None:
             return
+        from ray.exceptions import RayError
+
+        try:
+            reports = self.snapshot()
+        except RayError:  # the board is gone (lost with its node): the overall bar goes on
+            self.snapshot = None
+            return
         running = {job.key: job for job in pending.values()}
-        for key, (done, total) in self.snapshot().items():
+        for key, (done, total) in reports.items():
             if key not in running:
                 continue
             if key not in self.rows:

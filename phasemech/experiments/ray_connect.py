@@ -26,7 +26,9 @@ The embedded Ray takes token authentication with a token made for this session: 
 the environment of the processes the session starts, is never written to disk, and nothing
 is printed about it. ``RAY_AUTH_MODE=disabled``, set by the user, stands.
 
-Either way the process environment is restored when the session ends.
+Either way the process environment is restored when the session ends. While the session
+lasts, Ray's own notice of a node marked dead (a paragraph, some 15 s after the node went) is
+not printed: the launcher says in one line what a lost node cost (``launcher.py``).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import secrets
 import socket
 import subprocess
@@ -49,6 +52,7 @@ KEEP = "-"  # a probe mode: the RAY_AUTH_MODE the user set
 GET_TOKEN = "`ray get-auth-token` on the head prints it"
 PORT_HINT = "(is it the port `ray start --head` printed?)"
 WHERE = f"{TOKEN}, a file named by {TOKEN_PATH}, or ~/.ray/auth_token"
+NODE_MARKED_DEAD = re.compile(r"^The node with node id: \w+ .* has been marked dead", re.DOTALL)
 
 
 @contextlib.contextmanager
@@ -71,9 +75,34 @@ def ray_connected(address: str | None, num_cpus: int | None) -> Iterator[bool]:
         else:
             _join(address, bootstrap)
         try:
-            yield True
+            with _quiet_node_deaths():
+                yield True
         finally:
             ray.shutdown()
+
+
+@contextlib.contextmanager
+def _quiet_node_deaths() -> Iterator[None]:
+    """Leave out Ray's notice of a node marked dead, which its driver prints as it comes (the
+    launcher reports the jobs it cost). Ray's other notices pass; a Ray without the hook
+    (``ray._private.worker.print_to_stdstream``) is left as it is."""
+    from ray._private import worker
+
+    printer = getattr(worker, "print_to_stdstream", None)
+    if printer is None:
+        yield
+        return
+
+    def filtered(data: dict, *args, **kwargs) -> None:
+        lines = [line for line in data.get("lines", ()) if not NODE_MARKED_DEAD.match(line)]
+        if lines:
+            printer({**data, "lines": lines}, *args, **kwargs)
+
+    worker.print_to_stdstream = filtered
+    try:
+        yield
+    finally:
+        worker.print_to_stdstream = printer
 
 
 def check_mode() -> None:
