@@ -100,7 +100,7 @@ def test_patching_without_a_gap_is_nan_and_said(tmp_path):
     are NaN, never a number, and the summary says why; a skipped head oracle is said too."""
     from types import SimpleNamespace
 
-    from phasemech.experiments.explain.summary import _skips
+    from phasemech.experiments.explain.summary import skip_lines
     from phasemech.experiments.explain.tables import patching_table
 
     sides = dict(clean_prompt={"phase": 3}, corrupted_prompt={"phase": 1})
@@ -115,18 +115,18 @@ def test_patching_without_a_gap_is_nan_and_said(tmp_path):
         patching_table(pairs + other, n_boot=10, seed=0)
     frame = pd.DataFrame([dict(clean=p["clean"], corrupted=p["corrupted"]) for p in pairs])
     cfg = SimpleNamespace(analyses=("oracle", "ablation"))
-    lines = _skips(cfg, {"patching_pairs": frame})
+    lines = skip_lines(cfg, {"patching_pairs": frame})
     assert len(lines) == 2 and "top heads was not run" in lines[0]
     assert "no gap to normalise by" in lines[1]
     good = [dict(p, clean=p["corrupted"] + 1.0) for p in pairs]
     assert patching_table(good, n_boot=10, seed=0).effect.notna().all()
     # nothing is ranked by a NaN (pandas' nlargest keeps NaN rows) and the summary is JSON
     from phasemech.core.io import json_safe
-    from phasemech.experiments.explain.summary import _head_lines, _layer_lines
+    from phasemech.experiments.explain.summary import head_lines, layer_lines
 
     atp = table[table.site == "head"].assign(site="atp", effect=1.0)
     t = {"patching": pd.concat([table, atp], ignore_index=True)}
-    text = "\n".join(_layer_lines(t) + _head_lines(t))
+    text = "\n".join(layer_lines(t) + head_lines(t))
     assert text.count("no normalised effect to rank") == 2 and "nan" not in text
     assert atp_check(t["patching"]) is None
     f = findings(t, n_layers=2)

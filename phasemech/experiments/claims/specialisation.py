@@ -32,8 +32,7 @@ from typing import Any
 from phasemech.experiments.claims.converged import D_MODEL, interventions_claim_lines
 from phasemech.experiments.claims.sources import Sources, f3, figure_line, load_json, not_measured
 from phasemech.experiments.claims.theory import model_learned, theory_runs
-from phasemech.experiments.explain.summary import _fmt as _f
-from phasemech.experiments.explain.summary import layer_span
+from phasemech.experiments.explain.summary import layer_span, phases_text
 
 RULE = "a head whose zero-ablation effect on accuracy differs across phases (Holm p < 0.05, range >= 10 points)"  # noqa: E501
 
@@ -60,7 +59,8 @@ def _oracle(f: dict) -> str | None:
     )  # fmt: skip
     return (
         f"forcing the needle's block in place of the lowest pick (every selecting layer, "
-        f"answer rows, same budget): {_f(o['accuracy'])} (unforced {_f(o['unforced'])}){share}; "
+        f"answer rows, same budget): {phases_text(o['accuracy'])} "
+        f"(unforced {phases_text(o['unforced'])}){share}; "
         f"the per-phase range goes from {before:.2f} to {after:.2f}: {reading}"
     )
 
@@ -77,13 +77,14 @@ def explain_run_lines(stem: str, s: dict) -> tuple[list[str], int | None]:
         f"- {s['model']}, `{c['setting']}`, {c['regime']} regime, T = {c['context']}, "
         f"compressed layers {layer_span(c.get('layers'))}, {c['contents']} contents x "
         f"{c['stride']} phases = {s['n_prompts']} prompts "
-        f"(`analyses/results/{stem}.json`): accuracy by phase {_f(s['accuracy_by_phase'])} "
-        f"(null {_f(s['null_by_phase'])})."
+        f"(`analyses/results/{stem}.json`): accuracy by phase "
+        f"{phases_text(s['accuracy_by_phase'])} "
+        f"(null {phases_text(s['null_by_phase'])})."
     )
     lines = [head]
     bands = f.get("selection_bands")
     if bands:
-        txt = "; ".join(f"layers {b['layers']}: {_f(b['recall_by_phase'])}" for b in bands)
+        txt = "; ".join(f"layers {b['layers']}: {phases_text(b['recall_by_phase'])}" for b in bands)
         lines.append(f"  - Selection recall of the needle's block at the answer row: {txt}.")
     orc = _oracle(f)
     if orc:

@@ -31,7 +31,7 @@ def layer_span(layers) -> str:
     return ",".join(map(str, xs))
 
 
-def _fmt(xs) -> str:
+def phases_text(xs) -> str:
     """``0.70 / 0.32 / ...``; a missing value as ``-``."""
     return " / ".join("-" if x is None else f"{x:.2f}" for x in xs)
 
@@ -53,7 +53,9 @@ def _selection_lines(t: dict, n_layers: int) -> list[str]:
         "|---|---|---|",
     ]
     for span, g in _band_groups(rec, n_layers):
-        lines.append(f"| {span} | {_fmt(g.recall.mean())} | {_fmt(g['rank'].median())} |")
+        lines.append(
+            f"| {span} | {phases_text(g.recall.mean())} | {phases_text(g['rank'].median())} |"
+        )
     return lines
 
 
@@ -85,7 +87,8 @@ def _oracle_lines(t: dict) -> list[str]:
         g = g.sort_values("phase")
         sink = g.displaced_sink.mean()
         lines.append(
-            f"| {scope} | {form} | {rows} | {_fmt(g.accuracy)} | {_fmt(g.unforced)} | "
+            f"| {scope} | {form} | {rows} | {phases_text(g.accuracy)} | "
+            f"{phases_text(g.unforced)} | "
             f"{g.displaced.mean():.1f} ({'-' if np.isnan(sink) else f'{sink:.2f}'}) | "
             f"{int(np.nansum(g.broken))} |"
         )
@@ -119,7 +122,7 @@ def top_heads(patch: pd.DataFrame, top: int, layers=None) -> pd.DataFrame:
     return heads.nlargest(top, "effect")
 
 
-def _layer_lines(t: dict, top: int = 5) -> list[str]:
+def layer_lines(t: dict, top: int = 5) -> list[str]:
     """The layers whose residual stream or selection, patched from the clean phase, restore
     the most."""
     p = t.get("patching")
@@ -142,7 +145,9 @@ def _layer_lines(t: dict, top: int = 5) -> list[str]:
     return lines if len(lines) > header else lines + ["| - | no normalised effect to rank |"]
 
 
-def _head_lines(t: dict, top: int = 10) -> list[str]:
+def head_lines(t: dict, top: int = 10) -> list[str]:
+    """The report's heads: the largest exact patching effects (with their phases) and the
+    ablation's phase-specialised heads."""
     lines = []
     p = t.get("patching")
     if p is not None:
@@ -238,7 +243,7 @@ def findings(t: dict, n_layers: int, top: int = 10) -> dict[str, Any]:
     return out
 
 
-def _skips(cfg, tables: dict[str, pd.DataFrame | None]) -> list[str]:
+def skip_lines(cfg, tables: dict[str, pd.DataFrame | None]) -> list[str]:
     """What this run left out, and why (never a silent gap in the tables)."""
     out = []
     if "oracle" in cfg.analyses and "patching" not in cfg.analyses:
@@ -279,7 +284,7 @@ def write_report(
         f"compressed layers {layer_span(p.layers)}, {p.contents} contents x {p.stride} "
         f"phases = {len(prompts)} prompts)"
     )
-    lines = [head, "", f"Accuracy by phase: design {_fmt(acc)}; null {_fmt(null)}."]
+    lines = [head, "", f"Accuracy by phase: design {phases_text(acc)}; null {phases_text(null)}."]
     if meta.get("contrast_phases") and meta["contrast_phases"][0] is not None:
         s, w = meta["contrast_phases"]
         lines.append(
@@ -287,12 +292,12 @@ def write_report(
         )
     if not any(acc):
         lines.append("The design answers no prompt: no component can be credited with it.")
-    lines += _skips(cfg, tables)
+    lines += skip_lines(cfg, tables)
     lines += (
         _selection_lines(tables, meta["n_layers"])
         + _oracle_lines(tables)
-        + _layer_lines(tables)
-        + _head_lines(tables)
+        + layer_lines(tables)
+        + head_lines(tables)
     )
     lines += ["", f"Wall time {meta['wall_s']:.0f} s; worker time {meta['worker_s']:.0f} s."]
     out.mkdir(parents=True, exist_ok=True)
@@ -301,4 +306,14 @@ def write_report(
     return summary
 
 
-__all__ = ["atp_check", "findings", "layer_span", "top_heads", "write_report"]
+__all__ = [
+    "atp_check",
+    "findings",
+    "head_lines",
+    "layer_lines",
+    "layer_span",
+    "phases_text",
+    "skip_lines",
+    "top_heads",
+    "write_report",
+]

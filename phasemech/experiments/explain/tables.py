@@ -223,7 +223,13 @@ def explain_tables(
     if "ablation" in cfg.analyses:
         prompts_inter = [p for r in inter for p in r["prompts"]]
         t["ablation"], t["ablation_specialization"] = ablation_tables(
-            prompts_inter, cfg, source.n_layers, source.n_heads, cfg.n_boot, cfg.probe.seed, cfg.n_perm
+            prompts_inter,
+            cfg,
+            source.n_layers,
+            source.n_heads,
+            cfg.n_boot,
+            cfg.probe.seed,
+            cfg.n_perm,
         )
     if patch is not None:
         t["patching"] = patch
