@@ -49,3 +49,20 @@ def test_readme_interventions_example_runs(tmp_path, monkeypatch, capsys):
     assert "served_phase" in namespace["ab"].specialization().columns
     assert namespace["exact"].tensor().shape == (2, 64, 2)  # layer, pos, head
     assert set(namespace["probe"].frame.label) == {"phase", "pos_mod_d"}
+
+
+def test_the_command_table_lists_every_command():
+    """The front page's command table names every command of the ``phasemech`` app, and every
+    experiment of the registry that ``phasemech run`` takes."""
+    import typer
+
+    from phasemech.cli import app
+    from phasemech.experiments import EXPERIMENTS
+
+    text = README.read_text()
+    table = text[text.index("## Command line") : text.index("## Documentation")]
+    named = set(re.findall(r"`phasemech ([a-z-]+)", table))
+    commands = set(typer.main.get_command(app).commands)
+    assert commands - named == set(), f"commands missing from the README table: {commands - named}"
+    run = next(line for line in table.splitlines() if "phasemech run EXPERIMENT" in line)
+    assert all(f"`{name}`" in run for name in EXPERIMENTS), run

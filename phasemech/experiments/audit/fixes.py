@@ -36,6 +36,7 @@ import numpy as np
 import pandas as pd
 
 from phasemech.core.config import CompressionConfig
+from phasemech.core.designs import traits
 from phasemech.experiments.fixes.profiles import GOAL_REDUCTION, NONINFERIORITY
 
 
@@ -155,9 +156,8 @@ def fix_pairs(a, meta: dict[str, dict]) -> list[tuple[str, str, str, str]]:
     fixes = {n: m for n, m in meta.items() if m["variant"] != "aligned"}
     pairs = [(m["design"], m["variant"], a.setting_name(m["design"], "aligned"), name)
              for name, m in fixes.items()]  # fmt: skip
-    rules = [
-        d for d in a.probe.designs if d not in ("mean", "partition")
-    ]  # partition ranks nothing
+    # the designs that rank blocks by a rule (the registry's; mean and partition rank nothing)
+    rules = [d for d in a.probe.designs if traits(d).selector == "rule"]
     if len(rules) > 1:
         first = "route" if "route" in rules else rules[0]
         base = a.setting_name(first, "aligned")
