@@ -204,6 +204,24 @@ def run_experiment(
     return out
 
 
+def run_study(
+    exp: Experiment,
+    config: Any,
+    out: str | Path,
+    *,
+    address: str | None = None,
+    num_cpus: int | None = None,
+    device: str = "cpu",
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Run (or finish from the cache) a study's own ``config`` into ``out`` (its jobs under
+    ``out/jobs``) and return the finish's summary; a failed job raises one ``RuntimeError``
+    naming the first failure (the real-model studies: ``run_audit``, ``run_explain``)."""
+    run = run_experiment(exp, config, folder=out, address=address, num_cpus=num_cpus,
+                         progress=progress, device=device)  # fmt: skip
+    return run.summary_or_raise(exp.name)
+
+
 __all__ = [
     "Done",
     "Experiment",
@@ -211,4 +229,5 @@ __all__ = [
     "Profile",
     "ray_session",
     "run_experiment",
+    "run_study",
 ]

@@ -19,7 +19,7 @@ import pandas as pd
 
 from phasemech.experiments.audit.config import AuditConfig
 from phasemech.experiments.audit.jobs import AuditJob, audit_jobs
-from phasemech.experiments.experiment import Done, Experiment, run_experiment
+from phasemech.experiments.experiment import Done, Experiment, run_study
 from phasemech.experiments.probe.config import ProbeConfig
 
 
@@ -62,21 +62,11 @@ AUDIT = Experiment(
 )
 
 
-def run_audit(
-    a: AuditConfig,
-    out: str | Path,
-    *,
-    address: str | None = None,
-    num_cpus: int | None = None,
-    device: str = "cpu",
-    progress: bool = True,
-) -> dict[str, Any]:
+def run_audit(a: AuditConfig, out: str | Path, **kw: Any) -> dict[str, Any]:
     """Run (or finish from the cache) the audit ``a`` into ``out``: tables, ``summary.md``,
-    ``summary.json`` and ``audit.html``. Returns the summary; a failed job raises one
-    ``RuntimeError`` naming the first failure."""
-    run = run_experiment(AUDIT, a, folder=out, address=address, num_cpus=num_cpus,
-                         progress=progress, device=device)  # fmt: skip
-    return run.summary_or_raise("audit")
+    ``summary.json`` and ``audit.html``. Returns the summary; ``kw``: ``address``,
+    ``num_cpus``, ``device``, ``progress`` (:func:`~phasemech.experiments.experiment.run_study`)."""
+    return run_study(AUDIT, a, out, **kw)
 
 
 __all__ = ["AUDIT", "check_audit", "run_audit"]

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from phasemech.experiments.experiment import Done, Experiment, run_experiment
+from phasemech.experiments.experiment import Done, Experiment, run_study
 from phasemech.experiments.explain.config import ExplainConfig
 from phasemech.experiments.explain.jobs import (
     ExplainJob,
@@ -157,20 +157,11 @@ EXPLAIN = Experiment(
 )
 
 
-def run_explain(
-    cfg: ExplainConfig,
-    out: str | Path,
-    *,
-    address: str | None = None,
-    num_cpus: int | None = None,
-    device: str = "cpu",
-    progress: bool = True,
-) -> dict[str, Any]:
-    """Run (or finish from the cache) the explanation ``cfg`` into ``out``; returns the
-    summary (a failed job raises one ``RuntimeError`` naming the first failure)."""
-    run = run_experiment(EXPLAIN, cfg, folder=out, address=address, num_cpus=num_cpus,
-                         progress=progress, device=device)  # fmt: skip
-    return run.summary_or_raise("explain")
+def run_explain(cfg: ExplainConfig, out: str | Path, **kw: Any) -> dict[str, Any]:
+    """Run (or finish from the cache) the explanation ``cfg`` into ``out``: tables, ``summary.md``,
+    ``summary.json`` and ``explain.html``. Returns the summary; ``kw``: ``address``,
+    ``num_cpus``, ``device``, ``progress`` (:func:`~phasemech.experiments.experiment.run_study`)."""
+    return run_study(EXPLAIN, cfg, out, **kw)
 
 
 __all__ = ["EXPLAIN", "contrast_pairs", "run_explain", "step_results"]
