@@ -168,8 +168,12 @@ def test_mcnemar_pairs_counts_discordant_contents():
 
 
 def test_the_gguf_cache_converts_once_atomically(tmp_path, monkeypatch):
-    """A GGUF file converts once into its folder; a failed conversion leaves nothing behind,
-    and a folder another process renamed into place first wins (no partial folder is read)."""
+    """A GGUF file converts once into its folder, by one process at a time (two threads asking
+    at once convert it once); a failed conversion leaves nothing behind, a killed one's
+    temporary is removed by the next; an unwritable cache reads the file itself (a warning)."""
+    import threading
+    import time
+
     import phasemech.model.gguf_cache as cache
 
     monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path / "cache"))
@@ -179,13 +183,22 @@ def test_the_gguf_cache_converts_once_atomically(tmp_path, monkeypatch):
 
     def convert(path, out):
         calls.append(out)
+        time.sleep(0.2)  # the other thread arrives while this one converts
         (out / "config.json").write_text("{}")
 
     monkeypatch.setattr(cache, "_convert", convert)
-    folder = cache.gguf_folder(gguf)
-    assert folder.parent == tmp_path / "cache" / "gguf" and (folder / "config.json").is_file()
+    assert cache.cached_folder(gguf) is None
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(cache.gguf_folder(gguf)))
+               for _ in range(2)]  # fmt: skip
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    folder = got[0]
+    assert got == [folder, folder] and len(calls) == 1 and cache.cached_folder(gguf) == folder
+    assert (folder / "config.json").is_file() and folder.stat().st_mode & 0o755 == 0o755
     assert cache.gguf_folder(gguf) == folder and len(calls) == 1
-    assert [p.name for p in folder.parent.iterdir()] == [folder.name]  # no temporary left
 
     def broken(path, out):
         (out / "model.safetensors").write_text("half")
@@ -195,23 +208,14 @@ def test_the_gguf_cache_converts_once_atomically(tmp_path, monkeypatch):
     gguf.write_bytes(b"GGUF v2")  # another file: another key
     with pytest.raises(OSError, match="disk full"):
         cache.gguf_folder(gguf)
-    assert [p.name for p in folder.parent.iterdir()] == [folder.name]
-
-    def beaten(path, out):  # another worker renames its complete copy in first
-        other = cache.cache_root() / "gguf" / key
-        other.mkdir()
-        (other / "config.json").write_text('{"winner": 1}')
-        convert(path, out)
-
-    gguf.write_bytes(b"GGUF v3")
-    st = gguf.resolve().stat()
-    import transformers
-
-    key = f"tiny-{st.st_size}-{st.st_mtime_ns}-tf{transformers.__version__}"
-    monkeypatch.setattr(cache, "_convert", beaten)
-    won = cache.gguf_folder(gguf)
-    assert (won / "config.json").read_text() == '{"winner": 1}'
-    assert sorted(p.name for p in won.parent.iterdir()) == sorted([folder.name, won.name])
+    assert [p for p in folder.parent.iterdir() if not p.name.endswith(".lock")] == [folder]
+    killed = folder.parent / f".{cache.cache_key(gguf.resolve())}.x.tmp"
+    killed.mkdir()  # what a conversion killed mid-way leaves
+    monkeypatch.setattr(cache, "_convert", convert)
+    assert cache.gguf_folder(gguf) is not None and not killed.exists()
+    monkeypatch.setenv(cache.CACHE_ENV, "/proc/no-cache-here")
+    with pytest.warns(UserWarning, match="not writable"):
+        assert cache.gguf_folder(gguf) is None
 
 
 @needs_model

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import typer
-from conftest import make_hooked, tokens
+from conftest import make_hooked, randomize_compressors, tokens
 
 from phasemech import CompressionConfig, PhaseTransformer
 from phasemech.core import designs as d
@@ -51,15 +51,27 @@ def test_learned_means_the_layer_adds_parameters(design):
 
 
 @pytest.mark.parametrize("design", COMPRESSED)
-def test_serves_from_cache_means_the_decode_regime_runs(design):
+def test_serves_from_cache_means_the_decode_regime_is_exact(design, monkeypatch):
+    """One layer: the dense prefill's keys are the compressed model's own, so a design a cache
+    serves gives its full forward's rows exactly; a design the registry says a cache cannot
+    serve, forced to read one anyway, fails or gives other rows (it reads what a cache drops)."""
     tl, model = _model(design, **({"obs_window": 2} if design == "evict" else {}))
+    randomize_compressors(model)
     x = tokens(1, 24, seed=0)
+    with torch.inference_mode():
+        want = model(x, stop_at_layer=1)[:, 16:]
     cache = prefill(tl, x[:, :16], keep_queries=8)
     if d.traits(design).serves_from_cache:
-        assert read_rows(model, cache, x[:, 16:]).shape[1] == 8
-    else:
-        with pytest.raises(NotImplementedError, match="cannot read a KV cache"):
-            read_rows(model, cache, x[:, 16:])
+        torch.testing.assert_close(read_rows(model, cache, x[:, 16:]), want, atol=1e-5, rtol=0)
+        return
+    with pytest.raises(NotImplementedError, match="cannot read a KV cache"):
+        read_rows(model, cache, x[:, 16:])
+    monkeypatch.setattr(type(model.blocks[0].attn), "serves_from_cache", True)
+    try:
+        got = read_rows(model, prefill(tl, x[:, :16], keep_queries=8), x[:, 16:])
+    except Exception:  # noqa: BLE001 - cannot read a cache at all: as the registry says
+        return
+    assert not torch.allclose(got, want, atol=1e-4)
 
 
 @pytest.mark.parametrize("design", COMPRESSED)

@@ -176,9 +176,10 @@ class RowsMixin:
         prefill that filled it ran with full attention. Exactly one step of decode-time
         compression per row, computed for all new rows at once (teacher forcing)."""
         if not self.serves_from_cache:
+            served = ", ".join(d for d in CACHE_DESIGNS if d != "none")
             raise NotImplementedError(
                 f"layer {self.layer_id}: design {self.design!r} cannot read a KV cache (it "
-                f"reads the layer input); decode-regime designs: {', '.join(CACHE_DESIGNS[1:])}"
+                f"reads the layer input); decode-regime designs: {served}"
             )
         if attention_mask is not None and not bool(attention_mask.bool().all()):
             raise NotImplementedError(

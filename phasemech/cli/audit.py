@@ -9,20 +9,17 @@ from typing import Annotated, Any
 
 import typer
 
-from phasemech.cli.base import app, console, device_option, fail, parse_ints, split_list
+from phasemech.cli.base import app, console, fail, parse_ints, split_list
 from phasemech.cli.probe import RunOptions, probe_command
+from phasemech.experiments.audit.fixes import FIXES
+from phasemech.experiments.explain.config import ANALYSES
 
-FIX_HELP = (
-    "fixes to compare with the aligned grid (comma-list, or 'all'): per_head, per_layer, "
-    "per_layer_head, random, overlap, before_window, half_stride, topk_x2, topk_x4, topk_x8"
-)
-ANALYSES_HELP = "comma-list of selection, oracle, ablation, patching"
+FIX_HELP = f"fixes to compare with the aligned grid (comma-list, or 'all'): {', '.join(FIXES)}"
+ANALYSES_HELP = f"comma-list of {', '.join(ANALYSES)}"
 
 
 def _variants(fix: str | None) -> tuple[str, ...]:
     """``--fix``: the aligned baseline first, then the named fixes (``all``: every fix)."""
-    from phasemech.experiments.audit.fixes import FIXES
-
     names = list(split_list(fix, "--fix") or ())
     names = list(FIXES) if names == ["all"] else [n for n in names if n != "aligned"]
     if fix is not None and not names:
@@ -40,12 +37,11 @@ def _contrast(value: str | None) -> tuple[int, int] | None:
 
 def _study(build, runner, run: RunOptions):
     """Build the study's config and run it; bad input and failed jobs are one line (exit 1)."""
-    device_option(run.device)
     try:
         cfg = build()
         return runner(cfg, run.out, address=run.address, num_cpus=run.num_cpus,
                       device=run.device)  # fmt: skip
-    except (ValueError, ConnectionError, FileNotFoundError, RuntimeError) as err:
+    except (ValueError, ConnectionError, OSError, RuntimeError) as err:
         raise fail(err) from err
 
 

@@ -11,6 +11,7 @@ applies, as ``--top-k``: 8 for an audit, 1 for an explanation) and ``run`` (:cla
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from collections.abc import Callable
@@ -23,39 +24,47 @@ import typer
 from phasemech.cli.base import (
     LAYERS_HELP,
     DeviceOpt,
+    device_option,
     fail,
     parse_ints,
     parse_layers,
     split_list,
 )
-from phasemech.experiments.probe.config import PROBE_DESIGNS, PROBE_OFFSETS
+from phasemech.core.designs import REGIMES
+from phasemech.data.retrieval import TASK_KINDS
+from phasemech.experiments.probe.config import PROBE_DESIGNS, PROBE_OFFSETS, ProbeConfig
 
 
 def _opt(kind: Any, help: str, default: Any = None, **kw: Any) -> tuple:
     return Annotated[kind, typer.Option(help=help, **kw)], default
 
 
+#: the probe's defaults, as its options spell them (one place: ``ProbeConfig``'s fields)
+_D = {f.name: f.default for f in dataclasses.fields(ProbeConfig)}
+_D |= {k: ",".join(map(str, _D[k])) for k in ("contexts", "depths")}
 #: name -> (annotation, default): the probe's options (their order is ``--help``'s)
 PROBE_OPTIONS: dict[str, tuple] = {
     "design": _opt(str, f"{', '.join(PROBE_DESIGNS)} (comma-list; explain takes one)", ...),
     "model": _opt(
-        str, "bundled name, local HF folder, .gguf file or TransformerLens name", "smollm2-135m"
+        str, "bundled name, local HF folder, .gguf file or TransformerLens name", _D["model"]
     ),
-    "stride": _opt(int, "d: tokens per block", 4, min=1),
+    "stride": _opt(int, "d: tokens per block", _D["stride"], min=1),
     "top_k": _opt(int | None, "blocks kept per query (default: audit 8, explain 1)", min=1),
-    "window": _opt(int, "raw window W (tokens)", 16, min=0),
+    "window": _opt(int, "raw window W (tokens)", _D["window"], min=0),
     "layers": _opt(str | None, f"compressed {LAYERS_HELP}"),
-    "offsets": _opt(str, ", ".join(PROBE_OFFSETS), "aligned"),
+    "offsets": _opt(str, ", ".join(PROBE_OFFSETS), _D["offsets"]),
     "block_len": _opt(int | None, "block length (default: stride)"),
     "obs_window": _opt(int | None, "evict's observation queries"),
     "sink_tokens": _opt(int, "first tokens every query reads raw (designs that rank)", 0, min=0),
-    "regime": _opt(str, "decode (default) or trained", "decode"),
-    "context": _opt(str, "prompt lengths in tokens, e.g. 512,2048 (explain takes one)", "1024"),
-    "depths": _opt(str, "needle depths (fractions)", "0.1,0.3,0.5,0.7,0.9"),
-    "task": _opt(str, "passkey, multikey or kv", "passkey"),
+    "regime": _opt(str, " or ".join(REGIMES), _D["regime"]),
+    "context": _opt(
+        str, "prompt lengths in tokens, e.g. 512,2048 (explain takes one)", _D["contexts"]
+    ),  # fmt: skip
+    "depths": _opt(str, "needle depths (fractions)", _D["depths"]),
+    "task": _opt(str, ", ".join(TASK_KINDS), _D["task"]),
     "distractors": _opt(int | None, "multikey/kv: other codes"),
-    "contents": _opt(int, "contents per context (x stride prompts)", 50, min=1),
-    "seed": _opt(int, "the prompts' seed", 0),
+    "contents": _opt(int, "contents per context (x stride prompts)", _D["contents"], min=1),
+    "seed": _opt(int, "the prompts' seed", _D["seed"]),
 }
 #: the run's options: where the results go and what runs them
 RUN_OPTIONS: dict[str, tuple] = {
@@ -103,11 +112,12 @@ def probe_command(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(fn)
     def command(**kw: Any) -> Any:
-        try:  # a list the grammar rejects is one line, before any work
-            probe = probe_fields({k: kw.pop(k) for k in PROBE_OPTIONS})
-        except ValueError as err:
-            raise fail(err) from err
         run = RunOptions(**{k: kw.pop(k) for k in RUN_OPTIONS})
+        device_option(run.device)  # checked first, as every command does
+        try:  # a list the grammar rejects, a model it cannot read: one line, before any work
+            probe = probe_fields({k: kw.pop(k) for k in PROBE_OPTIONS})
+        except (ValueError, ConnectionError, OSError) as err:
+            raise fail(err) from err
         return fn(probe=probe, run=run, **kw)
 
     own = [p for p in inspect.signature(fn, eval_str=True).parameters.values()

@@ -181,9 +181,10 @@ def run_experiment(
         p, folder = profile, Path(folder)
     kw = dict(cpus_per_job=cpus_per_job, gpus_per_job=gpus_per_job, progress=progress)
     kw["device"] = check_device_name(device)
-    out = ExperimentRun(folder, Done(started=t0), [], None)
+    out = ExperimentRun(folder, Done(), [], None)
     if exp.check is not None:  # bad input fails here, in one line, before Ray or any job
         out.done.checked = exp.check(p)
+    out.done.started = time.perf_counter()  # the studies' wall time: their jobs and finish
     with ray_session(address, num_cpus) as ensure:
         for stage in exp.stages:
             jobs = stage(p, out.done)

@@ -23,7 +23,7 @@ from torch import Tensor
 from transformer_lens import HookedTransformer
 from transformer_lens.cache.key_value_cache import TransformerLensKeyValueCache
 
-REGIMES = ("trained", "decode")
+from phasemech.core.designs import REGIMES
 
 
 def check_regime(regime: str) -> str:

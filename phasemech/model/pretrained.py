@@ -70,17 +70,25 @@ def gguf_path(name: str) -> Path:
 def hf_model(name: str) -> tuple[Any, Any]:
     """``(LlamaForCausalLM in float32, tokenizer)`` dequantised from the package's GGUF file
     (once: :func:`~phasemech.model.gguf_cache.gguf_folder` keeps the result)."""
+    return hf_from(gguf_path(name))
+
+
+def hf_from(path: Path) -> tuple[Any, Any]:
+    """``(causal LM in float32, tokenizer)`` from a Hugging Face folder, or from a GGUF file
+    through its converted folder (the file itself where the cache cannot be written)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
     from phasemech.model.gguf_cache import gguf_folder
 
-    folder = gguf_folder(gguf_path(name))
-    tok = AutoTokenizer.from_pretrained(folder)
+    hf_logging.disable_progress_bar()  # one loading bar per worker process is noise
+    folder = path if path.is_dir() else gguf_folder(path)
+    where, kw = (folder, {}) if folder is not None else (path.parent, dict(gguf_file=path.name))
+    tok = AutoTokenizer.from_pretrained(where, **kw)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    model.eval()
-    return model, tok
+        model = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, **kw)
+    return model.eval(), tok
 
 
 def llama_config(hf_cfg: Any, n_ctx: int) -> HookedTransformerConfig:

@@ -26,8 +26,8 @@ from transformer_lens import HookedTransformer
 
 from phasemech.core.config import layers_of_kind
 from phasemech.model.families import hooked_model
-from phasemech.model.gguf_cache import gguf_folder
-from phasemech.model.pretrained import LOCAL, gguf_path
+from phasemech.model.gguf_cache import cached_folder
+from phasemech.model.pretrained import LOCAL, gguf_path, hf_from
 
 
 @dataclass(frozen=True)
@@ -56,12 +56,16 @@ class ModelSource:
         )
 
 
-def _hf_config(folder: Path):
+def _hf_config(path: Path):
+    """The model's config: from a folder, or from a GGUF file's converted folder where it
+    exists, else from the file's metadata (a check never converts a model)."""
     from transformers import AutoConfig
 
+    folder = path if path.is_dir() else cached_folder(path)
+    kw = {} if folder is not None else dict(gguf_file=path.name)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return AutoConfig.from_pretrained(folder)
+        return AutoConfig.from_pretrained(folder or path.parent, **kw)
 
 
 def _from_config(spec: str, kind: str, path: Path, cfg) -> ModelSource:
@@ -86,7 +90,7 @@ def describe(spec: str) -> ModelSource:
     ``ConnectionError`` for an unreachable hub) naming the alternatives otherwise."""
     if spec in LOCAL:
         path = gguf_path(spec)
-        return _from_config(spec, "bundled", path, _hf_config(gguf_folder(path)))
+        return _from_config(spec, "bundled", path, _hf_config(path))
     path = Path(spec).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -95,7 +99,7 @@ def describe(spec: str) -> ModelSource:
     if path.suffix == ".gguf":
         if not path.is_file():
             raise ValueError(f"model file {spec!r} does not exist")
-        return _from_config(spec, "gguf", path, _hf_config(gguf_folder(path)))
+        return _from_config(spec, "gguf", path, _hf_config(path))
     return _hub(spec)
 
 
@@ -141,7 +145,10 @@ def tokenizer(source: ModelSource):
     if source.kind == "hub":
         return AutoTokenizer.from_pretrained(source.path)
     path = Path(source.path)
-    return AutoTokenizer.from_pretrained(path if source.kind == "folder" else gguf_folder(path))
+    folder = path if source.kind == "folder" else cached_folder(path)
+    if folder is None:  # a GGUF not converted yet: its own metadata (no model is loaded)
+        return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    return AutoTokenizer.from_pretrained(folder)
 
 
 def load(source: ModelSource, n_ctx: int, device: str | torch.device = "cpu") -> HookedTransformer:
@@ -151,14 +158,7 @@ def load(source: ModelSource, n_ctx: int, device: str | torch.device = "cpu") ->
 
     if source.kind in ("bundled", "hub"):
         return load_pretrained(source.spec, n_ctx=n_ctx, device=device)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = Path(source.path)
-    folder = path if source.kind == "folder" else gguf_folder(path)  # a GGUF, converted once
-    tok = AutoTokenizer.from_pretrained(folder)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    hf, tok = hf_from(Path(source.path))
     model = hooked_model(hf.eval(), tok, n_ctx, source.spec)
     return model.to(str(device), print_details=False)
 

@@ -35,6 +35,7 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from phasemech.core.designs import REGIMES
 from phasemech.core.io import json_safe, write_text_atomic
 from phasemech.viz.dashboard import html_escape
 from phasemech.viz.phase import per_phase_accuracy
@@ -64,7 +65,6 @@ SETTING_KEYS = tuple(
     "setting description accuracy acc_by_phase debiased_gap gap_lo gap_hi p_perm p_cochran "
     "average_claim".split()
 )
-REGIMES = ("trained", "decode")
 _ASSETS = Path(__file__).with_name("audit_assets")
 
 

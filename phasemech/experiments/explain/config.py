@@ -14,7 +14,6 @@ from typing import Any
 
 from phasemech.core.designs import designs_where
 from phasemech.core.validation import is_int
-from phasemech.experiments.audit.config import AuditConfig
 from phasemech.experiments.probe.config import PROBE_DESIGNS, ProbeConfig, setting_name
 
 ANALYSES = ("selection", "oracle", "ablation", "patching")
@@ -100,10 +99,6 @@ class ExplainConfig:
     @property
     def context(self) -> int:
         return self.probe.contexts[0]
-
-    def audit(self) -> AuditConfig:
-        """The audit whose prompts and grid this explains (its null and one design)."""
-        return AuditConfig(self.probe)
 
     @property
     def setting(self) -> str:

@@ -131,12 +131,19 @@ class ProbeConfig:
         return RetrievalTask(**kw, distractors=self.distractors)
 
     def to_dict(self) -> dict[str, Any]:
-        """The cache key's form: ``sink_tokens`` left out while unset, so the keys of runs
-        recorded before it existed stay the same."""
+        """The cache key's form: every field, but those of :data:`LATER_FIELDS` left out while
+        at their default, so the keys of runs recorded before they existed stay the same."""
         out = dataclasses.asdict(self)
-        if out["sink_tokens"] is None:
-            del out["sink_tokens"]
+        for name in LATER_FIELDS:
+            if out[name] == _DEFAULTS[name]:
+                del out[name]
         return out
+
+
+#: fields added after runs were recorded: a new field goes here (its default must keep the old
+#: behaviour), so that recorded runs keep their cache keys (``tests/test_probe_keys.py``)
+LATER_FIELDS = ("sink_tokens",)
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ProbeConfig)}
 
 
 def setting_name(comp: CompressionConfig, variant: str = "aligned") -> str:
@@ -177,6 +184,7 @@ def random_shift(seed: int, context: int, prompt_id: int, stride: int) -> int:
 
 __all__ = [
     "HOSTS",
+    "LATER_FIELDS",
     "PROBE_DESIGNS",
     "PROBE_OFFSETS",
     "ProbeConfig",
