@@ -1,7 +1,7 @@
 """``phasemech audit`` and ``phasemech explain``: the per-phase retrieval audit of compression
 designs on a real model, and the causal explanation of its weak phase. Both take the same
-probe and run options (:mod:`phasemech.cli.probe`): every audited setting can be explained
-with the flags that audited it."""
+probe and run options (:mod:`phasemech.cli.probe`): an audited setting is explained with the
+flags that audited it (one design and one context at a time)."""
 
 from __future__ import annotations
 

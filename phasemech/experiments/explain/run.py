@@ -145,8 +145,14 @@ def _finish(cfg: ExplainConfig, done: Done, out: Path) -> dict[str, Any]:
 EXPLAIN = Experiment(
     name="explain",
     profiles={
+        # seconds on SmolLM2: two compressed layers, no per-layer oracle, no 270-head ablation
         "tiny": ExplainConfig(
-            ProbeConfig(top_k=1, contexts=(256,), contents=2), top_heads=2, n_boot=50, n_perm=50
+            ProbeConfig(top_k=1, layers=(4, 5), contexts=(256,), contents=2),
+            analyses=("selection", "oracle", "patching"),
+            per_layer_oracle=False,
+            top_heads=2,
+            n_boot=50,
+            n_perm=50,
         ),  # fmt: skip
         "default": ExplainConfig(),
     },
