@@ -37,7 +37,8 @@ def test_attention_scaling_benchmark_runs(tmp_path):
 def run_scripts(runs: list[tuple[str, list[str]]], out: Path) -> None:
     """Run ``bench/NAME.py ARGS`` for each ``(NAME, ARGS)`` in this process, as ``__main__``
     with that ``sys.argv``; write each one's stdout, exit code, traceback (None: exited
-    cleanly) and wall seconds to ``out`` (JSON). SmolLM2 is dequantised once (``hf_model`` cached)."""
+    cleanly) and wall seconds to ``out`` (JSON). SmolLM2 is dequantised once (``hf_model``
+    cached)."""
     import phasemech.model.pretrained as pretrained
 
     pretrained.hf_model = functools.lru_cache(pretrained.hf_model)
@@ -60,8 +61,8 @@ def run_scripts(runs: list[tuple[str, list[str]]], out: Path) -> None:
 
 @pytest.fixture(scope="module")
 def scripts(tmp_path_factory):
-    """``NAME -> {stdout, code, error, seconds}`` of the benchmarks run in one process, and the folder
-    their output files went to."""
+    """``NAME -> {stdout, code, error, seconds}`` of the benchmarks run in one process, and
+    the folder their output files went to."""
     tmp = tmp_path_factory.mktemp("bench")
     runs = [
         # whole-model forwards at toy sizes
