@@ -140,6 +140,19 @@ def toks() -> torch.Tensor:
     return tokens()
 
 
+@pytest.fixture(scope="module")
+def embedded_ray():
+    """One embedded Ray for a module's launches, started as the launcher starts its own (token
+    authentication with a session token, a small object store), with one CPU: a launch finds
+    Ray up and uses it as it is, so every test of the module reuses the same warm worker.
+    Starting Ray, then importing torch and phasemech in a fresh worker, costs more than a tiny
+    profile's jobs on 2 cores; the worker sets one torch thread per job."""
+    from phasemech.experiments.ray_connect import ray_connected
+
+    with ray_connected(None, 1):
+        yield
+
+
 def raises_naming(field: str, value, **kwargs) -> str:
     """``CompressionConfig(**kwargs)`` raises a ValueError naming ``field`` and ``value``."""
     with pytest.raises(ValueError) as info:

@@ -1,11 +1,25 @@
-"""The scaling benchmark runs end to end at toy sizes (no timing is asserted)."""
+"""The benchmarks run end to end at toy sizes (no timing is asserted).
 
+``attention_scaling`` runs as a process of its own (it forks its cases from a forkserver);
+the others run, each as ``python bench/NAME.py ARGS`` would (``__main__``, the same arguments),
+one after another in one process of their own: one interpreter and one import of torch and
+phasemech for them all, and one SmolLM2-135M load for the two that read it."""
+
+import contextlib
+import functools
+import io
 import json
+import runpy
 import subprocess
 import sys
+import time
+import traceback
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench"
 
 
 def test_attention_scaling_benchmark_runs(tmp_path):
@@ -20,14 +34,67 @@ def test_attention_scaling_benchmark_runs(tmp_path):
     assert all(r["comp_ms"] > 0 and r["dense_ms"] > 0 for r in rows)
 
 
-def test_selection_benchmark_runs(tmp_path):
+def run_scripts(runs: list[tuple[str, list[str]]], out: Path) -> None:
+    """Run ``bench/NAME.py ARGS`` for each ``(NAME, ARGS)`` in this process, as ``__main__``
+    with that ``sys.argv``; write each one's stdout, exit code, traceback (None: exited
+    cleanly) and wall seconds to ``out`` (JSON). SmolLM2 is dequantised once (``hf_model``
+    cached)."""
+    import phasemech.model.pretrained as pretrained
+
+    pretrained.hf_model = functools.lru_cache(pretrained.hf_model)
+    sys.path.insert(0, str(BENCH))  # as for a script: its folder first (sibling imports)
+    done = {}
+    for name, args in runs:
+        stdout, code, error, t0 = io.StringIO(), 0, None, time.perf_counter()
+        sys.argv = [str(BENCH / f"{name}.py"), *args]
+        try:
+            with contextlib.redirect_stdout(stdout):
+                runpy.run_path(sys.argv[0], run_name="__main__")
+        except SystemExit as stop:
+            code = stop.code if isinstance(stop.code, int) else (stop.code is not None)
+        except BaseException:  # noqa: BLE001 - reported to the test that reads this script
+            code, error = 1, traceback.format_exc()
+        seconds = time.perf_counter() - t0
+        done[name] = dict(stdout=stdout.getvalue(), code=code, error=error, seconds=seconds)
+    out.write_text(json.dumps(done))
+
+
+@pytest.fixture(scope="module")
+def scripts(tmp_path_factory):
+    """``NAME -> {stdout, code, error, seconds}`` of the benchmarks run in one process, and
+    the folder their output files went to."""
+    tmp = tmp_path_factory.mktemp("bench")
+    runs = [
+        # whole-model forwards at toy sizes
+        ("selection", ["--tiny", "--seq-lens", "64", "128", "--designs", "route", "quest",
+                       "--gather", "--repeats", "1", "--out", str(tmp / "selection.json")]),
+        ("selection_train", ["--designs", "partition", "--repeats", "1"]),
+        # SmolLM2-135M (the two share its load)
+        ("audit_tiles", ["--prompts", "2", "--start", "20", "--context", "128", "--out",
+                         str(tmp / "audit_tiles.json")]),
+        ("selection_tiles", ["--seq", "256", "--layer", "1", "--repeats", "1"]),
+    ]  # fmt: skip
+    code = (
+        f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r})\n"
+        "from test_bench_smoke import run_scripts\n"
+        f"run_scripts({runs!r}, __import__('pathlib').Path({str(tmp / 'runs.json')!r}))"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=600)
+    return json.loads((tmp / "runs.json").read_text()), tmp
+
+
+def ran(scripts, name: str) -> str:
+    """The script's stdout, once it is known to have exited cleanly."""
+    done = scripts[0][name]
+    assert done["code"] == 0 and done["error"] is None, done["error"] or done["stdout"][-3000:]
+    return done["stdout"]
+
+
+def test_selection_benchmark_runs(scripts):
     """Whole-model forwards: transformers SDPA (the baseline), phasemech's SDPA dense, TL's
     dense and the selecting designs, at toy sizes."""
-    out = tmp_path / "selection.json"
-    cmd = [sys.executable, str(ROOT / "bench/selection.py"), "--tiny", "--seq-lens", "64", "128"]
-    cmd += ["--designs", "route", "quest", "--gather", "--repeats", "1", "--out", str(out)]
-    subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, timeout=300)
-    rows = json.loads(out.read_text())["rows"]
+    ran(scripts, "selection")
+    rows = json.loads((scripts[1] / "selection.json").read_text())["rows"]
     names = ("hf", "floor", "sdpa", "tl", "route", "quest", "route/gather", "quest/gather")
     assert {(r["variant"], r["T"]) for r in rows} == {(v, t) for v in names for t in (64, 128)}
     assert all(r["forward_s"] > 0 and r["attn_s"] > 0 for r in rows)
@@ -35,28 +102,19 @@ def test_selection_benchmark_runs(tmp_path):
     assert all(r["forward_s_ratio"] == 1.0 for r in rows if r["variant"] == "hf")
 
 
-def test_selection_train_benchmark_runs():
+def test_selection_train_benchmark_runs(scripts):
     """A training step of a selecting design, dense mask beside the gathered engine."""
-    cmd = [sys.executable, str(ROOT / "bench/selection_train.py"), "--designs", "partition"]
-    cmd += ["--repeats", "1"]
-    done = subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    row = done.stdout.strip().splitlines()[-1].split()
+    row = ran(scripts, "selection_train").strip().splitlines()[-1].split()
     assert row[0] == "partition" and all(float(x) > 0 for x in row[1:])
 
 
-def test_selection_tiles_benchmark_runs():
-    cmd = [sys.executable, str(ROOT / "bench/selection_tiles.py"), "--seq", "256", "--layer", "1"]
-    out = subprocess.run(cmd + ["--repeats", "1"], check=True, cwd=ROOT, capture_output=True,
-                         text=True, timeout=300)  # fmt: skip
-    assert "tiles" in out.stdout and "gather" in out.stdout and "union per chunk" in out.stdout
+def test_selection_tiles_benchmark_runs(scripts):
+    out = ran(scripts, "selection_tiles")
+    assert "tiles" in out and "gather" in out and "union per chunk" in out
 
 
-def test_audit_tiles_benchmark_runs(tmp_path):
+def test_audit_tiles_benchmark_runs(scripts):
     """The trained-regime audit's jobs with the tiles and with the gather, on two prompts."""
-    out = tmp_path / "audit_tiles.json"
-    cmd = [sys.executable, str(ROOT / "bench/audit_tiles.py"), "--prompts", "2", "--start", "20"]
-    cmd += ["--context", "128", "--out", str(out)]
-    done = subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert "verdicts that differ: 0 of 4 rows" in done.stdout
-    meta = json.loads(out.read_text())["meta"]
+    assert "verdicts that differ: 0 of 4 rows" in ran(scripts, "audit_tiles")
+    meta = json.loads((scripts[1] / "audit_tiles.json").read_text())["meta"]
     assert meta["prompts"] == 2 and meta["tiles_s"] > 0 and meta["gather_s"] > 0

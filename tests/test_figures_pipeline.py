@@ -6,6 +6,7 @@ trained runs and cached panels.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import shutil
@@ -14,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import typer
 from browser import CHROMIUM, browser, cell_xy, page_data
 from typer.testing import CliRunner
 
@@ -51,20 +53,40 @@ ANALYSIS_FIGURES = ["theory_plateau"] + [
 TINY_PANEL = PanelConfig(sequences=64, n_boot=50, n_perm=50)  # the tiny profile's
 
 
-def make_figures(runs: Path, out: Path, *flags: str) -> str:
-    """``make figures`` at the tiny profile: the figures, then the claims report beside OUT."""
-    cmd = [sys.executable, str(ROOT / "analyses/figures.py"), "--profile", "tiny", *flags]
-    done = subprocess.run(
-        [*cmd, "--runs", str(runs), "--out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    cmd = [sys.executable, str(ROOT / "analyses/report.py")]
-    cmd += ["--showcase", str(runs / "figures_tiny" / "showcase")]
-    cmd += ["--captions", str(out / "captions.json"), "--out", str(out.parent / "REPORT.md")]
-    report = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert report.returncode == 0, report.stdout[-3000:] + report.stderr[-3000:]
-    return done.stdout + report.stdout
+def script(name: str) -> typer.Typer:
+    """``analyses/NAME.py`` as ``python analyses/NAME.py`` runs it (``typer.run(main)``), to
+    invoke in this process: no interpreter start and no second import of phasemech."""
+    spec = importlib.util.spec_from_file_location(f"analyses_{name}", ROOT / f"analyses/{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    command = typer.Typer(add_completion=False)
+    command.command()(module.main)
+    return command
+
+
+def invoke(name: str, args: list[str]) -> str:
+    res = CliRunner().invoke(script(name), args)
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    return res.output
+
+
+def make_figures(runs: Path, out: Path, *flags: str, here: bool = False) -> str:
+    """``make figures`` at the tiny profile: the figures, then the claims report beside OUT.
+    The figures script runs as ``make figures`` runs it, in a process of its own (one CPU for
+    its embedded Ray: the jobs are tiny, each Ray worker imports torch), or with ``here`` in
+    this process (a rerun that launches nothing); the report always here."""
+    args = ["--profile", "tiny", *flags, "--runs", str(runs), "--out", str(out)]
+    if here:
+        stdout = invoke("figures", args)
+    else:
+        cmd = [sys.executable, str(ROOT / "analyses/figures.py"), *args, "--num-cpus", "1"]
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        stdout = done.stdout
+    args = ["--showcase", str(runs / "figures_tiny" / "showcase")]
+    args += ["--captions", str(out / "captions.json"), "--out", str(out.parent / "REPORT.md")]
+    return stdout + invoke("report", args)
 
 
 def run_of(folder: Path, name: str) -> Path:
@@ -130,7 +152,7 @@ def test_tiny_profile_reuses_its_cache(tiny_figures, tmp_path):
     shutil.copytree(sweep, runs / sweep.name)
     stamps = {p: p.stat().st_mtime_ns for p in runs.rglob("*.safetensors")}
     stamps |= {p: p.stat().st_mtime_ns for p in runs.rglob("panel.json")}
-    stdout = make_figures(runs, tmp_path / "fig", "--no-png")
+    stdout = make_figures(runs, tmp_path / "fig", "--no-png", here=True)
     assert "figures (tiny): 0 jobs run, 6 cached" in " ".join(stdout.split())
     assert all(p.stat().st_mtime_ns == t for p, t in stamps.items())
     assert not list((tmp_path / "fig").glob("*.png"))

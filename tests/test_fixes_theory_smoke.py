@@ -4,20 +4,22 @@ profiles, and the report's readers."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
+from typer.testing import CliRunner
 
+from phasemech.cli import app
+from phasemech.experiments import experiment
 from phasemech.experiments.claims.converged import TABLES
 from phasemech.experiments.claims.fixes import claim_fixes, fix_runs, fixes_training_lines
 from phasemech.experiments.claims.from_scratch import converged_sweep_lines
 from phasemech.experiments.claims.sources import Sources, load_json
 from phasemech.experiments.claims.specialisation import converged_interventions
 from phasemech.experiments.claims.theory import theory_run_lines
+from phasemech.experiments.experiment import ExperimentRun, run_experiment
 from phasemech.experiments.showcase.panels import find_runs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,22 +27,26 @@ RESULTS = ROOT / "analyses" / "results"
 CLAIMS = ROOT / "phasemech" / "experiments" / "claims"
 
 
-def _run(name: str, runs: Path) -> str:
-    cmd = [sys.executable, "-m", "phasemech.cli", "run", name, "--profile", "tiny"]
-    done = subprocess.run(
-        [*cmd, "--runs", str(runs), "--num-cpus", "2"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return " ".join(done.stdout.split())
+def _run(name: str, runs: Path) -> ExperimentRun:
+    """The experiment's tiny profile on the module's embedded Ray (no progress board: an
+    actor of its own)."""
+    done = run_experiment(experiment(name), "tiny", runs, progress=False)
+    assert not done.failures, done.failures[0].error
+    return done
 
 
-def test_fixes_tiny_trains_every_fix_and_compares_with_its_baseline(tmp_path):
-    stdout = _run("fixes", tmp_path)
+def _cli(name: str, runs: Path) -> str:
+    """``phasemech run NAME --profile tiny`` in this process; its output on one line."""
+    cmd = ["run", name, "--profile", "tiny", "--runs", str(runs), "--num-cpus", "2"]
+    res = CliRunner().invoke(app, cmd)
+    assert res.exit_code == 0, res.output
+    return " ".join(res.output.split())
+
+
+def test_fixes_tiny_trains_every_fix_and_compares_with_its_baseline(tmp_path, embedded_ray):
+    run = _run("fixes", tmp_path)
     out = tmp_path / "fixes_tiny"
+    assert run.folder == out
     summary = json.loads((out / "summary.json").read_text())
     fixes = {r["fix"] for r in summary["results"]}
     assert fixes == {
@@ -78,7 +84,7 @@ def test_fixes_tiny_trains_every_fix_and_compares_with_its_baseline(tmp_path):
     assert "## Convergence" in text and "## At equal accuracy" in text
     aligned_row = next(line for line in text.splitlines() if line.startswith("| aligned | -"))
     assert "nan" not in aligned_row and " / " not in aligned_row  # no baseline to set beside
-    assert "12 jobs run, 0 cached" in stdout  # 6 models (one seed), 6 statistics jobs
+    assert (run.ran, run.cached) == (12, 0)  # 6 models (one seed), 6 statistics jobs
     # the grids really differ: per-layer staggering shifts the third layer's grid
     run = next(r for r in find_runs(out) if r.name == "staggered_layer_s0")
     cfg = json.loads((run / "train_config.json").read_text())
@@ -86,11 +92,11 @@ def test_fixes_tiny_trains_every_fix_and_compares_with_its_baseline(tmp_path):
     # jittered training data, scored on the plain task like every other fix
     jit = next(r for r in find_runs(out) if r.name == "jittered_data_s0")
     assert json.loads((jit / "train_config.json").read_text())["task"]["jitter"] == 1
-    # a rerun trains nothing: every job is cached
-    assert "0 jobs run, 12 cached" in _run("fixes", tmp_path)
+    # a rerun (the CLI's) trains nothing: every job is cached
+    assert "fixes (tiny): 0 jobs run, 12 cached" in _cli("fixes", tmp_path)
 
 
-def test_theory_trained_tiny_maps_gated_models_onto_the_theory(tmp_path):
+def test_theory_trained_tiny_maps_gated_models_onto_the_theory(tmp_path, embedded_ray):
     _run("theory_trained", tmp_path)
     out = tmp_path / "theory_trained_tiny"
     summary = json.loads((out / "summary.json").read_text())

@@ -25,6 +25,7 @@ ray = pytest.importorskip("ray")
 
 from phasemech.experiments import Job, experiment, launch, launcher  # noqa: E402
 from phasemech.experiments.launcher import read_cached  # noqa: E402
+from phasemech.experiments.ray_connect import ray_connected  # noqa: E402
 from phasemech.experiments.sweep.jobs import train_jobs  # noqa: E402
 from phasemech.experiments.sweep.profiles import PROFILES  # noqa: E402
 
@@ -81,7 +82,12 @@ def test_launch_caches_results_and_reports_failures(tmp_path, monkeypatch, capfd
     for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")  # the embedded Ray never joins this
-    out = launch(jobs, tmp_path, num_cpus=2, progress=False)
+    # the launcher's embedded Ray (ray_connected, as a launch without one starts it: the
+    # interrupted launcher's test below has launches start their own), one for both launches
+    with ray_connected(None, 1):
+        out = launch(jobs, tmp_path, progress=False)
+        # a rerun computes only what is missing (the failed job), and reads the rest
+        again = launch(jobs, tmp_path, progress=False)
     # the embedded Ray chose token auth with a session token: nothing said, nothing written
     said = capfd.readouterr().err + caplog.text  # Ray logs through logging, or to stderr
     assert "authentication" not in said.lower()
@@ -97,8 +103,6 @@ def test_launch_caches_results_and_reports_failures(tmp_path, monkeypatch, capfd
     assert (tmp_path / "work" / jobs[0].key / "touched").is_file()
     saved = json.loads((tmp_path / f"{jobs[1].key}.json").read_text())
     assert saved["config"] == jobs[1].config and saved["result"]["double"] == 4
-    # a rerun computes only what is missing (the failed job), and reads the rest
-    again = launch(jobs, tmp_path, num_cpus=2, progress=False)
     assert sorted(again.cached) == sorted({j.key for j in jobs[:2]}) and not again.ran
     assert len(again.failures) == 2
     # a corrupt cache file is recomputed, not trusted
@@ -126,14 +130,15 @@ class GateJob(Job):
 
 def test_interrupted_launcher_rerun_runs_only_the_missing_jobs(tmp_path):
     # deterministic: the jobs after the first cannot finish before the Ctrl-C (they wait for a
-    # gate opened only after the launcher died), so exactly one is cached when it lands
+    # gate opened only after the launcher died), so exactly one is cached when it lands. One
+    # CPU: the jobs start in order, job 1 waits at the gate while job 2 is queued
     dest, gate = tmp_path / "jobs", tmp_path / "gate"
     jobs = [GateJob(v, str(gate)) for v in range(3)]
     script = (  # Ctrl-C restored: a process started by a pytest-xdist worker inherits it ignored
         "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r})\n"
         "from test_launcher import GateJob, launch\n"
-        f"launch([GateJob(v, {str(gate)!r}) for v in range(3)], {str(dest)!r}, num_cpus=2)"
+        f"launch([GateJob(v, {str(gate)!r}) for v in range(3)], {str(dest)!r}, num_cpus=1)"
     )
     proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stderr=subprocess.DEVNULL)
     try:
@@ -149,7 +154,7 @@ def test_interrupted_launcher_rerun_runs_only_the_missing_jobs(tmp_path):
     assert proc.returncode != 0  # interrupted, not finished
     assert {p.stem for p in dest.glob("*.json")} == {jobs[0].key}
     gate.touch()
-    out = launch(jobs, dest, num_cpus=2, progress=False)
+    out = launch(jobs, dest, num_cpus=1, progress=False)  # its own embedded Ray, one worker
     assert out.cached == [jobs[0].key] and set(out.ran) == {j.key for j in jobs[1:]}
     assert not out.failures and out.results[jobs[2].key] == {"value": 2}
 

@@ -3,14 +3,11 @@ runs statistics read, and the search end to end on the launcher (``tiny_search``
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pandas as pd
 import pytest
 
-from phasemech.experiments.experiment import Done
+from phasemech.experiments import experiment
+from phasemech.experiments.experiment import Done, run_experiment
 from phasemech.experiments.lr_search import (
     analysed_runs,
     best_lr,
@@ -24,7 +21,6 @@ from phasemech.experiments.lr_search import (
 from phasemech.experiments.sweep.jobs import make_jobs
 from phasemech.experiments.sweep.profiles import PROFILES
 
-ROOT = Path(__file__).resolve().parents[1]
 P = PROFILES["tiny_search"]  # none and gated, d 4, H 2, seeds 0 and 1, rates 1e-3 and 3e-2
 
 
@@ -110,12 +106,11 @@ def test_chosen_runs_and_tables():
     assert len(search) == 3 and search["chosen"].sum() == 2
 
 
-def test_tiny_search_on_the_launcher(tmp_path):
-    cmd = [sys.executable, "-m", "phasemech.cli", "run", "phase_sweep", "--profile"]
-    cmd += ["tiny_search", "--runs", str(tmp_path), "--num-cpus", "2"]
-    out = subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert "8 jobs run, 0 cached" in " ".join(out.stdout.split())
+def test_tiny_search_on_the_launcher(tmp_path, embedded_ray):
+    run = run_experiment(experiment("phase_sweep"), "tiny_search", tmp_path, progress=False)
+    assert not run.failures and (run.ran, run.cached) == (8, 0)
     folder = tmp_path / "phase_sweep_tiny_search"
+    assert run.folder == folder
     search = pd.read_parquet(folder / "lr_search.parquet")
     assert len(search) == 6  # 2 settings x 2 rates on seed 0, + seed 1 at the kept rate
     assert set(search[search["seed"] == 0]["lr"]) == {1e-3, 3e-2}

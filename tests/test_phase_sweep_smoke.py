@@ -2,21 +2,21 @@
 reports (``phasemech run phase_sweep``)."""
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pandas as pd
+from typer.testing import CliRunner
 
-ROOT = Path(__file__).resolve().parents[1]
+from phasemech.cli import app
+from phasemech.experiments import experiment
+from phasemech.experiments.experiment import run_experiment
 
 
-def test_phase_sweep_tiny_profile(tmp_path):
-    cmd = [sys.executable, "-m", "phasemech.cli", "run", "phase_sweep", "--profile", "tiny"]
-    cmd += ["--runs", str(tmp_path), "--num-cpus", "2"]
-    first = subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert "4 jobs run, 0 cached" in " ".join(first.stdout.split())
+def test_phase_sweep_tiny_profile(tmp_path, embedded_ray):
+    # the module's embedded Ray (one warm worker); no progress board (an actor of its own)
+    first = run_experiment(experiment("phase_sweep"), "tiny", tmp_path, progress=False)
+    assert not first.failures and (first.ran, first.cached) == (4, 0)
     sweep = tmp_path / "phase_sweep_tiny"
+    assert first.folder == sweep
     results = pd.read_parquet(sweep / "results.parquet")
     pooled = results[(results["seed"] == "pooled") & (results["step"] == "final")]
     far = pooled[pooled["targets"] == "far"]  # sources read through blocks only
@@ -44,8 +44,10 @@ def test_phase_sweep_tiny_profile(tmp_path):
     # a second run reuses every job: nothing is retrained, rescored or rewritten
     cached = sorted(sweep.rglob("model.safetensors")) + sorted((sweep / "jobs").glob("*.json"))
     stamps = {f: f.stat().st_mtime_ns for f in cached}
-    again = subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert "0 jobs run, 4 cached" in " ".join(again.stdout.split())
+    cmd = ["run", "phase_sweep", "--profile", "tiny", "--runs", str(tmp_path), "--num-cpus", "2"]
+    again = CliRunner().invoke(app, cmd)  # the CLI, in this process: nothing to launch
+    assert again.exit_code == 0, again.output
+    assert "phase_sweep (tiny): 0 jobs run, 4 cached" in " ".join(again.output.split())
     assert {f: f.stat().st_mtime_ns for f in cached} == stamps
 
 

@@ -153,6 +153,27 @@ def test_pretrained_experiment_jobs_and_tables(tmp_path, smol, monkeypatch):
     assert json.loads((tmp_path / "out" / "summary.json").read_text()) == summary
 
 
+@needs_model
+def test_a_gguf_file_loads_through_its_family(smol):
+    """A ``.gguf`` path (here the bundled SmolLM2's file, read as any user's file would be) is
+    described from its header, and its weights go through TransformerLens' llama conversion
+    to the logits of ``transformers``' own model of the file (test_families.py's other
+    families are folders; this one shares the module's SmolLM2 load)."""
+    from phasemech.model.families import hooked_model
+    from phasemech.model.sources import describe
+
+    path = gguf_path("smollm2-135m")
+    src = describe(str(path))
+    assert (src.kind, src.architecture, src.n_layers) == ("gguf", "LlamaForCausalLM", 30)
+    hf, tok, _ = smol  # hf_model("smollm2-135m"): what load() reads from a .gguf path
+    x = torch.randint(0, 49152, (1, 24), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        got, want = hooked_model(hf, tok, n_ctx=32, spec=str(path))(x), hf(x).logits
+    # 30 layers of float32 at logits near 20: the bundled conversion's own bound
+    assert (got - want).abs().max().item() < 1e-3
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+
+
 def test_mcnemar_pairs_counts_discordant_contents():
     # phase 0 always right; phase 1 wrong in 6 of 8 contents; phases 2, 3 like phase 0
     rows = []
