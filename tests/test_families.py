@@ -224,14 +224,14 @@ def test_audit_end_to_end(folder, one_ray, tmp_path, monkeypatch):
     import pandas as pd
     from typer.testing import CliRunner
 
-    import phasemech.experiments.audit.jobs as audit_jobs
+    import phasemech.experiments.audit.study as audit_study
     from phasemech.cli import app
 
     # no progress board: an actor, a fresh process importing phasemech for every launch, costs
     # several times these audits on 2 cores (a real board runs in test_launcher.py's
     # interrupted launch and in the figures pipeline)
-    run_audit = functools.partial(audit_jobs.run_audit, progress=False)
-    monkeypatch.setattr(audit_jobs, "run_audit", run_audit)
+    run_audit = functools.partial(audit_study.run_audit, progress=False)
+    monkeypatch.setattr(audit_study, "run_audit", run_audit)
     kind, path, hf = folder
     out = tmp_path / "audit"
     args = ["audit", "--model", str(path), "--design", "route,mean", "--context", "96"]
