@@ -1,9 +1,9 @@
 """The benchmarks run end to end at toy sizes (no timing is asserted).
 
-``attention_scaling`` runs as a process of its own (it forks its cases from a forkserver);
-the others run, each as ``python bench/NAME.py ARGS`` would (``__main__``, the same arguments),
-one after another in one process of their own: one interpreter and one import of torch and
-phasemech for them all, and one SmolLM2-135M load for the two that read it."""
+Each runs as ``python bench/NAME.py ARGS`` would (``__main__``, the same arguments), in a
+process of its own shared with the others of its group, one after another: one interpreter
+and one import of torch and phasemech per group instead of per script. Two groups: the toy
+models, and the two that read SmolLM2-135M (dequantised once for both)."""
 
 import contextlib
 import functools
@@ -20,18 +20,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
-
-
-def test_attention_scaling_benchmark_runs(tmp_path):
-    out = tmp_path / "bench.json"
-    cmd = [sys.executable, str(ROOT / "bench/attention_scaling.py"), "--seq-lens", "64", "128"]
-    cmd += ["--strides", "4", "--designs", "mean", "--repeats", "1", "--warmup", "1"]
-    cmd += ["--d-model", "32", "--n-heads", "2", "--d-head", "16", "--out", str(out)]
-    subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, timeout=300)
-    result = json.loads(out.read_text())
-    rows = result["rows"]
-    assert {(r["design"], r["T"]) for r in rows} == {("mean", 64), ("mean", 128)}
-    assert all(r["comp_ms"] > 0 and r["dense_ms"] > 0 for r in rows)
 
 
 def run_scripts(runs: list[tuple[str, list[str]]], out: Path) -> None:
@@ -59,21 +47,9 @@ def run_scripts(runs: list[tuple[str, list[str]]], out: Path) -> None:
     out.write_text(json.dumps(done))
 
 
-@pytest.fixture(scope="module")
-def scripts(tmp_path_factory):
-    """``NAME -> {stdout, code, error, seconds}`` of the benchmarks run in one process, and
-    the folder their output files went to."""
-    tmp = tmp_path_factory.mktemp("bench")
-    runs = [
-        # whole-model forwards at toy sizes
-        ("selection", ["--tiny", "--seq-lens", "64", "128", "--designs", "route", "quest",
-                       "--gather", "--repeats", "1", "--out", str(tmp / "selection.json")]),
-        ("selection_train", ["--designs", "partition", "--repeats", "1"]),
-        # SmolLM2-135M (the two share its load)
-        ("audit_tiles", ["--prompts", "2", "--start", "20", "--context", "128", "--out",
-                         str(tmp / "audit_tiles.json")]),
-        ("selection_tiles", ["--seq", "256", "--layer", "1", "--repeats", "1"]),
-    ]  # fmt: skip
+def run_group(tmp: Path, runs: list[tuple[str, list[str]]]) -> tuple[dict, Path]:
+    """:func:`run_scripts` in a process of its own; ``(NAME -> {stdout, code, error,
+    seconds}, tmp)`` (the scripts' output files go to ``tmp``)."""
     code = (
         f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r})\n"
         "from test_bench_smoke import run_scripts\n"
@@ -83,6 +59,34 @@ def scripts(tmp_path_factory):
     return json.loads((tmp / "runs.json").read_text()), tmp
 
 
+@pytest.fixture(scope="module")
+def toy_scripts(tmp_path_factory):
+    """The benchmarks of toy models, in one process."""
+    tmp = tmp_path_factory.mktemp("bench_toy")
+    return run_group(tmp, [
+        # it forks each case from a forkserver (which imports torch and phasemech itself)
+        ("attention_scaling", ["--seq-lens", "64", "128", "--strides", "4", "--designs", "mean",
+                               "--repeats", "1", "--warmup", "1", "--d-model", "32",
+                               "--n-heads", "2", "--d-head", "16",
+                               "--out", str(tmp / "bench.json")]),
+        # whole-model forwards at toy sizes
+        ("selection", ["--tiny", "--seq-lens", "64", "128", "--designs", "route", "quest",
+                       "--gather", "--repeats", "1", "--out", str(tmp / "selection.json")]),
+        ("selection_train", ["--designs", "partition", "--repeats", "1"]),
+    ])  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def smollm2_scripts(tmp_path_factory):
+    """The benchmarks on SmolLM2-135M, in one process (one load of the model)."""
+    tmp = tmp_path_factory.mktemp("bench_smollm2")
+    return run_group(tmp, [
+        ("audit_tiles", ["--prompts", "2", "--start", "20", "--context", "128", "--out",
+                         str(tmp / "audit_tiles.json")]),
+        ("selection_tiles", ["--seq", "256", "--layer", "1", "--repeats", "1"]),
+    ])  # fmt: skip
+
+
 def ran(scripts, name: str) -> str:
     """The script's stdout, once it is known to have exited cleanly."""
     done = scripts[0][name]
@@ -90,11 +94,19 @@ def ran(scripts, name: str) -> str:
     return done["stdout"]
 
 
-def test_selection_benchmark_runs(scripts):
+def test_attention_scaling_benchmark_runs(toy_scripts):
+    ran(toy_scripts, "attention_scaling")
+    result = json.loads((toy_scripts[1] / "bench.json").read_text())
+    rows = result["rows"]
+    assert {(r["design"], r["T"]) for r in rows} == {("mean", 64), ("mean", 128)}
+    assert all(r["comp_ms"] > 0 and r["dense_ms"] > 0 for r in rows)
+
+
+def test_selection_benchmark_runs(toy_scripts):
     """Whole-model forwards: transformers SDPA (the baseline), phasemech's SDPA dense, TL's
     dense and the selecting designs, at toy sizes."""
-    ran(scripts, "selection")
-    rows = json.loads((scripts[1] / "selection.json").read_text())["rows"]
+    ran(toy_scripts, "selection")
+    rows = json.loads((toy_scripts[1] / "selection.json").read_text())["rows"]
     names = ("hf", "floor", "sdpa", "tl", "route", "quest", "route/gather", "quest/gather")
     assert {(r["variant"], r["T"]) for r in rows} == {(v, t) for v in names for t in (64, 128)}
     assert all(r["forward_s"] > 0 and r["attn_s"] > 0 for r in rows)
@@ -102,19 +114,19 @@ def test_selection_benchmark_runs(scripts):
     assert all(r["forward_s_ratio"] == 1.0 for r in rows if r["variant"] == "hf")
 
 
-def test_selection_train_benchmark_runs(scripts):
+def test_selection_train_benchmark_runs(toy_scripts):
     """A training step of a selecting design, dense mask beside the gathered engine."""
-    row = ran(scripts, "selection_train").strip().splitlines()[-1].split()
+    row = ran(toy_scripts, "selection_train").strip().splitlines()[-1].split()
     assert row[0] == "partition" and all(float(x) > 0 for x in row[1:])
 
 
-def test_selection_tiles_benchmark_runs(scripts):
-    out = ran(scripts, "selection_tiles")
+def test_selection_tiles_benchmark_runs(smollm2_scripts):
+    out = ran(smollm2_scripts, "selection_tiles")
     assert "tiles" in out and "gather" in out and "union per chunk" in out
 
 
-def test_audit_tiles_benchmark_runs(scripts):
+def test_audit_tiles_benchmark_runs(smollm2_scripts):
     """The trained-regime audit's jobs with the tiles and with the gather, on two prompts."""
-    assert "verdicts that differ: 0 of 4 rows" in ran(scripts, "audit_tiles")
-    meta = json.loads((scripts[1] / "audit_tiles.json").read_text())["meta"]
+    assert "verdicts that differ: 0 of 4 rows" in ran(smollm2_scripts, "audit_tiles")
+    meta = json.loads((smollm2_scripts[1] / "audit_tiles.json").read_text())["meta"]
     assert meta["prompts"] == 2 and meta["tiles_s"] > 0 and meta["gather_s"] > 0
