@@ -3,16 +3,23 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import warnings
 
 import pytest
 import torch
+from threadpoolctl import threadpool_limits
 
 from phasemech import CompressionConfig, PhaseTransformer, PhaseTransformerConfig
 from phasemech.core.config import DESIGNS as ALL_DESIGNS
 from phasemech.model.transformer import quiet_tl_deprecation
 
+# one CPU thread per process (the suite runs a process per core): torch and BLAS here, and
+# through the environment in every process a test starts (scripts, Ray workers)
 torch.set_num_threads(1)
+threadpool_limits(1)
+for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
 warnings.filterwarnings("ignore", message="HookedTransformer is deprecated")
 
 #: every compressed design (``evict`` has its own tests: its observation scores are slow here)

@@ -71,17 +71,33 @@ def invoke(name: str, args: list[str]) -> str:
     return res.output
 
 
+#: ``python analyses/figures.py ARGS`` without the launcher's progress board: the board is an
+#: actor, a fresh process that imports phasemech at every stage's launch, seconds each on 2
+#: cores where the tiny jobs take less (a real board: test_launcher.py's interrupted launch)
+NO_BOARD = """
+import functools, importlib, runpy, sys
+experiment = importlib.import_module("phasemech.experiments.experiment")  # the module
+experiment.run_experiment = functools.partial(experiment.run_experiment, progress=False)
+sys.argv = sys.argv[1:]  # the script and its arguments, as the script itself sees them
+sys.path[0] = str(__import__("pathlib").Path(sys.argv[0]).parent)
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
 def make_figures(runs: Path, out: Path, *flags: str, here: bool = False) -> str:
     """``make figures`` at the tiny profile: the figures, then the claims report beside OUT.
-    The figures script runs as ``make figures`` runs it, in a process of its own (one CPU for
-    its embedded Ray: the jobs are tiny, each Ray worker imports torch), or with ``here`` in
-    this process (a rerun that launches nothing); the report always here."""
+    The figures script runs in a process of its own, as ``make figures`` runs it but without
+    the progress board (:data:`NO_BOARD`) and with one CPU for its embedded Ray (the jobs are
+    tiny, each Ray worker imports torch), or with ``here`` in this process (a rerun that
+    launches nothing); the report always here."""
     args = ["--profile", "tiny", *flags, "--runs", str(runs), "--out", str(out)]
     if here:
         stdout = invoke("figures", args)
     else:
-        cmd = [sys.executable, str(ROOT / "analyses/figures.py"), *args, "--num-cpus", "1"]
-        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        cmd = [sys.executable, "-c", NO_BOARD, str(ROOT / "analyses/figures.py"), *args]
+        done = subprocess.run(
+            [*cmd, "--num-cpus", "1"], cwd=ROOT, capture_output=True, text=True, timeout=600
+        )
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         stdout = done.stdout
     args = ["--showcase", str(runs / "figures_tiny" / "showcase")]
