@@ -15,7 +15,6 @@ from typing import Any
 
 from phasemech.core.config import CompressionConfig
 from phasemech.core.validation import is_int
-from phasemech.data.retrieval import RetrievalTask
 from phasemech.experiments.audit.fixes import apply_variant, check_variants
 from phasemech.experiments.probe.config import (
     HOSTS,
@@ -101,9 +100,6 @@ class AuditConfig:
     def skipped(self) -> list[str]:
         """``design/variant: why`` for each pair the design cannot take."""
         return [f"{d}/{v}: {why}" for (d, v), why in self._grids.items() if isinstance(why, str)]
-
-    def retrieval_task(self, context: int) -> RetrievalTask:
-        return self.probe.retrieval_task(context)
 
     def settings(self) -> list[tuple[str, CompressionConfig | None]]:
         """``(name, compression)``: the null first, then each design under each variant it

@@ -45,9 +45,10 @@ from phasemech.experiments.explain.tables import (
 from phasemech.experiments.probe.config import ProbeConfig
 
 
-def step_results(done: Done, step: str) -> list[dict]:
-    """The per-prompt results of every finished job of ``step``, in submission order."""
-    return [p for j, r in done.of(ExplainJob) if j.step == step for p in r["prompts"]]
+def step_results(done: Done, step: str, part: str = "prompts") -> list[dict]:
+    """The per-prompt (``part="pairs"``: per-pair) results of every finished job of ``step``,
+    in submission order."""
+    return [p for j, r in done.of(ExplainJob) if j.step == step for p in r[part]]
 
 
 def contrast_pairs(
@@ -97,15 +98,11 @@ def _intervene(cfg: ExplainConfig, done: Done) -> list[ExplainJob]:
     return jobs
 
 
-def _pair_rows(done: Done) -> list[dict]:
-    return [p for j, r in done.of(ExplainJob) if j.step == "intervene" for p in r["pairs"]]
-
-
 def _heads(cfg: ExplainConfig, done: Done) -> list[ExplainJob]:
     """The oracle in the top heads by exact patching (none without the oracle or pairs)."""
     from phasemech.experiments.explain.summary import top_heads
 
-    pairs = _pair_rows(done)
+    pairs = step_results(done, "intervene", "pairs")
     if "oracle" not in cfg.analyses or not pairs:
         return []
     # the point estimates rank the heads (no bootstrap); a dense layer's head has no pick
@@ -121,7 +118,7 @@ def _finish(cfg: ExplainConfig, done: Done, out: Path) -> dict[str, Any]:
     source, observed = done.checked, step_results(done, "observe")
     prompts = prompts_frame(observed)
     inter = [r for j, r in done.of(ExplainJob) if j.step == "intervene"]
-    pairs = _pair_rows(done)
+    pairs = step_results(done, "intervene", "pairs")
     patch = patching_table(pairs, cfg.n_boot, cfg.probe.seed) if pairs else None
     contrast = contrast_pairs(cfg, prompts)[0] if pairs else (None, None)
     tables = explain_tables(cfg, prompts, observed, inter, step_results(done, "heads"), patch,
