@@ -234,7 +234,9 @@ def findings(t: dict, n_layers: int, top: int = 10) -> dict[str, Any]:
     s = t.get("ablation_specialization")
     if s is not None:
         acc = s[(s.metric == "accuracy") & (s["mode"] == "zero")]
-        dep = acc[(acc.p_holm < 0.05) & (acc.phase_range >= 0.10)]
+        # less 1e-9: a range of exactly 10 points computes as 0.0999... (0.7 - 0.6) when the
+        # per-phase means are fractions of 50 contents
+        dep = acc[(acc.p_holm < 0.05) & (acc.phase_range >= 0.10 - 1e-9)]
         cols = ["layer", "unit", "overall", "phase_range", "served_phase", "si", "p_holm"]
         out["phase_dependent_heads"] = _records(dep.sort_values("p_holm"), cols)
         out["n_heads_tested"] = len(acc)

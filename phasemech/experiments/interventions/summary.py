@@ -103,7 +103,8 @@ def weak_spots(
     spot there (the ablated model's accuracy varies with phase by at least ``min_range`` more
     than the intact model's, lowest at the served phase) rather than flooring every phase
     (which only mirrors the intact profile)."""
-    sig = spec[(spec.p_holm < alpha) & (spec.phase_range >= min_range)]
+    # less 1e-9: a range of exactly min_range computes as a hair below it (0.7 - 0.6 < 0.1)
+    sig = spec[(spec.p_holm < alpha) & (spec.phase_range >= min_range - 1e-9)]
     rows = []
     for r in sig.sort_values("rank").itertuples():
         sel = acc[
@@ -116,7 +117,7 @@ def weak_spots(
         opens = (
             not pd.isna(r.served_phase)
             and weakest == int(r.served_phase)
-            and r.ablated_range >= r.base_range + min_range
+            and r.ablated_range >= r.base_range + min_range - 1e-9
         )
         rows.append(
             {
