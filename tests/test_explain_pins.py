@@ -46,15 +46,23 @@ def test_head_lines_print_the_uncorrected_and_the_holm_p():
     lines = head_lines({"ablation_specialization": _spec("logit_diff")})
     row = next(x for x in lines if x.startswith("| 1.0 |"))
     assert row.endswith("| 0.01 | 0.2 |"), row  # p (perm) | p (Holm)
-    assert lines.count("| layer.head | mean effect | served phase | SI | p (perm) | p (Holm) |") == 1
+    header = "| layer.head | mean effect | served phase | SI | p (perm) | p (Holm) |"
+    assert lines.count(header) == 1
 
 
 def test_weak_spots_apply_holm_and_the_range_at_their_thresholds():
     spec = _spec()
     acc = pd.DataFrame(
         [
-            dict(component="head", mode="zero", layer=layer, unit=unit, phase=phase,
-                 ablated=0.9 - 0.2 * (phase == 1), effect=-0.2 * (phase == 1))
+            dict(
+                component="head",
+                mode="zero",
+                layer=layer,
+                unit=unit,
+                phase=phase,
+                ablated=0.9 - 0.2 * (phase == 1),
+                effect=-0.2 * (phase == 1),
+            )
             for (layer, unit) in EDGES
             for phase in range(4)
         ]  # fmt: skip

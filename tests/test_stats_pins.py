@@ -125,7 +125,8 @@ def test_debiased_gap_interval_covers_a_planted_gap_two_sided():
 
 
 def _p2p(frames, d: int) -> np.ndarray:
-    return np.array([phase_gap(f, d, n_perm=0, n_boot=0, n_splits=1)["harmonic_p2p"] for f in frames])
+    gaps = [phase_gap(f, d, n_perm=0, n_boot=0, n_splits=1) for f in frames]
+    return np.array([g["harmonic_p2p"] for g in gaps])
 
 
 def test_harmonic_p2p_is_zero_in_most_null_data_sets():
