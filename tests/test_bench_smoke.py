@@ -9,6 +9,7 @@ import contextlib
 import functools
 import io
 import json
+import re
 import runpy
 import subprocess
 import sys
@@ -123,6 +124,10 @@ def test_selection_train_benchmark_runs(toy_scripts):
 def test_selection_tiles_benchmark_runs(smollm2_scripts):
     out = ran(smollm2_scripts, "selection_tiles")
     assert "tiles" in out and "gather" in out and "union per chunk" in out
+    # the two paths agree in float64 up to rounding (a wrong pick moves the output by O(1))
+    gap = re.search(r"float64 max \|tiles - gather\| (\S+)", out)
+    assert gap is not None, out[-2000:]
+    assert float(gap.group(1)) < 1e-9, gap.group(0)
 
 
 def test_audit_tiles_benchmark_runs(smollm2_scripts):
