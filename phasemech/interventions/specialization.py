@@ -430,6 +430,28 @@ def specialization(
     return _specialization_frame(df, metric, rows, _unit_tests(rows, d, n_perm, seed))
 
 
+def floor_note(spec: pd.DataFrame) -> str:
+    """One sentence for a page that shows ``spec``'s p-values: how many units Holm ran over
+    and the smallest ``p_perm`` / ``p_holm`` the test could give (a table written before
+    ``p_floor`` existed says so)."""
+    if not isinstance(spec, pd.DataFrame) or "p_holm" not in spec.columns:
+        raise ValueError("floor_note: spec must be a specialization() frame (with p_holm)")
+    if "p_floor" not in spec.columns:
+        return (
+            f"Holm over {len(spec)} rows; smallest attainable p not recorded (a table from "
+            "before p_floor: with n fixed draws it is 1/(n+1), times the rows for Holm)."
+        )
+    groups = spec.groupby("metric", observed=True) if "metric" in spec.columns else [("", spec)]
+    parts = []
+    for metric, g in groups:
+        name = f"{metric}: " if metric else ""
+        parts.append(
+            f"{name}Holm over {len(g)} units, smallest attainable p {g.p_floor.min():.2g}, "
+            f"Holm p {g.p_holm_floor.min():.2g} (up to {int(g.n_perm.max())} permutations)"
+        )
+    return "; ".join(parts) + "."
+
+
 def rank_heads(
     data: Ablated | pd.DataFrame,
     metric: str = "accuracy",
