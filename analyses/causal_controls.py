@@ -24,7 +24,10 @@ heads x modes, and does it stay quiet where there is nothing to find?
   Holm rejections.
 
 Usage: ``python analyses/causal_controls.py [--contents 10] [--null-contents 3]
-[--context 256] [--part design|dense|report|all]``. ``design`` / ``dense`` compute and cache
+[--context 256] [--part design|dense|report|all] [--from-jobs OUT/jobs]``. The recorded run:
+``--part report --from-jobs OUT/jobs --contents 12`` on the job cache of ``phasemech explain
+--design route --top-k 1 --layers 2-29`` (T = 1024; explain's own intervene step computed the
+ablations; the dense null was not run, see the md). ``design`` / ``dense`` compute and cache
 the ablations (``--cache``, default ``/tmp/causal_controls``), ``report`` writes
 ``analyses/results/causal_controls.{json,md}`` from the caches.
 
@@ -85,9 +88,10 @@ def ablations(args, setting: str) -> dict:
                 items=items, **shape)  # fmt: skip
 
 
-def cached_ablations(folder: Path) -> dict:
+def cached_ablations(folder: Path, contents: int) -> dict:
     """The design's ablations from a ``phasemech explain`` run's job cache (``OUT/jobs``): the
-    intervene step's per-prompt results, the contents whose every phase is there."""
+    intervene step's per-prompt results of the first ``contents`` contents whose every phase
+    is there (a run still going adds contents; the cap keeps the record reproducible)."""
     items, cfg = [], None
     for f in sorted(folder.glob("*.json")):
         job = json.loads(f.read_text())
@@ -100,7 +104,8 @@ def cached_ablations(folder: Path) -> dict:
     count: dict[int, int] = {}
     for p in items:
         count[p["prompt"]["group_id"]] = count.get(p["prompt"]["group_id"], 0) + 1
-    items = [p for p in items if count[p["prompt"]["group_id"]] == cfg["stride"]]
+    full = sorted(g for g, n in count.items() if n == cfg["stride"])[:contents]
+    items = [p for p in items if p["prompt"]["group_id"] in set(full)]
     items.sort(key=lambda p: p["prompt"]["prompt_id"])
     zero = np.asarray(items[0]["ablation"]["zero"])
     return dict(setting="design", contents=len(items) // cfg["stride"], seconds=None,
@@ -201,7 +206,7 @@ def shuffled(data: dict, seed: int) -> list:
 def report(args) -> dict:
     t0 = time.perf_counter()
     if args.from_jobs is not None:
-        design = cached_ablations(args.from_jobs)
+        design = cached_ablations(args.from_jobs, args.contents)
     else:
         design = json.loads((args.cache / "design.json").read_text())
     dense_file = args.cache / "dense.json"

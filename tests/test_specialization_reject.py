@@ -150,7 +150,7 @@ def test_lab_model_planted_unit_among_its_real_units():
     # value everywhere but at phase 1, where 70% of targets lose 3 nats (removed there only)
     task = MQARTask(vocab_size=36, seq_len=24, n_pairs=3, stride=D)
     ds = generate(task, 64, seed=0, balanced=True)
-    res = ablate(make_model("mean", stride=D), ds, components=("head", "kv_block"), n_boot=0)
+    res = ablate(make_model("mean", stride=D), ds, components=("head", "blocks"), n_boot=0)
     t = res.targets.copy()
     rng = np.random.default_rng(0)
     one = (t.component == "head") & (t["mode"] == "zero") & (t.layer == 0) & (t.unit == 0)
@@ -185,3 +185,31 @@ def test_a_dense_lab_model_rejects_no_more_than_the_nominal_rate():
 def test_bad_n_perm(bad):
     with pytest.raises(ValueError, match="n_perm"):
         sp.specialization(_accuracy_540().head(800), "accuracy", n_perm=bad, stride=D)
+
+
+def test_pages_state_the_smallest_attainable_holm_p():
+    from test_explain_html import _tables
+
+    from phasemech.experiments.explain.summary import findings, head_lines
+    from phasemech.viz.explain import render_explain
+
+    rng = np.random.default_rng(6)
+    eff = rng.normal(0, 1, (12, 40))
+    frames = [_frame(eff, 10, m).assign(target=0) for m in ("accuracy", "logit_diff")]
+    spec = pd.concat(
+        [sp.specialization(f, m, n_perm="auto", stride=D) for f, m in
+         zip(frames, ("accuracy", "logit_diff"), strict=True)],
+        ignore_index=True,
+    )  # fmt: skip
+    floor = f"{spec.p_holm_floor.min():.2g}"
+    assert floor == f"{12 / (sp.auto_draws(12) + 1):.2g}"
+    t = _tables() | {"ablation_specialization": spec}
+    t["oracle"]["null"], t["oracle"]["displaced_sink"], t["oracle"]["broken"] = 1.0, 0.0, 0
+    text = "\n".join(head_lines(t))
+    assert "Holm over 12 units" in text and f"Holm p {floor}" in text
+    assert findings(t, n_layers=3)["p_holm_floor"] == pytest.approx(spec.p_holm_floor.min())
+    page = render_explain(t, dict(config={}, findings={}))
+    assert "sum-phase-test" in page and f"Holm p {floor}" in page
+    # a table from before p_floor says that it cannot tell
+    old = spec.drop(columns=["p_floor", "p_holm_floor", "n_perm"])
+    assert "not recorded" in sp.floor_note(old)
