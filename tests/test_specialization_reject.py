@@ -207,8 +207,9 @@ def test_pages_state_the_smallest_attainable_holm_p():
     t["oracle"]["null"], t["oracle"]["displaced_sink"], t["oracle"]["broken"] = 1.0, 0.0, 0
     text = "\n".join(head_lines(t))
     assert "Holm over 12 units" in text and f"Holm p {floor}" in text
-    assert findings(t, n_layers=3)["p_holm_floor"] == pytest.approx(spec.p_holm_floor.min())
-    page = render_explain(t, dict(config={}, findings={}))
+    f = findings(t, n_layers=3)
+    assert f["p_holm_floor"] == pytest.approx(spec.p_holm_floor.min())
+    page = render_explain(t, dict(config={}, findings=f))
     assert "sum-phase-test" in page and f"Holm p {floor}" in page
     # a table from before p_floor says that it cannot tell
     old = spec.drop(columns=["p_floor", "p_holm_floor", "n_perm"])

@@ -245,6 +245,9 @@ def findings(t: dict, n_layers: int, top: int = 10) -> dict[str, Any]:
         out["n_heads_tested"] = len(acc)
         if "p_holm_floor" in acc.columns:  # the smallest Holm p the test could give
             out["p_holm_floor"] = _num(acc.p_holm_floor.min())
+        from phasemech.interventions.specialization import floor_note
+
+        out["phase_test"] = floor_note(s)  # explain.html's summary strip shows it
         z = s[(s.metric == "logit_diff") & (s["mode"] == "zero")].nsmallest(top, "overall")
         out["top_ablation"] = _records(z, cols)
     return out
