@@ -267,8 +267,8 @@ def render_explain(tables: dict[str, pd.DataFrame | None], summary: dict[str, An
     units and smallest attainable Holm p, ``summary["findings"]["phase_test"]``), one
     ``#{name}-plot`` per figure of :func:`explain_figures`; the side panel ``#head-panel``
     with ``#head-title`` (``"L12H3"``), ``#head-numbers`` (one row per phase: zero and mean
-    ablation effect with its interval, attention null and design) and ``#head-plot``. The data is the JSON of
-    ``<script id="phasemech-data">``."""
+    ablation effect with its interval, attention null and design) and ``#head-plot``. The
+    data is the JSON of ``<script id="phasemech-data">``."""
     t = _checked(tables)
     d = _stride(t)
     cfg = summary.get("config", {})
