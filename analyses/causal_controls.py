@@ -239,8 +239,13 @@ def _md(r: dict) -> str:
         "",
         f"Written by `analyses/causal_controls.py`: {r['design']} (top-k {r['top_k']}, "
         f"{r['regime']}) at T = {r['context']}, {r['prompts']['design']} prompts (ablations: "
-        f"{r['design_source']}); the dense null at T = {r['dense_context']}, "
-        f"{r['prompts']['dense'] or 'no'} prompts; every head x (zero, mean) ablated "
+        f"{r['design_source']}); "
+        + (
+            f"the dense null at T = {r['dense_context']}, {r['prompts']['dense']} prompts; "
+            if r["prompts"]["dense"]
+            else "the dense null not run (see below); "
+        )
+        + "every head x (zero, mean) ablated "
         '(540 units per metric), tested with `n_perm="auto"`.',
         "",
         "## Positive control: a head removed only at one phase, among the 539 real units",
