@@ -214,3 +214,15 @@ def test_pages_state_the_smallest_attainable_holm_p():
     # a table from before p_floor says that it cannot tell
     old = spec.drop(columns=["p_floor", "p_holm_floor", "n_perm"])
     assert "not recorded" in sp.floor_note(old)
+
+
+def test_explain_tests_with_auto_and_keeps_its_keys():
+    from phasemech.experiments.explain.config import ExplainConfig
+    from phasemech.experiments.explain.jobs import explain_jobs
+
+    cfg, fixed = ExplainConfig(), ExplainConfig(auto_perm=False, n_perm=500)
+    assert cfg.perm_draws == "auto" and fixed.perm_draws == 500
+    assert "auto_perm" not in cfg.to_dict() and cfg.to_dict()["n_perm"] == 1000
+    assert fixed.to_dict()["auto_perm"] is False
+    # the tables run the test: neither field reaches a job's key
+    assert explain_jobs(cfg, "observe", [0])[0].key == explain_jobs(fixed, "observe", [0])[0].key

@@ -231,7 +231,7 @@ def explain_tables(
             source.n_heads,
             cfg.n_boot,
             cfg.probe.seed,
-            cfg.n_perm,
+            cfg.perm_draws,
         )
     if patch is not None:
         t["patching"] = patch
