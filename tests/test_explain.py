@@ -248,6 +248,8 @@ def test_ablation_and_patching_rows_are_complete():
         (dict(contrast_phases=(0, 4)), "contrast_phases"),
         (dict(analyses=("probes",)), "analyses"),
         (dict(top_heads=0), "top_heads"),
+        (dict(n_perm="many"), "n_perm"),
+        (dict(auto_perm="yes"), "auto_perm"),
         (dict(design="nsa"), "designs"),
     ],
 )

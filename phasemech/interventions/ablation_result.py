@@ -77,7 +77,7 @@ class AblationResult:
         return out
 
     def specialization(
-        self, metric: str = "accuracy", n_perm: int = 1000, seed: int = 0
+        self, metric: str = "accuracy", n_perm: int | str = 1000, seed: int = 0
     ) -> pd.DataFrame:
         """:func:`specialization` of this result."""
         return specialization(self, metric=metric, n_perm=n_perm, seed=seed)

@@ -1,8 +1,15 @@
 """Which unit serves which phase: a within-stratum permutation test of whether an ablation's
-effect depends on the needle's phase, with Holm correction and a ranking of units.
+effect depends on the needle's phase (beside it a blocked ANOVA F), with Holm correction and a
+ranking of units.
 
 Axes: ``unit`` (a head or KV head), ``target``, ``row`` (a row of the targets frame: one unit's
-score of one target), ``perm`` (permutation draws), ``phase``.
+score of one target), ``perm`` (permutation draws), ``phase``, ``stratum``.
+
+Holm over ``m`` units cannot go below ``m / (n_perm + 1)`` with ``n_perm`` draws per unit (540
+heads x modes at 1000 draws: 0.539, no unit can ever be significant). ``n_perm="auto"`` sizes
+the draws to the number of units (:data:`AUTO_HOLM_FLOOR`) and stops a unit early once it is
+clearly null (Besag & Clifford's sequential p-value), so the cost stays that of the few units
+that are not.
 """
 
 from __future__ import annotations
@@ -19,10 +26,19 @@ from jaxtyping import Float, Int
 
 from phasemech.core.validation import check_int
 from phasemech.interventions.ablation_plan import METRICS, UNIT_KEYS, VALID_MODES, checked_names
+from phasemech.measure.stats.anova import blocked_phase_anova
 from phasemech.measure.stats.omnibus import holm
 
 #: relative tolerance of "a permuted statistic is at least the observed one" (float rounding)
 _TIE_RTOL = 1e-9
+#: ``n_perm="auto"``: the most draws per unit are ``ceil(m / AUTO_HOLM_FLOOR) - 1``, so that
+#: the smallest attainable Holm p over ``m`` units, ``m / (n_max + 1)``, is at most this
+AUTO_HOLM_FLOOR = 1e-3
+#: ``n_perm="auto"``: a unit stops once this many draws reach its statistic (then
+#: ``p = h / draws``: Besag & Clifford 1991); a null unit stops after ~``h / p`` draws
+STOP_EXCEEDANCES = 10
+#: ``n_perm="auto"``: the first round's draws; each later round doubles
+_FIRST_ROUND = 64
 
 
 @runtime_checkable
@@ -97,7 +113,7 @@ def _strata(
 
 def _check_frame(
     where: str, data: Any, metric: Any, n_perm: Any, seed: Any, stride: Any
-) -> tuple[pd.DataFrame, int, int, int]:
+) -> tuple[pd.DataFrame, int | str, int, int]:
     """Checked ``(targets frame, n_perm, seed, stride)``."""
     if isinstance(data, pd.DataFrame):
         df = data
@@ -110,7 +126,12 @@ def _check_frame(
             "targets DataFrame"
         )
     checked_names(where, "metric", metric, METRICS)
-    n_perm = check_int(where, "n_perm", n_perm, 1)
+    if n_perm != "auto":
+        if isinstance(n_perm, str):
+            raise ValueError(
+                f"{where}: n_perm={n_perm!r} is invalid: must be an int >= 1 or 'auto'"
+            )
+        n_perm = check_int(where, "n_perm", n_perm, 1)
     seed = check_int(where, "seed", seed, 0)
     need = [*UNIT_KEYS, "group_id", "target", "phase", "depth", f"{metric}_base", metric]
     missing = [c for c in need if c not in df.columns]
@@ -174,26 +195,71 @@ def _shared_targets(rows: _UnitRows) -> dict[bytes, list[int]]:
     return groups
 
 
-def _exceedances(
-    mat: Float[np.ndarray, "unit target"],
-    labels: Int[np.ndarray, "target"],
-    strata: Int[np.ndarray, "target"],
-    stat: Float[np.ndarray, "unit"],
-    n_phase: Float[np.ndarray, "phase"],
-    grand: Float[np.ndarray, "unit"],
-    d: int,
-    n_perm: int,
-    rng: np.random.Generator,
-) -> Float[np.ndarray, "unit"]:
+@dataclass(frozen=True)
+class _Null:
+    """One group's permutation null: what every draw compares against."""
+
+    mat: Float[np.ndarray, "unit target"]
+    labels: Int[np.ndarray, "target"]
+    strata: Int[np.ndarray, "target"]
+    stat: Float[np.ndarray, "unit"]
+    n_phase: Float[np.ndarray, "phase"]
+    d: int
+
+    def hits(self, units: np.ndarray, n: int, rng: np.random.Generator) -> np.ndarray:
+        """``[unit, perm]``: whether each of ``n`` fresh relabellings reaches ``stat``."""
+        perm = _permuted_labels(self.labels, self.strata, n, rng)
+        mat = self.mat[units]
+        s_perm = _between_var(_phase_sums(mat, perm, self.d), self.n_phase, mat.mean(1))
+        stat = self.stat[units]
+        return s_perm >= (stat - _TIE_RTOL * np.maximum(np.abs(stat), 1e-300))[:, None]
+
+    def chunk(self) -> int:
+        return max(1, 2**21 // (len(self.labels) * self.d))  # onehot chunk of ~16 MB
+
+
+def _exceedances(null: _Null, n_perm: int, rng: np.random.Generator) -> Float[np.ndarray, "unit"]:
     """Per unit, how many of ``n_perm`` within-strata relabellings reach the observed ``stat``."""
-    exceed = np.zeros(len(mat))
-    chunk = max(1, 2**21 // (len(labels) * d))  # onehot chunk of ~16 MB
-    for start in range(0, n_perm, chunk):
-        perm = _permuted_labels(labels, strata, min(chunk, n_perm - start), rng)
-        s_perm = _between_var(_phase_sums(mat, perm, d), n_phase, grand)
-        tol = _TIE_RTOL * np.maximum(np.abs(stat), 1e-300)
-        exceed += (s_perm >= (stat - tol)[:, None]).sum(1)
+    exceed = np.zeros(len(null.mat))
+    every = np.arange(len(null.mat))
+    for start in range(0, n_perm, null.chunk()):
+        exceed += null.hits(every, min(null.chunk(), n_perm - start), rng).sum(1)
     return exceed
+
+
+def _sequential(
+    null: _Null, n_max: int, rng: np.random.Generator
+) -> tuple[Float[np.ndarray, "unit"], Int[np.ndarray, "unit"]]:
+    """Besag & Clifford's sequential test: ``(p, draws)`` per unit. Each unit draws until
+    :data:`STOP_EXCEEDANCES` relabellings reach its statistic (``p = h / draws``) or until
+    ``n_max`` draws (``p = (1 + exceed) / (1 + n_max)``). The undecided units share each
+    round's relabellings (one matmul); rounds double, so a null unit costs a few rounds."""
+    n_units, h = len(null.mat), STOP_EXCEEDANCES
+    exceed = np.zeros(n_units, dtype=np.int64)
+    draws = np.zeros(n_units, dtype=np.int64)
+    stopped = np.zeros(n_units, dtype=bool)
+    live, done, size = np.arange(n_units), 0, _FIRST_ROUND
+    while live.size and done < n_max:
+        n = min(size, n_max - done, null.chunk())
+        count = exceed[live, None] + np.cumsum(null.hits(live, n, rng), 1)
+        stop = count[:, -1] >= h
+        # the draw at which the h-th exceedance came: later draws of a stopped unit are unused
+        first = np.argmax(count >= h, 1)
+        draws[live] = done + np.where(stop, first + 1, n)
+        exceed[live] = np.where(stop, h, count[:, -1])
+        stopped[live] = stop
+        live, done, size = live[~stop], done + n, size * 2
+    p = np.where(stopped, h / np.maximum(draws, 1), (1 + exceed) / (1 + n_max))
+    return p, draws
+
+
+def _log_relabellings(strata: np.ndarray, labels: np.ndarray, d: int) -> float:
+    """``log |G|``: the number of distinct within-strata relabellings (a multinomial per
+    stratum); an exact permutation p cannot go below ``1 / |G|``."""
+    ns = int(strata.max()) + 1
+    counts = np.bincount(strata * d + labels, minlength=ns * d).reshape(ns, d)
+    lg = np.vectorize(math.lgamma)
+    return float((lg(counts.sum(1) + 1.0) - lg(counts + 1.0).sum(1)).sum())
 
 
 def _specialization_index(e_phi: Float[np.ndarray, "unit phase"], d: int) -> np.ndarray:
@@ -205,11 +271,22 @@ def _specialization_index(e_phi: Float[np.ndarray, "unit phase"], d: int) -> np.
     return np.where(total[:, 0] > 0, 1 - entropy / math.log(d), 0.0)
 
 
+def _permutation_p(
+    null: _Null, n_perm: int | str, n_max: int, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(p_perm, draws)``: a fixed ``n_perm`` draws, or sequential up to ``n_max``."""
+    if n_perm == "auto":
+        return _sequential(null, n_max, rng)
+    exceed = _exceedances(null, n_perm, rng)
+    return (1 + exceed) / (1 + n_perm), np.full(len(exceed), n_perm)
+
+
 def _test_units(
     rows: _UnitRows,
     units: list[int],
     d: int,
-    n_perm: int,
+    n_perm: int | str,
+    n_max: int,
     rng: np.random.Generator,
     out: dict[str, np.ndarray],
 ) -> None:
@@ -222,7 +299,8 @@ def _test_units(
     grand = mat.mean(1)
     obs_sums = _phase_sums(mat, labels[None], d)[:, 0]  # [unit, phase]
     stat = _between_var(obs_sums[:, None], n_phase, grand)[:, 0]
-    exceed = _exceedances(mat, labels, strata, stat, n_phase, grand, d, n_perm, rng)
+    null = _Null(mat, labels, strata, stat, n_phase, d)
+    p_perm, draws = _permutation_p(null, n_perm, n_max, rng)
     with np.errstate(divide="ignore", invalid="ignore"):
         e_phi = np.where(n_phase > 0, obs_sums / n_phase, np.nan)
     idx = np.asarray(units)
@@ -232,21 +310,36 @@ def _test_units(
     out["min_effect"][idx] = np.nanmin(e_phi, 1)
     out["si"][idx] = _specialization_index(e_phi, d)
     out["stat"][idx] = stat
-    out["p_perm"][idx] = (1 + exceed) / (1 + n_perm)
+    out["p_perm"][idx] = p_perm
+    out["n_perm"][idx] = draws
+    # the Monte Carlo floor, or the exact test's where the strata allow fewer relabellings
+    floor = max(1 / (1 + (n_max if n_perm == "auto" else n_perm)), math.exp(-min(
+        _log_relabellings(strata, labels, d), 700.0)))  # fmt: skip
+    out["p_floor"][idx] = floor
+    out["f_stat"][idx], out["p_anova"][idx], _ = blocked_phase_anova(mat, labels, strata, d)
     out["n"][idx] = len(rows0)
     out["null"][idx] = scheme
 
 
-def _unit_tests(rows: _UnitRows, d: int, n_perm: int, seed: int) -> dict[str, np.ndarray]:
+def auto_draws(n_units: int) -> int:
+    """``n_perm="auto"``'s most draws per unit for ``n_units`` tests: the Holm floor
+    ``n_units / (n_max + 1)`` at most :data:`AUTO_HOLM_FLOOR` (and never under 999 draws)."""
+    return max(999, math.ceil(n_units / AUTO_HOLM_FLOOR) - 1)
+
+
+def _unit_tests(rows: _UnitRows, d: int, n_perm: int | str, seed: int) -> dict[str, np.ndarray]:
     """Per-unit statistics and permutation p-values, one array per column."""
     n_units = len(rows.starts)
-    stats = ("overall", "phase_range", "served_phase", "min_effect", "si", "stat", "p_perm")
+    stats = ("overall", "phase_range", "served_phase", "min_effect", "si", "stat", "p_perm",
+             "p_floor", "f_stat", "p_anova")  # fmt: skip
     out = {k: np.full(n_units, np.nan) for k in stats}
     out["n"] = np.zeros(n_units, dtype=np.int64)
+    out["n_perm"] = np.zeros(n_units, dtype=np.int64)
     out["null"] = np.empty(n_units, dtype=object)
     rng = np.random.default_rng(seed)
+    n_max = auto_draws(n_units)
     for units in _shared_targets(rows).values():
-        _test_units(rows, units, d, n_perm, rng, out)
+        _test_units(rows, units, d, n_perm, n_max, rng, out)
     return out
 
 
@@ -280,6 +373,13 @@ def _specialization_frame(
     for k in ("si", "stat", "p_perm"):
         res[k] = out[k]
     res["p_holm"] = holm(out["p_perm"])
+    res["n_perm"] = out["n_perm"]
+    res["p_floor"] = out["p_floor"]
+    # Holm's first step multiplies by m: no row's adjusted p can be smaller
+    res["p_holm_floor"] = np.minimum(1.0, len(res) * out["p_floor"])
+    res["f_stat"] = out["f_stat"]
+    res["p_anova"] = out["p_anova"]
+    res["p_anova_holm"] = holm(np.nan_to_num(out["p_anova"], nan=1.0))
     res["rank"] = _ranks(out["p_perm"], out["phase_range"])
     res["null"] = pd.Categorical(out["null"], categories=["within_block", "depth_quintile"])
     return res
@@ -288,7 +388,7 @@ def _specialization_frame(
 def specialization(
     data: Ablated | pd.DataFrame,
     metric: str = "accuracy",
-    n_perm: int = 1000,
+    n_perm: int | str = 1000,
     seed: int = 0,
     *,
     stride: int | None = None,
@@ -309,7 +409,18 @@ def specialization(
     does not depend on phase" (``null``: within blocks ``(group_id, target)`` when every block
     holds each phase equally often, an exact paired null on phase-balanced sets; else within
     depth quintiles), ``p = (1 + #{stat_perm >= stat}) / (1 + n_perm)``; ``p_holm`` (Holm over
-    all rows); ``rank`` (1 = most specialised: by ``p_perm``, then larger ``phase_range``).
+    all rows); ``n_perm`` (the draws the unit used); ``p_floor`` (the smallest ``p_perm`` the
+    test can give: ``1 / (1 + most draws)``, or ``1 / |G|`` where the strata allow fewer
+    distinct relabellings ``|G|``) and ``p_holm_floor`` (``m * p_floor`` over the ``m`` rows:
+    Holm's smallest attainable value); ``f_stat``, ``p_anova``, ``p_anova_holm`` (the blocked
+    ANOVA F for phase on the same strata, :func:`~phasemech.measure.stats.anova.
+    blocked_phase_anova`: a parametric check of ``p_perm``, and its Holm); ``rank`` (1 = most
+    specialised: by ``p_perm``, then larger ``phase_range``).
+
+    ``n_perm``: an int (that many draws for every unit, as before), or ``"auto"``: at most
+    :func:`auto_draws` ``(m)`` draws, so ``p_holm_floor <= AUTO_HOLM_FLOOR``, with sequential
+    stopping (a unit stops at :data:`STOP_EXCEEDANCES` draws reaching its statistic, ``p = h /
+    draws``; the others run to the most draws, ``p = (1 + exceed) / (1 + n_max)``).
 
     ``data``: an :class:`AblationResult` or its ``targets`` frame; a frame's ``stride`` comes from
     ``stride=``, else ``frame.attrs["stride"]``, else the largest phase + 1.
@@ -319,10 +430,32 @@ def specialization(
     return _specialization_frame(df, metric, rows, _unit_tests(rows, d, n_perm, seed))
 
 
+def floor_note(spec: pd.DataFrame) -> str:
+    """One sentence for a page that shows ``spec``'s p-values: how many units Holm ran over
+    and the smallest ``p_perm`` / ``p_holm`` the test could give (a table written before
+    ``p_floor`` existed says so)."""
+    if not isinstance(spec, pd.DataFrame) or "p_holm" not in spec.columns:
+        raise ValueError("floor_note: spec must be a specialization() frame (with p_holm)")
+    if "p_floor" not in spec.columns:
+        return (
+            f"Holm over {len(spec)} rows; smallest attainable p not recorded (a table from "
+            "before p_floor: with n fixed draws it is 1/(n+1), times the rows for Holm)."
+        )
+    groups = spec.groupby("metric", observed=True) if "metric" in spec.columns else [("", spec)]
+    parts = []
+    for metric, g in groups:
+        name = f"{metric}: " if metric else ""
+        parts.append(
+            f"{name}Holm over {len(g)} units, smallest attainable p {g.p_floor.min():.2g}, "
+            f"Holm p {g.p_holm_floor.min():.2g} (up to {int(g.n_perm.max())} permutations)"
+        )
+    return "; ".join(parts) + "."
+
+
 def rank_heads(
     data: Ablated | pd.DataFrame,
     metric: str = "accuracy",
-    n_perm: int = 1000,
+    n_perm: int | str = 1000,
     seed: int = 0,
     *,
     mode: str | None = None,
@@ -346,4 +479,11 @@ def rank_heads(
     return out.sort_values("rank", ignore_index=True)
 
 
-__all__ = ["Ablated", "rank_heads", "specialization"]
+__all__ = [
+    "AUTO_HOLM_FLOOR",
+    "STOP_EXCEEDANCES",
+    "Ablated",
+    "auto_draws",
+    "rank_heads",
+    "specialization",
+]

@@ -263,11 +263,12 @@ def _heads_data(t: dict[str, pd.DataFrame], d: int) -> dict[str, Any] | None:
 def render_explain(tables: dict[str, pd.DataFrame | None], summary: dict[str, Any]) -> str:
     """One self-contained HTML page (plotly.js, data, script and style inlined).
 
-    Page ids: ``#meta``, ``#summary``, one ``#{name}-plot`` per figure of
-    :func:`explain_figures`; the side panel ``#head-panel`` with ``#head-title``
-    (``"L12H3"``), ``#head-numbers`` (one row per phase: zero and mean ablation effect with
-    its interval, attention null and design) and ``#head-plot``. The data is the JSON of
-    ``<script id="phasemech-data">``."""
+    Page ids: ``#meta``, ``#summary`` (with ``#sum-phase-test``: the per-head phase test's
+    units and smallest attainable Holm p, ``summary["findings"]["phase_test"]``), one
+    ``#{name}-plot`` per figure of :func:`explain_figures`; the side panel ``#head-panel``
+    with ``#head-title`` (``"L12H3"``), ``#head-numbers`` (one row per phase: zero and mean
+    ablation effect with its interval, attention null and design) and ``#head-plot``. The
+    data is the JSON of ``<script id="phasemech-data">``."""
     t = _checked(tables)
     d = _stride(t)
     cfg = summary.get("config", {})
@@ -283,6 +284,8 @@ def render_explain(tables: dict[str, pd.DataFrame | None], summary: dict[str, An
         n_pairs=summary.get("n_pairs"),
         n_prompts=summary.get("n_prompts", len(t["prompts"])),
         atp_check=summary.get("atp_check"),
+        # the per-head phase test's units and smallest attainable Holm p (summary's findings)
+        phase_test=summary.get("findings", {}).get("phase_test"),
         figures=figs,
         heads=_heads_data(t, d),
     )

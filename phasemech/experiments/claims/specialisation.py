@@ -112,9 +112,11 @@ def explain_run_lines(stem: str, s: dict) -> tuple[list[str], int | None]:
         return lines, None
     best = ", ".join(f"L{h['layer']}H{h['unit']} serves phase {h['served_phase']}"
                      for h in dep[:5])  # fmt: skip
+    floor = f.get("p_holm_floor")  # a run from before it: not recorded
     lines.append(
         f"  - Zero ablation: {len(dep)} of {f['n_heads_tested']} heads phase-dependent"
         + (f" ({best})" if best else "")
+        + ("" if floor is None else f"; smallest attainable Holm p {floor:.2g}")
         + "."
     )
     return lines, len(dep)

@@ -40,7 +40,13 @@ class ExplainConfig:
     per_layer_oracle: bool | None = None
     top_heads: int = 10
     n_boot: int = 1000
+    #: the specialisation test's fixed draws per unit, used only with ``auto_perm=False``
     n_perm: int = 1000
+    #: the specialisation test with ``n_perm="auto"``: draws sized to the 540 heads x modes
+    #: (smallest attainable Holm p 0.001; a fixed 1000 cannot go below 540/1001). Left out of
+    #: :meth:`to_dict` at its default, so recorded keys stay (the jobs are built with
+    #: ``n_perm=0`` in any case: the tables compute the test)
+    auto_perm: bool = True
 
     @classmethod
     def of(cls, **kw: Any) -> ExplainConfig:
@@ -77,6 +83,14 @@ class ExplainConfig:
                 f"selects no blocks; allowed designs {SELECTING} (or analyses ablation, patching)"
             )
         self._check_contrast()
+        if not is_int(self.n_perm) or self.n_perm < 0:
+            raise ValueError(
+                f"ExplainConfig: n_perm={self.n_perm!r} is invalid: expected an int >= 0"
+            )
+        if not isinstance(self.auto_perm, bool):
+            raise ValueError(
+                f"ExplainConfig: auto_perm={self.auto_perm!r} is invalid: expected a bool"
+            )
         if not is_int(self.top_heads) or self.top_heads < 1:
             raise ValueError(
                 f"ExplainConfig: top_heads={self.top_heads!r} is invalid: expected an int >= 1"
@@ -115,14 +129,22 @@ class ExplainConfig:
         return probe | {k: v for k, v in own.items() if k != "probe"}
 
     def to_dict(self) -> dict[str, Any]:
-        """The cache key's form: :meth:`flat` without ``offsets`` on the aligned grid and
-        without an unset ``sink_tokens``, so runs recorded before those fields keep their keys."""
+        """The cache key's form: :meth:`flat` without ``offsets`` on the aligned grid, without
+        an unset ``sink_tokens`` and without ``auto_perm`` at its default, so runs recorded
+        before those fields keep their keys."""
         out = self.flat()
         if out["offsets"] == "aligned":
             del out["offsets"]
         if out["sink_tokens"] is None:
             del out["sink_tokens"]
+        if out["auto_perm"]:
+            del out["auto_perm"]
         return out
+
+    @property
+    def perm_draws(self) -> int | str:
+        """What the specialisation test takes as ``n_perm``: ``"auto"`` or the fixed count."""
+        return "auto" if self.auto_perm else self.n_perm
 
     @property
     def oracle_per_layer(self) -> bool:

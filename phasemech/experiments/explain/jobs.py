@@ -175,7 +175,7 @@ def explain_jobs(
 ) -> list[ExplainJob]:
     """``step``'s jobs: a few prompts (or pairs) each, so a worker loads the model once and
     several workers share the step."""
-    cfg = dataclasses.replace(cfg, n_boot=0, n_perm=0)
+    cfg = dataclasses.replace(cfg, n_boot=0, n_perm=0, auto_perm=True)  # the tables test
     jobs = [ExplainJob(cfg, step, p, **kw) for p in _chunks(prompts)]
     pairs = [tuple(p) for p in pairs]
     return jobs + [ExplainJob(cfg, step, (), pairs=p, **kw) for p in _chunks(pairs)]

@@ -177,16 +177,21 @@ def head_lines(t: dict, top: int = 10) -> list[str]:
             ]
     s = t.get("ablation_specialization")
     if s is not None:
+        from phasemech.interventions.specialization import floor_note
+
         z = s[(s.metric == "logit_diff") & (s["mode"] == "zero")].nsmallest(top, "overall")
         lines += [
             "",
             "## Top heads by zero ablation (margin at the first answer token)",
             "",
-            "| layer.head | mean effect | served phase | SI | p (perm) | p (Holm) |",
-            "|---|---|---|---|---|---|",
+            f"Phase dependence: {floor_note(s)}",
+            "",
+            "| layer.head | mean effect | served phase | SI | p (perm) | p (Holm) | p (F, Holm) |",
+            "|---|---|---|---|---|---|---|",
         ]
         for r in z.itertuples():
-            p = f"{r.p_perm:.3g} | {r.p_holm:.3g}"
+            f_holm = getattr(r, "p_anova_holm", float("nan"))
+            p = f"{r.p_perm:.3g} | {r.p_holm:.3g} | {f_holm:.3g}"
             lines.append(
                 f"| {r.layer}.{r.unit} | {r.overall:.3f} | {r.served_phase} | {r.si:.2f} | {p} |"
             )
@@ -240,6 +245,11 @@ def findings(t: dict, n_layers: int, top: int = 10) -> dict[str, Any]:
         cols = ["layer", "unit", "overall", "phase_range", "served_phase", "si", "p_holm"]
         out["phase_dependent_heads"] = _records(dep.sort_values("p_holm"), cols)
         out["n_heads_tested"] = len(acc)
+        if "p_holm_floor" in acc.columns:  # the smallest Holm p the test could give
+            out["p_holm_floor"] = _num(acc.p_holm_floor.min())
+        from phasemech.interventions.specialization import floor_note
+
+        out["phase_test"] = floor_note(s)  # explain.html's summary strip shows it
         z = s[(s.metric == "logit_diff") & (s["mode"] == "zero")].nsmallest(top, "overall")
         out["top_ablation"] = _records(z, cols)
     return out

@@ -93,9 +93,11 @@ def ablation_tables(
     n_heads: int,
     n_boot: int,
     seed: int,
-    n_perm: int,
+    n_perm: int | str,
 ):
-    """The lab's effects table and specialisation test from the per-prompt ablations."""
+    """The lab's effects table and specialisation test from the per-prompt ablations
+    (``n_perm``: :func:`~phasemech.interventions.specialization.specialization`'s, ``"auto"``
+    or a fixed count)."""
     from phasemech.interventions.ablation_plan import METRICS, AblationRun
     from phasemech.interventions.ablation_result import ablation_targets_frame, phase_effects
     from phasemech.interventions.specialization import specialization
@@ -229,7 +231,7 @@ def explain_tables(
             source.n_heads,
             cfg.n_boot,
             cfg.probe.seed,
-            cfg.n_perm,
+            cfg.perm_draws,
         )
     if patch is not None:
         t["patching"] = patch

@@ -16,6 +16,8 @@ from typing import Any
 
 import pandas as pd
 
+from phasemech.interventions.specialization import floor_note
+
 _EFFECT_COLUMNS = ["component", "mode", "layer", "unit", "phase", "baseline", "ablated", "effect"]
 
 
@@ -248,6 +250,8 @@ def _ablation_lines(info: dict[str, Any], tables: dict[str, Any]) -> list[str]:
     lines += [_md(wide, ".2f"), ""]
     ws = weak_spots(acc, spec)
     lines += [
+        f"Phase dependence (`p_holm`): {floor_note(spec)}",
+        "",
         "### Phase-dependent units: served phase vs weak spots",
         "",
         "Units with Holm p < 0.05 and a per-phase effect range >= 10 points.",

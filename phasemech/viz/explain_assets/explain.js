@@ -31,6 +31,10 @@
     if (a) {
       cells.push(`<span class="cell" id="sum-atp">AtP vs exact on its top ${a.n}: r ${fmt(a.pearson_r, 2)}, ${a.overlap} shared</span>`);
     }
+    if (D.phase_test) {
+      // the smallest p the per-head phase test could give: a table of p-values means little without it
+      cells.push(`<span class="cell" id="sum-phase-test">phase dependence per head: ${D.phase_test}</span>`);
+    }
     $("summary").innerHTML = cells.join("");
   }
   function draw(id, fig) {
