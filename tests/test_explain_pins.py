@@ -45,8 +45,8 @@ def test_findings_apply_holm_and_the_range_at_their_thresholds():
 def test_head_lines_print_the_uncorrected_and_the_holm_p():
     lines = head_lines({"ablation_specialization": _spec("logit_diff")})
     row = next(x for x in lines if x.startswith("| 1.0 |"))
-    assert row.endswith("| 0.01 | 0.2 |"), row  # p (perm) | p (Holm)
-    header = "| layer.head | mean effect | served phase | SI | p (perm) | p (Holm) |"
+    assert row.endswith("| 0.01 | 0.2 | nan |"), row  # p (perm) | p (Holm) | p (F, Holm)
+    header = "| layer.head | mean effect | served phase | SI | p (perm) | p (Holm) | p (F, Holm) |"
     assert lines.count(header) == 1
 
 
