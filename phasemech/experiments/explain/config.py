@@ -16,7 +16,12 @@ from phasemech.core.designs import designs_where
 from phasemech.core.validation import is_int
 from phasemech.experiments.probe.config import PROBE_DESIGNS, ProbeConfig, setting_name
 
-ANALYSES = ("selection", "oracle", "ablation", "patching")
+ANALYSES = ("selection", "oracle", "ablation", "patching", "groups")
+#: analyses added after runs were recorded: no earlier step's output depends on them (each adds
+#: a step of its own), so the cache key leaves them out and recorded runs keep their keys
+LATER_ANALYSES = ("groups",)
+#: how many of the heads that read the needle most (under the null) each group ablates
+GROUP_SIZES = (1, 3, 5, 10)
 #: designs whose selection the selection and oracle analyses read: the probe's designs that
 #: rank blocks by a rule (the design registry's ``selector == "rule"``)
 SELECTING = tuple(d for d in designs_where(selector="rule") if d in PROBE_DESIGNS)
@@ -30,9 +35,11 @@ class ExplainConfig:
     grid: phases stay those of the aligned reference grid, as the audit reports them),
     ``contrast_phases`` (``(clean, corrupted)``; default the strongest and weakest phase),
     ``analyses`` (any of :data:`ANALYSES`), ``per_layer_oracle`` (the oracle in each layer
-    alone; default in ``decode`` only, where a copy is cheap) and ``top_heads`` (heads the
-    step-3 oracle forces). ``ExplainConfig.of(**fields)`` takes the probe's fields and the
-    explanation's in one call (``design`` and ``context`` for the probe's one of each)."""
+    alone; default in ``decode`` only, where a copy is cheap), ``top_heads`` (heads the
+    step-3 oracle forces) and ``group_sizes`` (the ``groups`` step's groups of needle-reading
+    heads: the top 1, 3, ... by the null's attention onto the needle).
+    ``ExplainConfig.of(**fields)`` takes the probe's fields and the explanation's in one call
+    (``design`` and ``context`` for the probe's one of each)."""
 
     probe: ProbeConfig = field(default_factory=lambda: DEFAULT_PROBE)
     contrast_phases: tuple[int, int] | None = None
@@ -41,6 +48,7 @@ class ExplainConfig:
     top_heads: int = 10
     n_boot: int = 1000
     n_perm: int = 1000
+    group_sizes: tuple[int, ...] = GROUP_SIZES
 
     @classmethod
     def of(cls, **kw: Any) -> ExplainConfig:
@@ -56,7 +64,7 @@ class ExplainConfig:
         return cls(ProbeConfig(**(base | probe)), **{k: v for k, v in kw.items() if k in own})
 
     def __post_init__(self) -> None:
-        for name in ("analyses", "contrast_phases"):
+        for name in ("analyses", "contrast_phases", "group_sizes"):
             if isinstance(getattr(self, name), list):
                 object.__setattr__(self, name, tuple(getattr(self, name)))
         p = self.probe
@@ -80,6 +88,12 @@ class ExplainConfig:
         if not is_int(self.top_heads) or self.top_heads < 1:
             raise ValueError(
                 f"ExplainConfig: top_heads={self.top_heads!r} is invalid: expected an int >= 1"
+            )
+        gs = self.group_sizes
+        ok = isinstance(gs, tuple) and gs and all(is_int(k) and k >= 1 for k in gs)
+        if not ok or len(set(gs)) != len(gs):
+            raise ValueError(
+                f"ExplainConfig: group_sizes={gs!r} is invalid: expected distinct ints >= 1"
             )
 
     def _check_contrast(self) -> None:
@@ -115,13 +129,18 @@ class ExplainConfig:
         return probe | {k: v for k, v in own.items() if k != "probe"}
 
     def to_dict(self) -> dict[str, Any]:
-        """The cache key's form: :meth:`flat` without ``offsets`` on the aligned grid and
-        without an unset ``sink_tokens``, so runs recorded before those fields keep their keys."""
+        """The cache key's form: :meth:`flat` without ``offsets`` on the aligned grid, without
+        an unset ``sink_tokens``, without :data:`LATER_ANALYSES` among the analyses and without
+        ``group_sizes`` at its default, so runs recorded before those existed keep their keys
+        (a later analysis's own step differs by its ``step``)."""
         out = self.flat()
         if out["offsets"] == "aligned":
             del out["offsets"]
         if out["sink_tokens"] is None:
             del out["sink_tokens"]
+        out["analyses"] = tuple(a for a in out["analyses"] if a not in LATER_ANALYSES)
+        if out["group_sizes"] == GROUP_SIZES:
+            del out["group_sizes"]
         return out
 
     @property
@@ -130,4 +149,11 @@ class ExplainConfig:
         return regime == "decode" if self.per_layer_oracle is None else self.per_layer_oracle
 
 
-__all__ = ["ANALYSES", "DEFAULT_PROBE", "ExplainConfig", "SELECTING"]
+__all__ = [
+    "ANALYSES",
+    "DEFAULT_PROBE",
+    "ExplainConfig",
+    "GROUP_SIZES",
+    "LATER_ANALYSES",
+    "SELECTING",
+]
