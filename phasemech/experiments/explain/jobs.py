@@ -109,7 +109,8 @@ def group_prompt(run, model, groups, means, source) -> dict[str, Any]:
 
     means = None if means is None else torch.tensor(means)
     got = group_ablate(model, run, [tuple(h) for _, h in groups], means, source)
-    return {"prompt": run.meta, "units": [label for label, _ in groups],
+    units = [[label, [list(map(int, u)) for u in heads]] for label, heads in groups]
+    return {"prompt": run.meta, "units": units,
             "source": None if source is None else source.meta["prompt_id"],
             "groups": got}  # fmt: skip
 
