@@ -246,8 +246,11 @@ def findings(t: dict, n_layers: int, top: int = 10) -> dict[str, Any]:
 # ------------------------------------------------- groups, needle readers, per-layer oracle
 def _ci_text(g: pd.DataFrame) -> str:
     """``-0.92 [-1.10, -0.71] / ...`` per phase."""
-    return " / ".join(f"{e:+.2f} [{lo:+.2f}, {hi:+.2f}]"
-                      for e, lo, hi in zip(g.effect, g.ci_low, g.ci_high, strict=True))  # fmt: skip
+
+    def one(e, lo, hi) -> str:
+        return "-" if e is None or np.isnan(e) else f"{e:+.2f} [{lo:+.2f}, {hi:+.2f}]"
+
+    return " / ".join(one(*x) for x in zip(g.effect, g.ci_low, g.ci_high, strict=True))
 
 
 def _group_rows(t: dict) -> list[dict[str, Any]]:
@@ -262,9 +265,9 @@ def _group_rows(t: dict) -> list[dict[str, Any]]:
         m, a = (g[g.metric == k].sort_values("phase") for k in ("logit_diff", "accuracy"))
         r = p.loc[(group, mode)]
         rows.append(dict(group=group, heads=g.heads.iloc[0], mode=mode,
-                         effect=m.effect.tolist(), ci_low=m.ci_low.tolist(),
-                         ci_high=m.ci_high.tolist(), accuracy=a.ablated.tolist(),
-                         accuracy_base=a.baseline.tolist(), overall=_num(r.overall),
+                         **{k: [_num(v) for v in m[k]] for k in ("effect", "ci_low", "ci_high")},
+                         accuracy=[_num(v) for v in a.ablated],
+                         accuracy_base=[_num(v) for v in a.baseline], overall=_num(r.overall),
                          p_perm=_num(r.p_perm), p_holm=_num(r.p_holm)))  # fmt: skip
     return rows
 
@@ -300,7 +303,7 @@ def group_lines(t: dict, top_layers: int = 5) -> list[str]:
         "|---|---|---|---|---|---|---|",
     ]
     for r in shown:
-        g = pd.DataFrame(dict(effect=r["effect"], ci_low=r["ci_low"], ci_high=r["ci_high"]))
+        g = pd.DataFrame({k: np.array(r[k], dtype=float) for k in ("effect", "ci_low", "ci_high")})
         heads = r["heads"] if r["group"].startswith("top ") else "all"
         lines.append(
             f"| {r['group']} | {heads} | {r['mode']} | {_ci_text(g)} | "
