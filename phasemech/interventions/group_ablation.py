@@ -4,10 +4,12 @@ forward, so that heads which back each other up are knocked out together.
 Axes: ``layer``, ``head``, ``d_head``, ``d_model``, ``pos`` (the rows a run computes),
 ``copy`` (one per mode, batched in one forward), ``unit`` (a group of heads).
 
-A group is a tuple of ``(layer, head)``. Each head of it gets one hook on its layer's
-``hook_z`` (:func:`~phasemech.interventions.ablation_hooks.ablation`, the lab's head ablation,
-nested once per head), and the forward starts from the unablated run's residual entering the
-group's first layer (``start_at_layer``: the layers before it are what they were). The modes
+A group is a tuple of ``(layer, head)``. Each layer of it gets one hook on its ``hook_z``
+that writes its heads' replacements (the write of the lab's head ablation,
+:mod:`~phasemech.interventions.ablation_hooks`: clone, set the head's slice; one hook per layer,
+not one context per head, since every hook context's exit walks all of the model's hook
+points), and the forward starts from the unablated run's residual entering the group's first
+layer (``start_at_layer``: the layers before it are what they were). The modes
 (:data:`GROUP_MODES`) are copies of one forward, each copy's heads replaced by:
 
 * ``zero``: 0 at every row the run computes;
@@ -26,14 +28,12 @@ bound` (the decode regime's prefill shared by every copy).
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from phasemech.interventions.ablation_hooks import ablation
 from phasemech.interventions.contrasts import metric_values
 from phasemech.interventions.prompts import PromptRun, aligned, bound
 
@@ -111,6 +111,26 @@ def _replacements(
     return torch.cat(out)
 
 
+def _layer_hooks(own, modes, means, other, group: Group) -> list[tuple[str, Any]]:
+    """One hook per layer of ``group``: its heads' ``hook_z`` replaced in each copy by that
+    copy's mode (the lab's head ablation's write, ``ablation_hooks``: clone, then set the
+    head's slice; several heads of a layer in one hook, so a group costs one hook context)."""
+    by_layer: dict[int, list[int]] = {}
+    for layer, head in group:
+        by_layer.setdefault(layer, []).append(head)
+    hooks = []
+    for layer, heads in by_layer.items():
+        rep = torch.stack([_replacements(own, modes, means, other, (layer, h)) for h in heads], 2)
+
+        def hook(z: Tensor, hook: Any, heads=heads, rep=rep) -> Tensor:
+            z = z.clone()  # never write into a tensor a later hook may still hold
+            z[:, :, heads] = rep.to(z.device, z.dtype)
+            return z
+
+        hooks.append((_z(layer), hook))
+    return hooks
+
+
 @torch.inference_mode()
 def group_ablate(
     model,
@@ -133,13 +153,7 @@ def group_ablate(
         for g in groups:
             start = min(layer for layer, _ in g)
             x = own[f"blocks.{start}.hook_resid_pre"].expand(len(modes), -1, -1)
-            with contextlib.ExitStack() as stack:
-                for unit in g:  # one hook per head; hooks on one hook_z compose
-                    rep = _replacements(own, modes, means, other, unit)
-                    # the engine's "replace by these values": each copy holds its mode's
-                    stack.enter_context(
-                        ablation(model, "head", "resample", unit[0], unit[1], replacement=rep)
-                    )
+            with model.hooks(fwd_hooks=_layer_hooks(own, modes, means, other, g)):
                 resid = model(x, start_at_layer=start, stop_at_layer=n)
             for mode, v in zip(modes, _margins(model, resid, run), strict=True):
                 out[mode].append(v)
