@@ -248,8 +248,9 @@ def test_group_step_end_to_end_adds_only_its_jobs(tmp_path, one_ray):
     from phasemech.experiments.explain.config import ExplainConfig
     from phasemech.experiments.explain.run import run_explain
 
-    kw = dict(design="route", top_k=1, layers=(4, 5), context=128, contents=2, n_boot=20,
-              n_perm=20, group_sizes=(1, 3))  # fmt: skip
+    # two phases (stride 2) x two contents: 4 prompts, 32 groups each
+    kw = dict(design="route", top_k=1, stride=2, layers=(4, 5), context=128, contents=2,
+              n_boot=20, n_perm=20, group_sizes=(1, 3))  # fmt: skip
     out = tmp_path / "explain"
     run_explain(ExplainConfig.of(**kw, analyses=("selection",)), out, progress=False)
     first = _jobs(out)
@@ -266,7 +267,7 @@ def test_group_step_end_to_end_adds_only_its_jobs(tmp_path, one_ray):
     f = summary["findings"]
     assert {"group_ablation", "group_test", "needle_readers", "reader_recall"} <= set(f)
     assert [r["readers"] for r in f["reader_recall"]] == ["top 1", "top 3", "every head"]
-    assert len(f["group_ablation"]) == 2 * 32 and len(f["group_ablation"][0]["effect"]) == 4
+    assert len(f["group_ablation"]) == 2 * 32 and len(f["group_ablation"][0]["effect"]) == 2
     text = (out / "summary.md").read_text()
     assert "## Group and resample ablation" in text and "no mean mode" in text
     assert "## Selection at the heads that read the needle" in text
