@@ -287,3 +287,22 @@ def test_the_per_layer_oracle_is_kept_in_the_findings():
     want = t["oracle"][t["oracle"].scope == "layer 2"].sort_values("phase").accuracy.tolist()
     assert per[1]["accuracy"] == want and per[1]["lost"] == 4
     assert "| replace | " in "\n".join(oracle_layer_lines(t))
+
+
+def test_the_page_draws_the_groups_and_the_reader_recall():
+    from test_explain_html import _tables
+
+    from phasemech.experiments.explain.groups import group_tables
+    from phasemech.viz.explain import explain_figures
+
+    t = _tables() | group_tables(_items(), 4, 20, 0, 20)
+    t["reader_recall"] = pd.DataFrame(dict(readers=np.repeat(["top 1", "every head"], 4),
+                                           phase=np.tile(range(4), 2), recall=0.5,
+                                           heads=np.repeat(["L1H0", ""], 4)))  # fmt: skip
+    figs = explain_figures(t)
+    assert [tr.name for tr in figs["reader_recall"].data] == ["top 1", "every head"]
+    panels = figs["groups"].data
+    assert len(panels) == 2 and np.array(panels[1].z).shape == (3, 4)  # zero, resample
+    want = t["group_ablation"].query("mode == 'resample' and metric == 'logit_diff' and "
+                                     "group == 'top 3'").sort_values("phase").effect  # fmt: skip
+    np.testing.assert_allclose(np.array(panels[1].z)[1], want)
