@@ -290,11 +290,12 @@ def test_the_per_layer_oracle_is_kept_in_the_findings():
     assert "| replace | " in "\n".join(oracle_layer_lines(t))
 
 
-def test_the_page_draws_the_groups_and_the_reader_recall():
-    from test_explain_html import _tables
+def test_the_page_draws_the_groups_and_the_reader_recall(tmp_path):
+    from browser import browser
+    from test_explain_html import _summary, _tables
 
     from phasemech.experiments.explain.groups import group_tables
-    from phasemech.viz.explain import explain_figures
+    from phasemech.viz.explain import explain_figures, write_explain_html
 
     t = _tables() | group_tables(_items(), 4, 20, 0, 20)
     t["reader_recall"] = pd.DataFrame(dict(readers=np.repeat(["top 1", "every head"], 4),
@@ -307,3 +308,8 @@ def test_the_page_draws_the_groups_and_the_reader_recall():
     want = t["group_ablation"].query("mode == 'resample' and metric == 'logit_diff' and "
                                      "group == 'top 3'").sort_values("phase").effect  # fmt: skip
     np.testing.assert_allclose(np.array(panels[1].z)[1], want)
+    path = write_explain_html(tmp_path / "explain.html", t, _summary())
+    with browser(path, "#groups-plot .main-svg", 1400) as (page, errors):
+        for plot in ("groups", "reader_recall"):
+            assert page.locator(f"#{plot}-plot .main-svg").count() > 0
+    assert errors == []
