@@ -12,7 +12,7 @@ import typer
 from phasemech.cli.base import app, console, fail, parse_ints, split_list
 from phasemech.cli.probe import RunOptions, probe_command
 from phasemech.experiments.audit.fixes import FIXES
-from phasemech.experiments.explain.config import ANALYSES
+from phasemech.experiments.explain.config import ANALYSES, GROUP_SIZES
 
 FIX_HELP = f"fixes to compare with the aligned grid (comma-list, or 'all'): {', '.join(FIXES)}"
 ANALYSES_HELP = f"comma-list of {', '.join(ANALYSES)}"
@@ -75,10 +75,11 @@ def explain(
     contrast_phases: Annotated[
         str | None, typer.Option(help="CLEAN,CORRUPT phases to patch (default: best, worst)")
     ] = None,
-    analyses: Annotated[
-        str, typer.Option(help=ANALYSES_HELP)
-    ] = "selection,oracle,ablation,patching",
+    analyses: Annotated[str, typer.Option(help=ANALYSES_HELP)] = ",".join(ANALYSES),
     top_heads: Annotated[int, typer.Option(min=1, help="heads the head-oracle forces")] = 10,
+    group_sizes: Annotated[
+        str, typer.Option(help="the groups step's top-k needle readers, comma-list")
+    ] = ",".join(map(str, GROUP_SIZES)),
 ) -> None:
     """Which selections, layers and heads make a design's weak phase weak, on the audit's
     prompts: needle selection, oracle forcing, head ablation and patching across phases."""
@@ -87,7 +88,8 @@ def explain(
 
     def build() -> ExplainConfig:
         own = dict(contrast_phases=_contrast(contrast_phases), top_heads=top_heads,
-                   analyses=split_list(analyses, "--analyses"))  # fmt: skip
+                   analyses=split_list(analyses, "--analyses"),
+                   group_sizes=parse_ints(group_sizes, "--group-sizes"))  # fmt: skip
         return ExplainConfig.of(**probe, **own)
 
     summary = _study(build, run_explain, run)

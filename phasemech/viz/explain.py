@@ -13,7 +13,10 @@ at the answer row, layer x phase), ``"oracle"`` (accuracy by phase with the need
 forced, beside the unforced design and the null), ``"oracle_layers"`` (the oracle in one layer
 at a time, layer x phase), ``"ablation"`` (zero ablation's effect on the answer's margin, head x
 phase), ``"patching"`` (exact head patching and its AtP estimate, layer x head) and
-``"patching_layers"`` (residual and selection patching by layer). :func:`render_explain` puts
+``"patching_layers"`` (residual and selection patching by layer), ``"reader_recall"`` (selection
+recall at the heads that read the needle most under the null, beside every selecting head, by
+phase) and ``"groups"`` (groups of heads ablated together, zero / mean / resample: change of
+the answer's margin, group x phase). :func:`render_explain` puts
 them on one page; clicking a head in the ablation or patching heatmap shows that head's
 per-phase ablation effects with 95% intervals, its patching effect, and its attention onto the
 needle under the null and the design.
@@ -42,6 +45,8 @@ NEED: dict[str, tuple[str, ...]] = {
     "ablation": ("mode", "metric", "layer", "unit", "phase", "effect", "ci_low", "ci_high"),
     "patching": ("site", "layer", "head", "effect", "ci_low", "ci_high"),
     "head_attention": ("setting", "layer", "head", "phase", "mass"),
+    "reader_recall": ("readers", "phase", "recall"),
+    "group_ablation": ("group", "mode", "metric", "phase", "effect", "ci_low", "ci_high"),
 }
 #: the oracle's forms drawn on the accuracy figure (scope, form, rows)
 ORACLE_SHOWN = (("all", "add", "answer"), ("all", "replace", "answer"),
@@ -198,6 +203,46 @@ def _patching_layers_figure(p: pd.DataFrame) -> go.Figure | None:
     return apply_template(fig, 620, 340, "Patching a layer's residual stream or its selection")
 
 
+def _reader_recall_figure(rec: pd.DataFrame, d: int) -> go.Figure:
+    fig = go.Figure()
+    for name, g in rec.groupby("readers", sort=False):
+        g = g.set_index("phase").reindex(range(d))
+        which = g.heads.dropna().iloc[0] if "heads" in g and g.heads.notna().any() else ""
+        hover = f"{name} {which}<br>phase %{{x}}<br>recall %{{y:.2f}}<extra></extra>"
+        fig.add_trace(go.Scatter(x=list(range(d)), y=g.recall.tolist(), name=name,
+                                 mode="lines+markers", hovertemplate=hover))  # fmt: skip
+    fig.update_xaxes(title_text="needle phase", tickvals=list(range(d)))
+    fig.update_yaxes(title_text="recall of the needle's block", range=[0, 1.02])
+    title = "Selection at the heads that read the needle (null's attention), vs every head"
+    return apply_template(fig, 620, 340, title)
+
+
+def _groups_figure(ga: pd.DataFrame, d: int) -> go.Figure:
+    g = ga[ga.metric == "logit_diff"]
+    modes = [m for m in ("zero", "mean", "resample") if m in set(g["mode"])]
+    order = list(dict.fromkeys(g.group))  # top k first, then the layers
+    fig = make_subplots(rows=1, cols=len(modes), shared_yaxes=True, subplot_titles=modes)
+    top = float(g.effect.abs().max()) or 1.0
+    for c, mode in enumerate(modes, start=1):
+        m = g[g["mode"] == mode]
+        z = m.pivot_table(index="group", columns="phase", values="effect", dropna=False)
+        z = z.reindex(index=order, columns=range(d))
+        lo = m.pivot_table(index="group", columns="phase", values="ci_low").reindex_like(z)
+        hi = m.pivot_table(index="group", columns="phase", values="ci_high").reindex_like(z)
+        ci = np.dstack([lo.to_numpy(float), hi.to_numpy(float)])
+        hover = (f"%{{y}} ({mode})<br>phase %{{x}}<br>Δ margin %{{z:+.3f}} "
+                 "[%{customdata[0]:.3f}, %{customdata[1]:.3f}]<extra></extra>")  # fmt: skip
+        fig.add_trace(go.Heatmap(z=z.to_numpy(float), x=list(range(d)), y=order, zmid=0,
+                                 zmin=-top, zmax=top, colorscale=EFFECT_SCALE, customdata=ci,
+                                 hovertemplate=hover, showscale=c == len(modes),
+                                 colorbar=dict(title="Δ margin", thickness=12)),
+                      row=1, col=c)  # fmt: skip
+        fig.update_xaxes(title_text="needle phase", tickvals=list(range(d)), row=1, col=c)
+    fig.update_yaxes(type="category", autorange="reversed", row=1, col=1)
+    title = "Groups of heads ablated together: change of the answer's margin"
+    return apply_template(fig, 720, max(360, 120 + 14 * len(order)), title)
+
+
 def explain_figures(tables: dict[str, pd.DataFrame | None]) -> dict[str, go.Figure]:
     """The explanation's figures (module doc), for the tables present."""
     t = _checked(tables)
@@ -213,6 +258,10 @@ def explain_figures(tables: dict[str, pd.DataFrame | None]) -> dict[str, go.Figu
     if "patching" in t:
         figs["patching"] = _patching_figure(t["patching"])
         figs["patching_layers"] = _patching_layers_figure(t["patching"])
+    if "reader_recall" in t:
+        figs["reader_recall"] = _reader_recall_figure(t["reader_recall"], d)
+    if "group_ablation" in t:
+        figs["groups"] = _groups_figure(t["group_ablation"], d)
     return {k: f for k, f in figs.items() if f is not None}
 
 

@@ -23,7 +23,10 @@ jobs cached under ``OUT/jobs`` (a rerun computes nothing, a killed one resumes):
    ``contrast_phases`` names them; only contents whose strong-phase prompt is answered right
    (first token) are paired;
 3. ``heads``: the oracle again, in the ``top_heads`` heads that matter most (largest exact
-   patching effect).
+   patching effect); beside it ``groups``: groups of heads ablated together (the
+   ``group_sizes`` heads that read the needle most under the null, from ``attend``, and each
+   layer's heads), zero, mean (step 1's means) and resample (another content's prompt at
+   another phase; :mod:`phasemech.interventions.group_ablation`).
 
 Beside step 2 runs ``attend`` (every prompt): each head's attention from the row predicting
 the first answer token onto the needle's first answer token, under the null and the design
@@ -38,6 +41,8 @@ One folder, one study (the old module path still imports these names):
 - ``config``: :class:`ExplainConfig` (what one explanation is) and the analyses it may run;
 - ``jobs``: :class:`ExplainJob` (one step on a few prompts or pairs, worker side);
 - ``tables``: the tables of the steps' results;
+- ``groups``: the ``groups`` step's units, resample sources and tables, and the selection at
+  the needle-reading heads;
 - ``run``: :data:`EXPLAIN` and :func:`run_explain` (the steps through the launcher);
 - ``summary``: ``summary.md`` and ``summary.json`` from the tables.
 """

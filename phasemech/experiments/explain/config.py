@@ -16,7 +16,12 @@ from phasemech.core.designs import designs_where
 from phasemech.core.validation import is_int
 from phasemech.experiments.probe.config import PROBE_DESIGNS, ProbeConfig, setting_name
 
-ANALYSES = ("selection", "oracle", "ablation", "patching")
+ANALYSES = ("selection", "oracle", "ablation", "patching", "groups")
+#: analyses added after runs were recorded: no earlier step's output depends on them (each adds
+#: a step of its own), so the cache key leaves them out and recorded runs keep their keys
+LATER_ANALYSES = ("groups",)
+#: how many of the heads that read the needle most (under the null) each group ablates
+GROUP_SIZES = (1, 3, 5, 10)
 #: designs whose selection the selection and oracle analyses read: the probe's designs that
 #: rank blocks by a rule (the design registry's ``selector == "rule"``)
 SELECTING = tuple(d for d in designs_where(selector="rule") if d in PROBE_DESIGNS)
@@ -30,9 +35,11 @@ class ExplainConfig:
     grid: phases stay those of the aligned reference grid, as the audit reports them),
     ``contrast_phases`` (``(clean, corrupted)``; default the strongest and weakest phase),
     ``analyses`` (any of :data:`ANALYSES`), ``per_layer_oracle`` (the oracle in each layer
-    alone; default in ``decode`` only, where a copy is cheap) and ``top_heads`` (heads the
-    step-3 oracle forces). ``ExplainConfig.of(**fields)`` takes the probe's fields and the
-    explanation's in one call (``design`` and ``context`` for the probe's one of each)."""
+    alone; default in ``decode`` only, where a copy is cheap), ``top_heads`` (heads the
+    step-3 oracle forces) and ``group_sizes`` (the ``groups`` step's groups of needle-reading
+    heads: the top 1, 3, ... by the null's attention onto the needle).
+    ``ExplainConfig.of(**fields)`` takes the probe's fields and the explanation's in one call
+    (``design`` and ``context`` for the probe's one of each)."""
 
     probe: ProbeConfig = field(default_factory=lambda: DEFAULT_PROBE)
     contrast_phases: tuple[int, int] | None = None
@@ -47,6 +54,7 @@ class ExplainConfig:
     #: :meth:`to_dict` at its default, so recorded keys stay (the jobs are built with
     #: ``n_perm=0`` in any case: the tables compute the test)
     auto_perm: bool = True
+    group_sizes: tuple[int, ...] = GROUP_SIZES
 
     @classmethod
     def of(cls, **kw: Any) -> ExplainConfig:
@@ -62,7 +70,7 @@ class ExplainConfig:
         return cls(ProbeConfig(**(base | probe)), **{k: v for k, v in kw.items() if k in own})
 
     def __post_init__(self) -> None:
-        for name in ("analyses", "contrast_phases"):
+        for name in ("analyses", "contrast_phases", "group_sizes"):
             if isinstance(getattr(self, name), list):
                 object.__setattr__(self, name, tuple(getattr(self, name)))
         p = self.probe
@@ -94,6 +102,12 @@ class ExplainConfig:
         if not is_int(self.top_heads) or self.top_heads < 1:
             raise ValueError(
                 f"ExplainConfig: top_heads={self.top_heads!r} is invalid: expected an int >= 1"
+            )
+        gs = self.group_sizes
+        ok = isinstance(gs, tuple) and gs and all(is_int(k) and k >= 1 for k in gs)
+        if not ok or len(set(gs)) != len(gs):
+            raise ValueError(
+                f"ExplainConfig: group_sizes={gs!r} is invalid: expected distinct ints >= 1"
             )
 
     def _check_contrast(self) -> None:
@@ -130,8 +144,10 @@ class ExplainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """The cache key's form: :meth:`flat` without ``offsets`` on the aligned grid, without
-        an unset ``sink_tokens`` and without ``auto_perm`` at its default, so runs recorded
-        before those fields keep their keys."""
+        an unset ``sink_tokens``, without ``auto_perm`` at its default, without
+        :data:`LATER_ANALYSES` among the analyses and without ``group_sizes`` at its default, so
+        runs recorded before those existed keep their keys (a later analysis's own step differs
+        by its ``step``)."""
         out = self.flat()
         if out["offsets"] == "aligned":
             del out["offsets"]
@@ -139,6 +155,9 @@ class ExplainConfig:
             del out["sink_tokens"]
         if out["auto_perm"]:
             del out["auto_perm"]
+        out["analyses"] = tuple(a for a in out["analyses"] if a not in LATER_ANALYSES)
+        if out["group_sizes"] == GROUP_SIZES:
+            del out["group_sizes"]
         return out
 
     @property
@@ -152,4 +171,11 @@ class ExplainConfig:
         return regime == "decode" if self.per_layer_oracle is None else self.per_layer_oracle
 
 
-__all__ = ["ANALYSES", "DEFAULT_PROBE", "ExplainConfig", "SELECTING"]
+__all__ = [
+    "ANALYSES",
+    "DEFAULT_PROBE",
+    "ExplainConfig",
+    "GROUP_SIZES",
+    "LATER_ANALYSES",
+    "SELECTING",
+]

@@ -1,8 +1,8 @@
-"""The explanation's jobs: an :class:`ExplainJob` runs one step
-(``observe``, ``attend``, ``intervene``, ``heads``) on a few prompts or pairs, on the models and
-prompts of the real-model worker (:mod:`phasemech.experiments.probe.worker`, shared with the
-audit's jobs in the same process). The worker-side steps are public for the benchmarks that
-time them (``bench/explain_cost.py``).
+"""The explanation's jobs: an :class:`ExplainJob` runs one step (``observe``, ``attend``,
+``intervene``, ``heads``, ``groups``) on a few prompts or pairs, on the models and prompts of
+the real-model worker (:mod:`phasemech.experiments.probe.worker`, shared with the audit's jobs
+in the same process). The worker-side steps are public for the benchmarks that time them
+(``bench/explain_cost.py``).
 
 Axes: ``prompt``, ``pair``, ``layer``, ``head``, ``phase``.
 """
@@ -99,11 +99,28 @@ def observe_prompt(cfg: ExplainConfig, i: int, base, model, batch) -> dict[str, 
     return out
 
 
+def group_prompt(run, model, groups, means, source) -> dict[str, Any]:
+    """The ``groups`` step on one prompt: every group of heads ablated together
+    (:func:`~phasemech.interventions.group_ablation.group_ablate`; ``groups``: ``(label,
+    heads)`` pairs, ``source``: the resample's other prompt or None)."""
+    import torch
+
+    from phasemech.interventions.group_ablation import group_ablate
+
+    means = None if means is None else torch.tensor(means)
+    got = group_ablate(model, run, [tuple(h) for _, h in groups], means, source)
+    units = [[label, [list(map(int, u)) for u in heads]] for label, heads in groups]
+    return {"prompt": run.meta, "units": units,
+            "source": None if source is None else source.meta["prompt_id"],
+            "groups": got}  # fmt: skip
+
+
 @dataclass(frozen=True)
 class ExplainJob(Job):
-    """One step for some prompts (``observe``, ``attend``, ``heads``) or prompts and pairs
-    (``intervene``). Payloads (the mean ablation's means, the oracle's heads) follow from the
-    earlier steps of the same config, so they are not part of the key."""
+    """One step for some prompts (``observe``, ``attend``, ``heads``, ``groups``) or prompts
+    and pairs (``intervene``). Payloads (the mean ablation's means, the oracle's heads, the
+    groups of heads and each prompt's resample source) follow from the earlier steps of the
+    same config, so they are not part of the key."""
 
     kind: ClassVar[str] = "explain"
     cfg: ExplainConfig
@@ -112,6 +129,8 @@ class ExplainJob(Job):
     pairs: tuple[tuple[int, int], ...] = ()
     means: Any = payload(default=None)
     units: Any = payload(default=())
+    groups: Any = payload(default=())
+    sources: Any = payload(default=None)
 
     @property
     def label(self) -> str:
@@ -146,6 +165,10 @@ class ExplainJob(Job):
                 "prompt": run.meta,
                 "oracle": force_needle(model, run, forces).to_dict("records"),
             }
+        if self.step == "groups":
+            j = None if not self.sources else dict(self.sources).get(i)
+            src = None if j is None else run_prompt(base, model, batch, j, self.cfg.probe.regime)
+            return group_prompt(run, model, self.groups, self.means, src)
         import torch
 
         means = None if self.means is None else torch.tensor(self.means)
@@ -210,6 +233,7 @@ __all__ = [
     "contrast_phases",
     "explain_jobs",
     "explain_models",
+    "group_prompt",
     "observe_prompt",
     "oracle_forces",
     "run_prompt",

@@ -10,7 +10,10 @@ cluster):
 2. ``attend`` every prompt and ``intervene``: ablate every head on every prompt (the mean
    ablation's means from step 1) and patch each content's (strong, weak) pair
    (:func:`contrast_pairs`);
-3. ``heads``: the oracle in the heads with the largest exact patching effect.
+3. ``heads``: the oracle in the heads with the largest exact patching effect; beside it
+   ``groups``: groups of heads ablated together (the heads that read the needle most under
+   the null, read from ``attend``, and each layer's heads), zero, mean and resample
+   (:mod:`phasemech.experiments.explain.groups`).
 
 The finish writes the tables (:mod:`phasemech.experiments.explain.tables`), ``summary.md``,
 ``summary.json`` and ``explain.html``.
@@ -38,6 +41,7 @@ from phasemech.experiments.explain.jobs import (
 from phasemech.experiments.explain.tables import (
     attention_tables,
     explain_tables,
+    long_frame,
     patching_table,
     prompts_frame,
     write_tables,
@@ -83,14 +87,20 @@ def _observe(cfg: ExplainConfig, done: Done) -> list[ExplainJob]:
     return explain_jobs(cfg, "observe", _ids(cfg))
 
 
+def head_means(observed: list[dict]) -> list:
+    """Each head's mean output ``[layer][head][d_head]`` over every observed prompt's rows (the
+    mean ablation's means)."""
+    sums = sum(np.array(p["z_sums"]) for p in observed)
+    return (sums / sum(p["z_rows"] for p in observed)).tolist()
+
+
 def _intervene(cfg: ExplainConfig, done: Done) -> list[ExplainJob]:
     """``attend`` and ``intervene`` in one launch (the workers stay busy)."""
     observed = step_results(done, "observe")
     pairs = contrast_pairs(cfg, prompts_frame(observed))[1] if "patching" in cfg.analyses else []
     means, abl_ids = None, []
     if "ablation" in cfg.analyses:
-        sums = sum(np.array(p["z_sums"]) for p in observed)
-        means = (sums / sum(p["z_rows"] for p in observed)).tolist()
+        means = head_means(observed)
         abl_ids = _ids(cfg)
     jobs = explain_jobs(cfg, "attend", _ids(cfg))
     if abl_ids or pairs:
@@ -111,6 +121,42 @@ def _heads(cfg: ExplainConfig, done: Done) -> list[ExplainJob]:
     return explain_jobs(cfg, "heads", _ids(cfg), units=units) if units else []
 
 
+def _groups(cfg: ExplainConfig, done: Done) -> list[ExplainJob]:
+    """The ``groups`` step's jobs: its units from the null's attention onto the needle, the
+    means (with ``ablation``, which computes them in ``observe``) and the resample sources."""
+    from phasemech.experiments.explain.groups import head_groups, needle_readers, resample_sources
+
+    if "groups" not in cfg.analyses:
+        return []
+    observed, src = step_results(done, "observe"), done.checked
+    attention = long_frame(step_results(done, "attend"), "attention")
+    units = head_groups(needle_readers(attention), cfg.group_sizes, src.n_layers, src.n_heads)
+    means = head_means(observed) if "ablation" in cfg.analyses else None
+    sources = resample_sources(prompts_frame(observed), cfg.probe.seed)
+    sources = None if sources is None else tuple(sorted(sources.items()))
+    return explain_jobs(cfg, "groups", _ids(cfg), groups=tuple(units), means=means,
+                        sources=sources)  # fmt: skip
+
+
+def _last(cfg: ExplainConfig, done: Done) -> list[ExplainJob]:
+    """The last stage: the top heads' oracle and the group ablations, in one launch."""
+    return _heads(cfg, done) + _groups(cfg, done)
+
+
+def _group_step_tables(cfg: ExplainConfig, done: Done, tables: dict) -> dict:
+    """The ``groups`` step's tables, the needle readers and the selection at them."""
+    from phasemech.experiments.explain.groups import group_tables, needle_readers, reader_recall
+
+    out = {"needle_readers": needle_readers(tables["attention"])}
+    if tables.get("selection") is not None:
+        out["reader_recall"] = reader_recall(tables["selection"], tables["attention"],
+                                             cfg.group_sizes)  # fmt: skip
+    if "groups" in cfg.analyses:
+        out |= group_tables(step_results(done, "groups"), cfg.probe.stride, cfg.n_boot,
+                            cfg.probe.seed, cfg.perm_draws)  # fmt: skip
+    return out
+
+
 def _finish(cfg: ExplainConfig, done: Done, out: Path) -> dict[str, Any]:
     from phasemech.experiments.explain.summary import write_report
     from phasemech.viz.explain import write_explain_html
@@ -124,6 +170,7 @@ def _finish(cfg: ExplainConfig, done: Done, out: Path) -> dict[str, Any]:
     tables = explain_tables(cfg, prompts, observed, inter, step_results(done, "heads"), patch,
                             pairs, source)  # fmt: skip
     tables |= attention_tables(step_results(done, "attend"))
+    tables |= _group_step_tables(cfg, done, tables)
     write_tables(out, tables)
     meta = dict(
         contrast_phases=contrast,
@@ -143,9 +190,10 @@ EXPLAIN = Experiment(
     name="explain",
     profiles={
         # seconds on SmolLM2: two compressed layers, no per-layer oracle, no 270-head ablation
+        # (so the group ablation runs zero and resample only: its means come with ablation)
         "tiny": ExplainConfig(
             ProbeConfig(top_k=1, layers=(4, 5), contexts=(256,), contents=2),
-            analyses=("selection", "oracle", "patching"),
+            analyses=("selection", "oracle", "patching", "groups"),
             per_layer_oracle=False,
             top_heads=2,
             n_boot=50,
@@ -153,7 +201,7 @@ EXPLAIN = Experiment(
         ),  # fmt: skip
         "default": ExplainConfig(),
     },
-    stages=(_observe, _intervene, _heads),
+    stages=(_observe, _intervene, _last),
     finish=_finish,
     check=check_explain,
     about="which selections, layers and heads make a real model's weak phase weak",
@@ -167,4 +215,4 @@ def run_explain(cfg: ExplainConfig, out: str | Path, **kw: Any) -> dict[str, Any
     return run_study(EXPLAIN, cfg, out, **kw)
 
 
-__all__ = ["EXPLAIN", "contrast_pairs", "run_explain", "step_results"]
+__all__ = ["EXPLAIN", "contrast_pairs", "head_means", "run_explain", "step_results"]

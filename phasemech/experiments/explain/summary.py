@@ -252,6 +252,168 @@ def findings(t: dict, n_layers: int, top: int = 10) -> dict[str, Any]:
         out["phase_test"] = floor_note(s)  # explain.html's summary strip shows it
         z = s[(s.metric == "logit_diff") & (s["mode"] == "zero")].nsmallest(top, "overall")
         out["top_ablation"] = _records(z, cols)
+    return out | group_findings(t)
+
+
+# ------------------------------------------------- groups, needle readers, per-layer oracle
+def _ci_text(g: pd.DataFrame) -> str:
+    """``-0.92 [-1.10, -0.71] / ...`` per phase."""
+
+    def one(e, lo, hi) -> str:
+        return "-" if e is None or np.isnan(e) else f"{e:+.2f} [{lo:+.2f}, {hi:+.2f}]"
+
+    return " / ".join(one(*x) for x in zip(g.effect, g.ci_low, g.ci_high, strict=True))
+
+
+def _group_rows(t: dict) -> list[dict[str, Any]]:
+    """Per (group, mode): margin effect by phase with CI, accuracy by phase (ablated and
+    intact), the margin's phase-dependence p and Holm p."""
+    e, s = t.get("group_ablation"), t.get("group_ablation_specialization")
+    if e is None or s is None:
+        return []
+    p = s[s.metric == "logit_diff"].set_index(["group", "mode"])
+    rows = []
+    for (group, mode), g in e.groupby(["group", "mode"], sort=False, observed=True):
+        m, a = (g[g.metric == k].sort_values("phase") for k in ("logit_diff", "accuracy"))
+        r = p.loc[(group, mode)]
+        rows.append(dict(group=group, heads=g.heads.iloc[0], mode=mode,
+                         **{k: [_num(v) for v in m[k]] for k in ("effect", "ci_low", "ci_high")},
+                         accuracy=[_num(v) for v in a.ablated],
+                         accuracy_base=[_num(v) for v in a.baseline], overall=_num(r.overall),
+                         p_perm=_num(r.p_perm), p_holm=_num(r.p_holm)))  # fmt: skip
+    return rows
+
+
+def group_lines(t: dict, top_layers: int = 5) -> list[str]:
+    """``summary.md``'s "Group and resample ablation": every ``top k`` group and the
+    ``top_layers`` layers whose heads together move the margin most (resample, else zero)."""
+    rows = _group_rows(t)
+    if not rows:
+        return []
+    s = t["group_ablation_specialization"]
+    from phasemech.interventions.specialization import floor_note
+
+    layers = [r for r in rows if r["group"].startswith("layer ")]
+    rank_mode = "resample" if any(r["mode"] == "resample" for r in layers) else "zero"
+    by = sorted((r for r in layers if r["mode"] == rank_mode), key=lambda r: r["overall"])
+    keep = {r["group"] for r in by[:top_layers]}
+    shown = [r for r in rows if r["group"].startswith("top ") or r["group"] in keep]
+    lines = [
+        "",
+        "## Group and resample ablation",
+        "",
+        "Groups of heads ablated together: the top k heads by the null's attention from the "
+        f"answer row onto the needle, and each layer's heads (the {len(keep)} layers whose "
+        f"{rank_mode} ablation lowers the margin most shown; every layer in "
+        "`group_ablation.parquet`). Δ margin: the answer's margin at the first answer token, "
+        "ablated - intact, by phase [95% CI, contents resampled]; accuracy: the first token "
+        "greedy, ablated (intact). p: permutation test that the margin effect does not depend "
+        f"on the phase, within contents; {floor_note(s[s.metric == 'logit_diff'])}",
+        "",
+        "| group | heads | mode | Δ margin by phase [95% CI] | accuracy by phase (intact) | "
+        "p (perm) | p (Holm) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in shown:
+        g = pd.DataFrame({k: np.array(r[k], dtype=float) for k in ("effect", "ci_low", "ci_high")})
+        heads = r["heads"] if r["group"].startswith("top ") else "all"
+        lines.append(
+            f"| {r['group']} | {heads} | {r['mode']} | {_ci_text(g)} | "
+            f"{phases_text(r['accuracy'])} ({phases_text(r['accuracy_base'])}) | "
+            f"{r['p_perm']:.3g} | {r['p_holm']:.3g} |"
+        )
+    return lines
+
+
+def reader_lines(t: dict) -> list[str]:
+    """Selection recall at the heads that read the needle most under the null, beside every
+    selecting head."""
+    rec = t.get("reader_recall")
+    if rec is None or rec.empty:
+        return []
+    lines = [
+        "",
+        "## Selection at the heads that read the needle",
+        "",
+        "Recall of the needle's block at the answer row, at the top k heads by the null's "
+        "attention onto the needle among the selecting heads, beside every selecting head.",
+        "",
+        "| heads | recall by phase | which |",
+        "|---|---|---|",
+    ]
+    for name, g in rec.groupby("readers", sort=False):
+        lines.append(f"| {name} | {phases_text(g.sort_values('phase').recall)} | "
+                     f"{g.heads.iloc[0] or '-'} |")  # fmt: skip
+    return lines
+
+
+def _per_layer_oracle(o: pd.DataFrame | None) -> pd.DataFrame | None:
+    if o is None:
+        return None
+    per = o[o.scope.str.startswith("layer ")]
+    return None if per.empty else per.assign(layer=per.scope.str.split().str[1].astype(int))
+
+
+def oracle_layer_lines(t: dict, top: int = 5) -> list[str]:
+    """The layers where forcing the needle's block alone restores most, per form."""
+    per = _per_layer_oracle(t.get("oracle"))
+    if per is None:
+        return []
+    lines = ["", "## Oracle in one layer alone (every row after the needle)", "",
+             "| form | best layers (mean accuracy) | accuracy by phase of the best |",
+             "|---|---|---|"]  # fmt: skip
+    for form, g in per.groupby("form", sort=False):
+        mean = g.groupby("layer").accuracy.mean().sort_values(ascending=False).head(top)
+        best = g[g.layer == mean.index[0]].sort_values("phase")
+        text = ", ".join(f"{i} ({v:.2f})" for i, v in mean.items())
+        lines.append(f"| {form} | {text} | {phases_text(best.accuracy)} |")
+    return lines
+
+
+def group_skip_lines(cfg, tables: dict) -> list[str]:
+    """The group ablation's modes this run could not run, and why."""
+    if "groups" not in cfg.analyses or tables.get("group_ablation") is None:
+        return []
+    modes = set(tables["group_ablation"]["mode"])
+    out = []
+    if "mean" not in modes:
+        out.append("Group ablation: no mean mode (the heads' means are computed in observe "
+                   "with `ablation` among the analyses).")  # fmt: skip
+    if "resample" not in modes:
+        out.append("Group ablation: no resample mode (it takes another content's prompt at "
+                   "another phase: two contents and two phases at least).")  # fmt: skip
+    return out
+
+
+def group_findings(t: dict) -> dict[str, Any]:
+    """``summary.json``'s group ablations, needle readers, selection at them and the oracle in
+    each layer alone (what the tables keep, for the claims report)."""
+    out: dict[str, Any] = {}
+    rows = _group_rows(t)
+    if rows:
+        s = t["group_ablation_specialization"]
+        s = s[s.metric == "logit_diff"]
+        out["group_ablation"] = rows
+        out["group_test"] = dict(max_perm=int(s.n_perm.max()), n_tests=len(s),
+                                 min_p=float(s.p_floor.min()),
+                                 min_p_holm=float(s.p_holm_floor.min()))  # fmt: skip
+    r = t.get("needle_readers")
+    if r is not None and len(r):
+        out["needle_readers"] = _records(r.head(10), ["layer", "head", "mass", "rank"])
+    rec = t.get("reader_recall")
+    if rec is not None and len(rec):
+        out["reader_recall"] = [
+            dict(readers=k, heads=g.heads.iloc[0], recall_by_phase=g.sort_values("phase")
+                 .recall.tolist()) for k, g in rec.groupby("readers", sort=False)
+        ]  # fmt: skip
+    per = _per_layer_oracle(t.get("oracle"))
+    if per is not None:
+        out["oracle_per_layer"] = [
+            dict(layer=int(k[0]), form=k[1], rows=k[2], **{c: g.sort_values("phase")[c].tolist()
+                 for c in ("accuracy", "ci_low", "ci_high", "unforced")},
+                 lost=int(np.nansum(g.broken)) if "broken" in g else None)
+            for k, g in per.groupby(["layer", "form", "rows"], sort=True)
+        ]  # fmt: skip
     return out
 
 
@@ -304,12 +466,15 @@ def write_report(
         )
     if not any(acc):
         lines.append("The design answers no prompt: no component can be credited with it.")
-    lines += skip_lines(cfg, tables)
+    lines += skip_lines(cfg, tables) + group_skip_lines(cfg, tables)
     lines += (
         _selection_lines(tables, meta["n_layers"])
         + _oracle_lines(tables)
         + layer_lines(tables)
         + head_lines(tables)
+        + oracle_layer_lines(tables)
+        + reader_lines(tables)
+        + group_lines(tables)
     )
     lines += ["", f"Wall time {meta['wall_s']:.0f} s; worker time {meta['worker_s']:.0f} s."]
     out.mkdir(parents=True, exist_ok=True)
@@ -321,10 +486,15 @@ def write_report(
 __all__ = [
     "atp_check",
     "findings",
+    "group_findings",
+    "group_lines",
+    "group_skip_lines",
     "head_lines",
     "layer_lines",
     "layer_span",
+    "oracle_layer_lines",
     "phases_text",
+    "reader_lines",
     "skip_lines",
     "top_heads",
     "write_report",

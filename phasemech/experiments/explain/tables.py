@@ -86,6 +86,15 @@ def oracle_summary(df: pd.DataFrame, prompts: pd.DataFrame, n_boot: int, seed: i
     return table[keys + [c for c in table.columns if c not in keys]]
 
 
+def margin_metrics(margins: np.ndarray) -> np.ndarray:
+    """``[.., target] -> [.., metric, target]`` of the lab's metrics from the answer's margins:
+    accuracy is the margin's sign, ``logprob`` is not computed (NaN; the tables drop it)."""
+    from phasemech.interventions.ablation_plan import METRICS
+
+    by = {"accuracy": (margins > 0).astype(float), "logit_diff": margins}
+    return np.stack([by.get(m, np.full_like(margins, np.nan)) for m in METRICS], -2)
+
+
 def ablation_tables(
     inter: list[dict],
     cfg: ExplainConfig,
@@ -98,7 +107,7 @@ def ablation_tables(
     """The lab's effects table and specialisation test from the per-prompt ablations
     (``n_perm``: :func:`~phasemech.interventions.specialization.specialization`'s, ``"auto"``
     or a fixed count)."""
-    from phasemech.interventions.ablation_plan import METRICS, AblationRun
+    from phasemech.interventions.ablation_plan import AblationRun
     from phasemech.interventions.ablation_result import ablation_targets_frame, phase_effects
     from phasemech.interventions.specialization import specialization
 
@@ -111,17 +120,11 @@ def ablation_tables(
     runs = [
         AblationRun("head", m, i, h) for m in modes for i in range(n_layers) for h in range(n_heads)
     ]
-
-    def stack(margins: np.ndarray) -> np.ndarray:  # [.., target] -> [.., metric, target]
-        # accuracy is the margin's sign; logprob is not computed (NaN, dropped below)
-        by = {"accuracy": (margins > 0).astype(float), "logit_diff": margins}
-        return np.stack([by.get(m, np.full_like(margins, np.nan)) for m in METRICS], -2)
-
-    base = stack(np.array([p["ablation"]["base"] for p in items]))
+    base = margin_metrics(np.array([p["ablation"]["base"] for p in items]))
     abl = np.array(
         [[np.ravel(p["ablation"][m]) for p in items] for m in modes]
     )  # [mode, target, L*H]
-    ablated = stack(abl.transpose(0, 2, 1).reshape(len(runs), len(items)))
+    ablated = margin_metrics(abl.transpose(0, 2, 1).reshape(len(runs), len(items)))
     effects = phase_effects(runs, frame, base, ablated, cfg.probe.stride, n_boot, seed)
     targets = ablation_targets_frame(runs, frame, base, ablated, cfg.probe.stride, 0)
     spec = pd.concat(
@@ -266,6 +269,7 @@ __all__ = [
     "attention_tables",
     "explain_tables",
     "long_frame",
+    "margin_metrics",
     "oracle_summary",
     "patching_table",
     "prompts_frame",
