@@ -198,8 +198,9 @@ def test_group_tables_are_the_labs_effects_and_specialization():
     row = next(r for r in f["group_ablation"] if (r["group"], r["mode"]) == ("top 3", "resample"))
     assert row["accuracy"] == [1.0, 1.0, 0.0, 1.0] and row["accuracy_base"] == [1.0] * 4
     g = s[s.metric == "logit_diff"]
-    assert f["group_test"] == dict(max_perm=int(g.n_perm.max()), n_tests=6,
-                                   min_p=g.p_floor.min(), min_p_holm=g.p_holm_floor.min())  # fmt: skip
+    want = dict(max_perm=int(g.n_perm.max()), n_tests=6, min_p=g.p_floor.min(),
+                min_p_holm=g.p_holm_floor.min())  # fmt: skip
+    assert f["group_test"] == want
     assert f["group_test"]["min_p_holm"] < 0.01
     text = "\n".join(group_lines(t))
     assert "## Group and resample ablation" in text
