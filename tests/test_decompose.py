@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 from test_explain import _batch, _models
@@ -120,3 +121,65 @@ def test_bad_input_is_refused():
     late = dataclasses.replace(run, needle=run.offset + run.row + 1)
     with pytest.raises(ValueError, match="needle=.* is invalid"):
         decompose(model, late)
+
+
+def test_the_explain_step_its_table_summary_and_page(tmp_path, monkeypatch):
+    """The ``decompose`` job in process on a tiny model (two prompts of one content), its
+    table, its summary section and its figure; the step leaves the other steps' keys alone."""
+    import phasemech.experiments.explain.jobs as ex
+    from phasemech.experiments.explain.config import ExplainConfig
+    from phasemech.experiments.explain.summary import decomposition_findings, decomposition_lines
+    from phasemech.experiments.explain.tables import attention_tables, decomposition_tables
+    from phasemech.viz.explain import explain_figures
+
+    tl, model = _models("route")
+    batch = _batch()
+    monkeypatch.setattr(ex, "explain_models", lambda cfg: (tl, model, batch))
+    cfg = ExplainConfig.of(contents=1)
+    assert "decompose" in cfg.analyses
+    res = ex.ExplainJob(cfg, "decompose", (0, 1)).run(tmp_path)["prompts"]
+    att = ex.ExplainJob(cfg, "attend", (0, 1)).run(tmp_path)["prompts"]
+    t = decomposition_tables(res) | attention_tables(att)
+    df = t["decomposition"]
+    h = model.cfg.n_heads
+    assert len(df.drop_duplicates(["prompt_id", "layer", "head"])) == 2 * 3 * h
+    assert set(df.phase) == {2, 3} and set(df.role) <= {"needle", "competitor", "sink"}
+    lines = "\n".join(decomposition_lines(t))
+    assert "needle-reading heads | 2 |" in lines and "every head | 3 |" in lines
+    found = decomposition_findings(t)["decomposition"]
+    assert set(found) == {"needle_reading_heads", "every_head"}
+    assert [r["phase"] for r in found["every_head"]] == [2, 3]
+    prompts = pd.DataFrame(dict(phase=[2, 3], design_correct=[1, 0], null_correct=[1, 1]))
+    assert "decomposition" in explain_figures(t | {"prompts": prompts})
+    assert decomposition_tables([]) == {"decomposition": None}
+    plain = ExplainConfig.of(contents=1, analyses=("selection", "oracle", "ablation", "patching"))
+    for step in ("observe", "attend"):
+        assert ex.explain_jobs(cfg, step, [0])[0].key == ex.explain_jobs(plain, step, [0])[0].key
+    assert (
+        ex.explain_jobs(cfg, "decompose", [0])[0].key != ex.explain_jobs(cfg, "attend", [0])[0].key
+    )
+    with pytest.raises(ValueError, match=r"analyses \['decompose'\] are invalid for design"):
+        ExplainConfig.of(design="mean", top_k=None, analyses=("decompose",))
+
+
+def test_the_tiny_profile_on_smollm2(tmp_path):
+    """The explain pipeline's tiny profile (SmolLM2, layers 4-5, T = 256) with the selection
+    and the decomposition only: ``decomposition.parquet``, the summary's section and fields,
+    the page's figure."""
+    import json
+
+    from phasemech.experiments.explain.run import EXPLAIN, run_explain
+
+    cfg = dataclasses.replace(EXPLAIN.profile("tiny"), analyses=("selection", "decompose"))
+    cfg = dataclasses.replace(cfg, probe=dataclasses.replace(cfg.probe, contents=1))
+    out = tmp_path / "explain"
+    summary = run_explain(cfg, out, progress=False)
+    df = pd.read_parquet(out / "decomposition.parquet")
+    sel = pd.read_parquet(out / "selection.parquet").set_index(["prompt_id", "layer", "head"])
+    assert set(df.layer) == {4, 5} and set(df.phase) == {0, 1, 2, 3}
+    unit = df.drop_duplicates(["prompt_id", "layer", "head"]).set_index(sel.index.names)
+    assert (unit.selected == sel.selected.reindex(unit.index)).all()
+    assert "selection decomposed" in (out / "summary.md").read_text()
+    assert len(summary["findings"]["decomposition"]["needle_reading_heads"]) == 4
+    page = (out / "explain.html").read_text()
+    assert '"decomposition"' in page and json.dumps(summary["findings"]["decomposition"]) != "{}"

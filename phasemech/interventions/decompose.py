@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
 
 import pandas as pd
 import torch
@@ -200,8 +199,7 @@ def decompose(model, run: PromptRun) -> pd.DataFrame:
     layers = check_decomposable(model)
     if not 0 <= run.needle < run.offset + run.row:
         raise ValueError(
-            f"needle={run.needle} is invalid: it must precede the answer row "
-            f"{run.offset + run.row}"
+            f"needle={run.needle} is invalid: it must precede the answer row {run.offset + run.row}"
         )
     got = _gates(model, run, layers, {})
     sel = needle_selection(model, run).set_index(["layer", "head"])
@@ -255,3 +253,69 @@ def _layer_frame(attn, run: PromptRun, got: dict, sel: pd.DataFrame, layer: int)
                     gate=float(gate[hd, b]), is_needle=pos == run.needle,
                 ))  # fmt: skip
     return pd.DataFrame(rows)
+
+
+# ------------------------------------------------------------------------------ summaries
+UNIT = ["prompt_id", "layer", "head"]
+
+
+def mechanism_table(df: pd.DataFrame) -> pd.DataFrame:
+    """Per phase, over the (prompt, layer, head) whose needle block is ranked: ``recall``,
+    ``margin``, ``needle_score``, ``needle_term`` (the needle token's), ``rest_term`` (the rest
+    of its block), ``competitor_score``, ``sink_wins`` (of the misses, the share whose
+    competitor is the sink's block), ``sink_kept``, ``sink_over_needle`` and ``needle_slot``
+    (its most common slot); ``n`` units. ``df``: :func:`decompose`'s rows with the prompt's
+    ``prompt_id`` and ``phase``."""
+    df = df[df["rank"].notna()]
+    unit = df.drop_duplicates(UNIT).set_index(UNIT)
+    needle = df[df.role == "needle"]
+    mine = needle[needle.is_needle].set_index(UNIT).term
+    rest = needle[~needle.is_needle].groupby(UNIT).term.sum()
+    comp = df[df.role == "competitor"].drop_duplicates(UNIT).set_index(UNIT).score
+    frame = unit.assign(needle_term=mine, rest_term=rest, needle_score=mine + rest,
+                        competitor_score=comp, missed=~unit.selected)  # fmt: skip
+    by = frame.groupby("phase")
+    missed = frame[frame.missed].groupby("phase")
+    return pd.DataFrame(dict(
+        recall=by.selected.mean(), margin=by.margin.mean(), needle_score=by.needle_score.mean(),
+        needle_term=by.needle_term.mean(), rest_term=by.rest_term.mean(),
+        competitor_score=by.competitor_score.mean(),
+        sink_wins=missed.competitor_is_sink.mean(), sink_kept=by.sink_kept.mean(),
+        sink_over_needle=by.sink_over_needle.mean(),
+        needle_slot=by.needle_slot.agg(lambda s: s.mode().iloc[0]), n=by.size(),
+    ))  # fmt: skip
+
+
+def needle_reading_heads(attention: pd.DataFrame, layers, top: int = 10) -> list[tuple[int, int]]:
+    """The ``top`` (layer, head) of ``layers`` whose answer row attends most to the needle
+    under the dense null (``attention``: per (setting or not, layer, head, ...) ``mass``, as
+    explain's ``attend`` step or ``head_attention`` table holds it; mean over the rest)."""
+    if "setting" in attention:
+        attention = attention[attention.setting == "null"]
+    mass = attention[attention.layer.isin(list(layers))].groupby(["layer", "head"]).mass.mean()
+    return [(int(a), int(b)) for a, b in mass.nlargest(top).index]
+
+
+def slot_table(df: pd.DataFrame) -> pd.DataFrame:
+    """Per (phase, role, slot): mean ``term``, ``qk`` and ``key_norm`` over the real slots of
+    the (prompt, layer, head) whose needle block is ranked."""
+    df = df[df["rank"].notna() & df.valid]
+    return df.groupby(["phase", "role", "slot"], as_index=False).agg(
+        term=("term", "mean"), qk=("qk", "mean"), key_norm=("key_norm", "mean"),
+        n=("term", "size"),
+    )  # fmt: skip
+
+
+__all__ = [
+    "DESIGNS",
+    "ROLES",
+    "captured_inputs",
+    "check_decomposable",
+    "decompose",
+    "mechanism_table",
+    "needle_reading_heads",
+    "own_scores",
+    "slot_keys",
+    "slot_table",
+    "slot_terms",
+]

@@ -13,7 +13,9 @@ at the answer row, layer x phase), ``"oracle"`` (accuracy by phase with the need
 forced, beside the unforced design and the null), ``"oracle_layers"`` (the oracle in one layer
 at a time, layer x phase), ``"ablation"`` (zero ablation's effect on the answer's margin, head x
 phase), ``"patching"`` (exact head patching and its AtP estimate, layer x head) and
-``"patching_layers"`` (residual and selection patching by layer). :func:`render_explain` puts
+``"patching_layers"`` (residual and selection patching by layer), ``"decomposition"`` (the
+needle block's score split into its needle token's term and the rest, the competitor's score
+and how often the sink's block beats the needle, by phase). :func:`render_explain` puts
 them on one page; clicking a head in the ablation or patching heatmap shows that head's
 per-phase ablation effects with 95% intervals, its patching effect, and its attention onto the
 needle under the null and the design.
@@ -42,6 +44,7 @@ NEED: dict[str, tuple[str, ...]] = {
     "ablation": ("mode", "metric", "layer", "unit", "phase", "effect", "ci_low", "ci_high"),
     "patching": ("site", "layer", "head", "effect", "ci_low", "ci_high"),
     "head_attention": ("setting", "layer", "head", "phase", "mass"),
+    "decomposition": ("phase", "layer", "head", "role", "slot", "term", "score", "rank"),
 }
 #: the oracle's forms drawn on the accuracy figure (scope, form, rows)
 ORACLE_SHOWN = (("all", "add", "answer"), ("all", "replace", "answer"),
@@ -198,6 +201,39 @@ def _patching_layers_figure(p: pd.DataFrame) -> go.Figure | None:
     return apply_template(fig, 620, 340, "Patching a layer's residual stream or its selection")
 
 
+def _decomposition_figure(t: dict[str, pd.DataFrame], d: int) -> go.Figure:
+    """Per phase: the needle block's score (its needle token's term and the rest of the
+    block), the competitor's, and how often the block that beats the needle is the sink's;
+    over the needle-reading heads when the attention table names them, else every head."""
+    from phasemech.interventions.decompose import mechanism_table, needle_reading_heads
+
+    df = t["decomposition"]
+    which = "every head"
+    if "head_attention" in t:
+        top = needle_reading_heads(t["head_attention"], sorted(set(df.layer)))
+        df = df[df.set_index(["layer", "head"]).index.isin(top)]
+        which = f"the {len(top)} needle-reading heads"
+    m = mechanism_table(df).reindex(range(d))
+    fig = make_subplots(
+        rows=1,
+        cols=2,
+        column_widths=[0.65, 0.35],
+        subplot_titles=("scores at the answer row", "misses lost to the sink"),
+    )
+    for col, name in (
+        ("needle_term", "needle token's term"),
+        ("rest_term", "rest of its block"),
+        ("needle_score", "needle block"),
+        ("competitor_score", "competitor"),
+    ):
+        fig.add_trace(go.Bar(x=list(range(d)), y=m[col], name=name), 1, 1)
+    fig.add_trace(go.Bar(x=list(range(d)), y=m.sink_wins, name="competitor = sink",
+                         marker_color=NULL_COLOR), 1, 2)  # fmt: skip
+    fig.update_xaxes(title_text="needle phase", tickvals=list(range(d)))
+    title = f"The selection decomposed ({which})"
+    return apply_template(fig, 820, 360, title)
+
+
 def explain_figures(tables: dict[str, pd.DataFrame | None]) -> dict[str, go.Figure]:
     """The explanation's figures (module doc), for the tables present."""
     t = _checked(tables)
@@ -210,6 +246,8 @@ def explain_figures(tables: dict[str, pd.DataFrame | None]) -> dict[str, go.Figu
         figs["oracle_layers"] = _oracle_layers_figure(t["oracle"], d)
     if "ablation" in t:
         figs["ablation"] = _ablation_figure(t, _head_index(t), d)
+    if "decomposition" in t:
+        figs["decomposition"] = _decomposition_figure(t, d)
     if "patching" in t:
         figs["patching"] = _patching_figure(t["patching"])
         figs["patching_layers"] = _patching_layers_figure(t["patching"])

@@ -16,7 +16,11 @@ from phasemech.core.designs import designs_where
 from phasemech.core.validation import is_int
 from phasemech.experiments.probe.config import PROBE_DESIGNS, ProbeConfig, setting_name
 
-ANALYSES = ("selection", "oracle", "ablation", "patching")
+ANALYSES = ("selection", "oracle", "ablation", "patching", "decompose")
+#: analyses added after runs were recorded: left out of the cache key (:meth:`ExplainConfig.
+#: to_dict`), so the recorded runs keep their keys; each is a step of its own, so the other
+#: steps' results do not depend on it
+LATER_ANALYSES = ("decompose",)
 #: designs whose selection the selection and oracle analyses read: the probe's designs that
 #: rank blocks by a rule (the design registry's ``selector == "rule"``)
 SELECTING = tuple(d for d in designs_where(selector="rule") if d in PROBE_DESIGNS)
@@ -70,7 +74,7 @@ class ExplainConfig:
             raise ValueError(
                 f"ExplainConfig: analyses={self.analyses!r} is invalid: allowed any of {ANALYSES}"
             )
-        picks = [a for a in self.analyses if a in ("selection", "oracle")]
+        picks = [a for a in self.analyses if a in ("selection", "oracle", "decompose")]
         if picks and self.design not in SELECTING:
             raise ValueError(
                 f"ExplainConfig: analyses {picks} are invalid for design {self.design!r}: it "
@@ -115,14 +119,15 @@ class ExplainConfig:
         return probe | {k: v for k, v in own.items() if k != "probe"}
 
     def to_dict(self) -> dict[str, Any]:
-        """The cache key's form: :meth:`flat` without ``offsets`` on the aligned grid and
-        without an unset ``sink_tokens``, so runs recorded before those fields keep their keys."""
+        """The cache key's form: :meth:`flat` without ``offsets`` on the aligned grid, without
+        an unset ``sink_tokens`` and without :data:`LATER_ANALYSES`, so runs recorded before
+        those fields and analyses keep their keys."""
         out = self.flat()
         if out["offsets"] == "aligned":
             del out["offsets"]
         if out["sink_tokens"] is None:
             del out["sink_tokens"]
-        return out
+        return _without_later_analyses(out)
 
     @property
     def oracle_per_layer(self) -> bool:
@@ -130,4 +135,10 @@ class ExplainConfig:
         return regime == "decode" if self.per_layer_oracle is None else self.per_layer_oracle
 
 
-__all__ = ["ANALYSES", "DEFAULT_PROBE", "ExplainConfig", "SELECTING"]
+def _without_later_analyses(out: dict[str, Any]) -> dict[str, Any]:
+    """The key without :data:`LATER_ANALYSES` (their own steps carry their names)."""
+    out["analyses"] = tuple(a for a in out["analyses"] if a not in LATER_ANALYSES)
+    return out
+
+
+__all__ = ["ANALYSES", "LATER_ANALYSES", "DEFAULT_PROBE", "ExplainConfig", "SELECTING"]

@@ -1,7 +1,7 @@
-"""The explanation's jobs: an :class:`ExplainJob` runs one step
-(``observe``, ``attend``, ``intervene``, ``heads``) on a few prompts or pairs, on the models and
-prompts of the real-model worker (:mod:`phasemech.experiments.probe.worker`, shared with the
-audit's jobs in the same process). The worker-side steps are public for the benchmarks that
+"""The explanation's jobs: an :class:`ExplainJob` runs one step (``observe``, ``attend``,
+``decompose``, ``intervene``, ``heads``) on a few prompts or pairs, on the models and prompts
+of the real-model worker (:mod:`phasemech.experiments.probe.worker`, shared with the audit's
+jobs in the same process). The worker-side steps are public for the benchmarks that
 time them (``bench/explain_cost.py``).
 
 Axes: ``prompt``, ``pair``, ``layer``, ``head``, ``phase``.
@@ -78,6 +78,15 @@ def answer_attention(run, base, model) -> list[dict[str, Any]]:
     return rows
 
 
+def decompose_prompt(cfg: ExplainConfig, i: int, base, model, batch) -> dict[str, Any]:
+    """The ``decompose`` step on prompt ``i``: the selection at the answer row split into its
+    tokens' terms (:func:`~phasemech.interventions.decompose.decompose`)."""
+    from phasemech.interventions.decompose import decompose
+
+    run = run_prompt(base, model, batch, i, cfg.probe.regime)
+    return {"prompt": run.meta, "decomposition": decompose(model, run).to_dict("records")}
+
+
 def observe_prompt(cfg: ExplainConfig, i: int, base, model, batch) -> dict[str, Any]:
     from phasemech.interventions.oracle import force_needle, needle_selection
     from phasemech.interventions.prompt_patching import z_sums
@@ -136,6 +145,8 @@ class ExplainJob(Job):
 
         if self.step == "observe":
             return observe_prompt(self.cfg, i, base, model, batch)
+        if self.step == "decompose":
+            return decompose_prompt(self.cfg, i, base, model, batch)
         run = run_prompt(base, model, batch, i, self.cfg.probe.regime)
         if self.step == "attend":
             return {"prompt": run.meta, "attention": answer_attention(run, base, model)}
@@ -208,6 +219,7 @@ __all__ = [
     "answer_attention",
     "check_explain",
     "contrast_phases",
+    "decompose_prompt",
     "explain_jobs",
     "explain_models",
     "observe_prompt",

@@ -7,8 +7,8 @@ under ``OUT/jobs``: a rerun computes nothing, a killed one resumes, ``address`` 
 cluster):
 
 1. ``observe`` every prompt;
-2. ``attend`` every prompt and ``intervene``: ablate every head on every prompt (the mean
-   ablation's means from step 1) and patch each content's (strong, weak) pair
+2. ``attend`` and ``decompose`` every prompt and ``intervene``: ablate every head on every
+   prompt (the mean ablation's means from step 1) and patch each content's (strong, weak) pair
    (:func:`contrast_pairs`);
 3. ``heads``: the oracle in the heads with the largest exact patching effect.
 
@@ -37,6 +37,7 @@ from phasemech.experiments.explain.jobs import (
 )
 from phasemech.experiments.explain.tables import (
     attention_tables,
+    decomposition_tables,
     explain_tables,
     patching_table,
     prompts_frame,
@@ -92,10 +93,15 @@ def _intervene(cfg: ExplainConfig, done: Done) -> list[ExplainJob]:
         sums = sum(np.array(p["z_sums"]) for p in observed)
         means = (sums / sum(p["z_rows"] for p in observed)).tolist()
         abl_ids = _ids(cfg)
-    jobs = explain_jobs(cfg, "attend", _ids(cfg))
+    jobs = explain_jobs(cfg, "attend", _ids(cfg)) + _decompose_jobs(cfg)
     if abl_ids or pairs:
         jobs += explain_jobs(cfg, "intervene", abl_ids, pairs, means=means)
     return jobs
+
+
+def _decompose_jobs(cfg: ExplainConfig) -> list[ExplainJob]:
+    """The ``decompose`` step on every prompt (stage 2, beside ``attend``), when asked for."""
+    return explain_jobs(cfg, "decompose", _ids(cfg)) if "decompose" in cfg.analyses else []
 
 
 def _heads(cfg: ExplainConfig, done: Done) -> list[ExplainJob]:
@@ -124,6 +130,7 @@ def _finish(cfg: ExplainConfig, done: Done, out: Path) -> dict[str, Any]:
     tables = explain_tables(cfg, prompts, observed, inter, step_results(done, "heads"), patch,
                             pairs, source)  # fmt: skip
     tables |= attention_tables(step_results(done, "attend"))
+    tables |= decomposition_tables(step_results(done, "decompose"))
     write_tables(out, tables)
     meta = dict(
         contrast_phases=contrast,
@@ -145,7 +152,7 @@ EXPLAIN = Experiment(
         # seconds on SmolLM2: two compressed layers, no per-layer oracle, no 270-head ablation
         "tiny": ExplainConfig(
             ProbeConfig(top_k=1, layers=(4, 5), contexts=(256,), contents=2),
-            analyses=("selection", "oracle", "patching"),
+            analyses=("selection", "oracle", "patching", "decompose"),
             per_layer_oracle=False,
             top_heads=2,
             n_boot=50,

@@ -243,6 +243,65 @@ def findings(t: dict, n_layers: int, top: int = 10) -> dict[str, Any]:
     return out
 
 
+def _decomposition_parts(t: dict) -> list[tuple[str, pd.DataFrame]]:
+    """``(which heads, per-phase mechanism table)``: the needle-reading heads (when the
+    attention table names them) and every head."""
+    from phasemech.interventions.decompose import mechanism_table, needle_reading_heads
+
+    df = t.get("decomposition")
+    if df is None:
+        return []
+    parts = []
+    att = t.get("head_attention")
+    if att is not None:
+        top = needle_reading_heads(att, sorted(set(df.layer)))
+        parts.append(("needle-reading heads", df[df.set_index(["layer", "head"]).index.isin(top)]))
+    parts.append(("every head", df))
+    return [(name, mechanism_table(part)) for name, part in parts]
+
+
+def decomposition_lines(t: dict) -> list[str]:
+    """The selection at the answer row, token by token: per phase, the needle block's score
+    (its needle token's term + the rest of the block), the competitor's, the margin, and how
+    often the block that beats the needle is the sink's."""
+    parts = _decomposition_parts(t)
+    if not parts:
+        return []
+    lines = ["", "## Why the phase is weak: the selection decomposed", "",
+             "Per phase (mean over prompt x layer x head where the needle's block is ranked): "
+             "the needle block's score = its needle token's term + the rest of the block; the "
+             "competitor is the last kept pick (or, where that is the needle, the best block "
+             "left out); sink wins: the share of misses whose competitor is the sink's block.",
+             "", "| heads | phase | needle slot | recall | needle term | rest | needle score | "
+             "competitor | margin | sink wins | sink kept |", "|---|---|---|---|---|---|---|---|"
+             "---|---|---|"]  # fmt: skip
+    for name, m in parts:
+        for ph, r in m.iterrows():
+            lines.append(
+                f"| {name} | {ph} | {r.needle_slot:.0f} | {r.recall:.2f} | {r.needle_term:.3f} "
+                f"| {r.rest_term:.3f} | {r.needle_score:.3f} | {r.competitor_score:.3f} | "
+                f"{r.margin:.3f} | {r.sink_wins:.2f} | {r.sink_kept:.2f} |"
+            )
+    return lines
+
+
+def decomposition_findings(t: dict) -> dict[str, Any]:
+    """``summary.json``'s ``decomposition``: the per-phase tables of
+    :func:`decomposition_lines`, by which heads (none without the step)."""
+    return (
+        {
+            "decomposition": {
+                name.replace(" ", "_").replace("-", "_"): _records(
+                    m.reset_index(), list(m.reset_index().columns)
+                )
+                for name, m in _decomposition_parts(t)
+            }  # fmt: skip
+        }
+        if t.get("decomposition") is not None
+        else {}
+    )
+
+
 def skip_lines(cfg, tables: dict[str, pd.DataFrame | None]) -> list[str]:
     """What this run left out, and why (never a silent gap in the tables)."""
     out = []
@@ -275,7 +334,7 @@ def write_report(
         null_by_phase=null,
         n_prompts=len(prompts),
         atp_check=atp_check(tables.get("patching")),
-        findings=findings(tables, meta["n_layers"]),
+        findings=findings(tables, meta["n_layers"]) | decomposition_findings(tables),
         **meta,
     )
     p = cfg.probe
@@ -298,6 +357,7 @@ def write_report(
         + _oracle_lines(tables)
         + layer_lines(tables)
         + head_lines(tables)
+        + decomposition_lines(tables)
     )
     lines += ["", f"Wall time {meta['wall_s']:.0f} s; worker time {meta['worker_s']:.0f} s."]
     out.mkdir(parents=True, exist_ok=True)
@@ -308,6 +368,8 @@ def write_report(
 
 __all__ = [
     "atp_check",
+    "decomposition_findings",
+    "decomposition_lines",
     "findings",
     "head_lines",
     "layer_lines",

@@ -23,6 +23,9 @@ Tables under ``OUT`` (tidy parquet, one row per what the name says):
 * ``attention.parquet``: per (prompt, setting, layer, head), attention from the answer row
   onto the needle under the null and the design; ``head_attention.parquet``: its mean per
   (setting, layer, head, phase);
+* ``decomposition.parquet``: per (prompt, layer, head, role, slot), the selection at the answer
+  row split into its tokens' terms (roles ``needle``, ``competitor``, ``sink``; exact sums of
+  the design's own block score: :mod:`phasemech.interventions.decompose`);
 * ``patching.parquet``: per (site, layer, head), the normalised effect (0 = corrupted, 1 =
   clean; ratio of pair means) with a bootstrap interval over pairs; sites ``head`` (exact),
   ``resid`` (a layer's residual stream), ``selection`` (a selecting layer's kept sets from the
@@ -200,6 +203,12 @@ def attention_tables(attended: list[dict]) -> dict[str, pd.DataFrame]:
     return {"attention": att, "head_attention": head}
 
 
+def decomposition_tables(decomposed: list[dict]) -> dict[str, pd.DataFrame | None]:
+    """``decomposition`` (per prompt, layer, head, role, slot: the selection's terms,
+    :func:`~phasemech.interventions.decompose.decompose`); none without the step."""
+    return {"decomposition": long_frame(decomposed, "decomposition") if decomposed else None}
+
+
 def explain_tables(
     cfg, prompts, observed, inter, heads, patch, pair_rows, source
 ) -> dict[str, pd.DataFrame | None]:
@@ -262,6 +271,7 @@ def write_tables(out: Path, tables: dict[str, pd.DataFrame | None]) -> None:
 __all__ = [
     "ablation_tables",
     "attention_tables",
+    "decomposition_tables",
     "explain_tables",
     "long_frame",
     "oracle_summary",
