@@ -139,7 +139,8 @@ def test_the_explain_step_its_table_summary_and_page(tmp_path, monkeypatch):
     assert "decompose" in cfg.analyses
     res = ex.ExplainJob(cfg, "decompose", (0, 1)).run(tmp_path)["prompts"]
     att = ex.ExplainJob(cfg, "attend", (0, 1)).run(tmp_path)["prompts"]
-    t = decomposition_tables(res) | attention_tables(att)
+    t = attention_tables(att)
+    t |= decomposition_tables(res, t["attention"])
     df = t["decomposition"]
     h = model.cfg.n_heads
     assert len(df.drop_duplicates(["prompt_id", "layer", "head"])) == 2 * 3 * h
@@ -151,7 +152,7 @@ def test_the_explain_step_its_table_summary_and_page(tmp_path, monkeypatch):
     assert [r["phase"] for r in found["every_head"]] == [2, 3]
     prompts = pd.DataFrame(dict(phase=[2, 3], design_correct=[1, 0], null_correct=[1, 1]))
     assert "decomposition" in explain_figures(t | {"prompts": prompts})
-    assert decomposition_tables([]) == {"decomposition": None}
+    assert decomposition_tables([]) == {"decomposition": None, "decomposition_phases": None}
     plain = ExplainConfig.of(contents=1, analyses=("selection", "oracle", "ablation", "patching"))
     for step in ("observe", "attend"):
         assert ex.explain_jobs(cfg, step, [0])[0].key == ex.explain_jobs(plain, step, [0])[0].key

@@ -75,9 +75,7 @@ def explain(
     contrast_phases: Annotated[
         str | None, typer.Option(help="CLEAN,CORRUPT phases to patch (default: best, worst)")
     ] = None,
-    analyses: Annotated[
-        str, typer.Option(help=ANALYSES_HELP)
-    ] = "selection,oracle,ablation,patching",
+    analyses: Annotated[str, typer.Option(help=ANALYSES_HELP)] = ",".join(ANALYSES),
     top_heads: Annotated[int, typer.Option(min=1, help="heads the head-oracle forces")] = 10,
 ) -> None:
     """Which selections, layers and heads make a design's weak phase weak, on the audit's

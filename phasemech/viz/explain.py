@@ -44,7 +44,15 @@ NEED: dict[str, tuple[str, ...]] = {
     "ablation": ("mode", "metric", "layer", "unit", "phase", "effect", "ci_low", "ci_high"),
     "patching": ("site", "layer", "head", "effect", "ci_low", "ci_high"),
     "head_attention": ("setting", "layer", "head", "phase", "mass"),
-    "decomposition": ("phase", "layer", "head", "role", "slot", "term", "score", "rank"),
+    "decomposition_phases": (
+        "heads",
+        "phase",
+        "needle_term",
+        "rest_term",
+        "needle_score",
+        "competitor_score",
+        "sink_wins",
+    ),
 }
 #: the oracle's forms drawn on the accuracy figure (scope, form, rows)
 ORACLE_SHOWN = (("all", "add", "answer"), ("all", "replace", "answer"),
@@ -201,19 +209,12 @@ def _patching_layers_figure(p: pd.DataFrame) -> go.Figure | None:
     return apply_template(fig, 620, 340, "Patching a layer's residual stream or its selection")
 
 
-def _decomposition_figure(t: dict[str, pd.DataFrame], d: int) -> go.Figure:
+def _decomposition_figure(phases: pd.DataFrame, d: int) -> go.Figure:
     """Per phase: the needle block's score (its needle token's term and the rest of the
     block), the competitor's, and how often the block that beats the needle is the sink's;
-    over the needle-reading heads when the attention table names them, else every head."""
-    from phasemech.interventions.decompose import mechanism_table, needle_reading_heads
-
-    df = t["decomposition"]
-    which = "every head"
-    if "head_attention" in t:
-        top = needle_reading_heads(t["head_attention"], sorted(set(df.layer)))
-        df = df[df.set_index(["layer", "head"]).index.isin(top)]
-        which = f"the {len(top)} needle-reading heads"
-    m = mechanism_table(df).reindex(range(d))
+    over the needle-reading heads where the table has them, else every head."""
+    which = "needle-reading heads" if "needle-reading heads" in set(phases.heads) else "every head"
+    m = phases[phases.heads == which].set_index("phase").reindex(range(d))
     fig = make_subplots(
         rows=1,
         cols=2,
@@ -230,8 +231,7 @@ def _decomposition_figure(t: dict[str, pd.DataFrame], d: int) -> go.Figure:
     fig.add_trace(go.Bar(x=list(range(d)), y=m.sink_wins, name="competitor = sink",
                          marker_color=NULL_COLOR), 1, 2)  # fmt: skip
     fig.update_xaxes(title_text="needle phase", tickvals=list(range(d)))
-    title = f"The selection decomposed ({which})"
-    return apply_template(fig, 820, 360, title)
+    return apply_template(fig, 820, 360, f"The selection decomposed ({which})")
 
 
 def explain_figures(tables: dict[str, pd.DataFrame | None]) -> dict[str, go.Figure]:
@@ -246,8 +246,8 @@ def explain_figures(tables: dict[str, pd.DataFrame | None]) -> dict[str, go.Figu
         figs["oracle_layers"] = _oracle_layers_figure(t["oracle"], d)
     if "ablation" in t:
         figs["ablation"] = _ablation_figure(t, _head_index(t), d)
-    if "decomposition" in t:
-        figs["decomposition"] = _decomposition_figure(t, d)
+    if "decomposition_phases" in t:
+        figs["decomposition"] = _decomposition_figure(t["decomposition_phases"], d)
     if "patching" in t:
         figs["patching"] = _patching_figure(t["patching"])
         figs["patching_layers"] = _patching_layers_figure(t["patching"])

@@ -130,7 +130,7 @@ def _finish(cfg: ExplainConfig, done: Done, out: Path) -> dict[str, Any]:
     tables = explain_tables(cfg, prompts, observed, inter, step_results(done, "heads"), patch,
                             pairs, source)  # fmt: skip
     tables |= attention_tables(step_results(done, "attend"))
-    tables |= decomposition_tables(step_results(done, "decompose"))
+    tables |= decomposition_tables(step_results(done, "decompose"), tables["attention"])
     write_tables(out, tables)
     meta = dict(
         contrast_phases=contrast,

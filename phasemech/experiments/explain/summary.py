@@ -244,20 +244,12 @@ def findings(t: dict, n_layers: int, top: int = 10) -> dict[str, Any]:
 
 
 def _decomposition_parts(t: dict) -> list[tuple[str, pd.DataFrame]]:
-    """``(which heads, per-phase mechanism table)``: the needle-reading heads (when the
-    attention table names them) and every head."""
-    from phasemech.interventions.decompose import mechanism_table, needle_reading_heads
-
-    df = t.get("decomposition")
-    if df is None:
+    """``(which heads, per-phase table)`` from ``decomposition_phases``."""
+    phases = t.get("decomposition_phases")
+    if phases is None:
         return []
-    parts = []
-    att = t.get("head_attention")
-    if att is not None:
-        top = needle_reading_heads(att, sorted(set(df.layer)))
-        parts.append(("needle-reading heads", df[df.set_index(["layer", "head"]).index.isin(top)]))
-    parts.append(("every head", df))
-    return [(name, mechanism_table(part)) for name, part in parts]
+    return [(name, g.drop(columns="heads").set_index("phase"))
+            for name, g in phases.groupby("heads", sort=False)]  # fmt: skip
 
 
 def decomposition_lines(t: dict) -> list[str]:
