@@ -15,8 +15,10 @@ at a time, layer x phase), ``"ablation"`` (zero ablation's effect on the answer'
 phase), ``"patching"`` (exact head patching and its AtP estimate, layer x head) and
 ``"patching_layers"`` (residual and selection patching by layer), ``"reader_recall"`` (selection
 recall at the heads that read the needle most under the null, beside every selecting head, by
-phase) and ``"groups"`` (groups of heads ablated together, zero / mean / resample: change of
-the answer's margin, group x phase). :func:`render_explain` puts
+phase), ``"groups"`` (groups of heads ablated together, zero / mean / resample: change of
+the answer's margin, group x phase) and ``"decomposition"`` (the needle block's score split
+into its needle token's term and the rest, the competitor's score and how often the sink's
+block beats the needle, by phase). :func:`render_explain` puts
 them on one page; clicking a head in the ablation or patching heatmap shows that head's
 per-phase ablation effects with 95% intervals, its patching effect, and its attention onto the
 needle under the null and the design.
@@ -47,6 +49,15 @@ NEED: dict[str, tuple[str, ...]] = {
     "head_attention": ("setting", "layer", "head", "phase", "mass"),
     "reader_recall": ("readers", "phase", "recall"),
     "group_ablation": ("group", "mode", "metric", "phase", "effect", "ci_low", "ci_high"),
+    "decomposition_phases": (
+        "heads",
+        "phase",
+        "needle_term",
+        "rest_term",
+        "needle_score",
+        "competitor_score",
+        "sink_wins",
+    ),
 }
 #: the oracle's forms drawn on the accuracy figure (scope, form, rows)
 ORACLE_SHOWN = (("all", "add", "answer"), ("all", "replace", "answer"),
@@ -243,6 +254,31 @@ def _groups_figure(ga: pd.DataFrame, d: int) -> go.Figure:
     return apply_template(fig, 720, max(360, 120 + 14 * len(order)), title)
 
 
+def _decomposition_figure(phases: pd.DataFrame, d: int) -> go.Figure:
+    """Per phase: the needle block's score (its needle token's term and the rest of the
+    block), the competitor's, and how often the block that beats the needle is the sink's;
+    over the needle-reading heads where the table has them, else every head."""
+    which = "needle-reading heads" if "needle-reading heads" in set(phases.heads) else "every head"
+    m = phases[phases.heads == which].set_index("phase").reindex(range(d))
+    fig = make_subplots(
+        rows=1,
+        cols=2,
+        column_widths=[0.65, 0.35],
+        subplot_titles=("scores at the answer row", "misses lost to the sink"),
+    )
+    for col, name in (
+        ("needle_term", "needle token's term"),
+        ("rest_term", "rest of its block"),
+        ("needle_score", "needle block"),
+        ("competitor_score", "competitor"),
+    ):
+        fig.add_trace(go.Bar(x=list(range(d)), y=m[col], name=name), 1, 1)
+    fig.add_trace(go.Bar(x=list(range(d)), y=m.sink_wins, name="competitor = sink",
+                         marker_color=NULL_COLOR), 1, 2)  # fmt: skip
+    fig.update_xaxes(title_text="needle phase", tickvals=list(range(d)))
+    return apply_template(fig, 820, 360, f"The selection decomposed ({which})")
+
+
 def explain_figures(tables: dict[str, pd.DataFrame | None]) -> dict[str, go.Figure]:
     """The explanation's figures (module doc), for the tables present."""
     t = _checked(tables)
@@ -255,6 +291,8 @@ def explain_figures(tables: dict[str, pd.DataFrame | None]) -> dict[str, go.Figu
         figs["oracle_layers"] = _oracle_layers_figure(t["oracle"], d)
     if "ablation" in t:
         figs["ablation"] = _ablation_figure(t, _head_index(t), d)
+    if "decomposition_phases" in t:
+        figs["decomposition"] = _decomposition_figure(t["decomposition_phases"], d)
     if "patching" in t:
         figs["patching"] = _patching_figure(t["patching"])
         figs["patching_layers"] = _patching_layers_figure(t["patching"])

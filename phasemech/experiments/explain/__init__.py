@@ -30,7 +30,10 @@ jobs cached under ``OUT/jobs`` (a rerun computes nothing, a killed one resumes):
 
 Beside step 2 runs ``attend`` (every prompt): each head's attention from the row predicting
 the first answer token onto the needle's first answer token, under the null and the design
-(as the audit reads it: ``hook_pattern``, or ``hook_token_pattern`` on compressed layers).
+(as the audit reads it: ``hook_pattern``, or ``hook_token_pattern`` on compressed layers),
+and ``decompose`` (every prompt): the selection at that row split into its tokens' terms,
+for the needle's block, the block it competes with and the sink's
+(:mod:`phasemech.interventions.decompose`).
 
 :mod:`phasemech.experiments.explain.run` runs the steps as the stages of an experiment
 (:data:`EXPLAIN`: ``phasemech run explain``); :mod:`phasemech.experiments.explain.tables`

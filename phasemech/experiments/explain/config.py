@@ -16,10 +16,10 @@ from phasemech.core.designs import designs_where
 from phasemech.core.validation import is_int
 from phasemech.experiments.probe.config import PROBE_DESIGNS, ProbeConfig, setting_name
 
-ANALYSES = ("selection", "oracle", "ablation", "patching", "groups")
+ANALYSES = ("selection", "oracle", "ablation", "patching", "groups", "decompose")
 #: analyses added after runs were recorded: no earlier step's output depends on them (each adds
 #: a step of its own), so the cache key leaves them out and recorded runs keep their keys
-LATER_ANALYSES = ("groups",)
+LATER_ANALYSES = ("groups", "decompose")
 #: how many of the heads that read the needle most (under the null) each group ablates
 GROUP_SIZES = (1, 3, 5, 10)
 #: designs whose selection the selection and oracle analyses read: the probe's designs that
@@ -84,7 +84,7 @@ class ExplainConfig:
             raise ValueError(
                 f"ExplainConfig: analyses={self.analyses!r} is invalid: allowed any of {ANALYSES}"
             )
-        picks = [a for a in self.analyses if a in ("selection", "oracle")]
+        picks = [a for a in self.analyses if a in ("selection", "oracle", "decompose")]
         if picks and self.design not in SELECTING:
             raise ValueError(
                 f"ExplainConfig: analyses {picks} are invalid for design {self.design!r}: it "

@@ -1,8 +1,8 @@
 """The explanation's jobs: an :class:`ExplainJob` runs one step (``observe``, ``attend``,
-``intervene``, ``heads``, ``groups``) on a few prompts or pairs, on the models and prompts of
-the real-model worker (:mod:`phasemech.experiments.probe.worker`, shared with the audit's jobs
-in the same process). The worker-side steps are public for the benchmarks that time them
-(``bench/explain_cost.py``).
+``decompose``, ``intervene``, ``heads``, ``groups``) on a few prompts or pairs, on the models
+and prompts of the real-model worker (:mod:`phasemech.experiments.probe.worker`, shared with
+the audit's jobs in the same process). The worker-side steps are public for the benchmarks
+that time them (``bench/explain_cost.py``).
 
 Axes: ``prompt``, ``pair``, ``layer``, ``head``, ``phase``.
 """
@@ -76,6 +76,15 @@ def answer_attention(run, base, model) -> list[dict[str, Any]]:
         rows += [dict(setting=who, layer=layer, head=h, mass=float(x))
                  for layer, mass in sorted(store.items()) for h, x in enumerate(mass)]  # fmt: skip
     return rows
+
+
+def decompose_prompt(cfg: ExplainConfig, i: int, base, model, batch) -> dict[str, Any]:
+    """The ``decompose`` step on prompt ``i``: the selection at the answer row split into its
+    tokens' terms (:func:`~phasemech.interventions.decompose.decompose`)."""
+    from phasemech.interventions.decompose import decompose
+
+    run = run_prompt(base, model, batch, i, cfg.probe.regime)
+    return {"prompt": run.meta, "decomposition": decompose(model, run).to_dict("records")}
 
 
 def observe_prompt(cfg: ExplainConfig, i: int, base, model, batch) -> dict[str, Any]:
@@ -155,6 +164,8 @@ class ExplainJob(Job):
 
         if self.step == "observe":
             return observe_prompt(self.cfg, i, base, model, batch)
+        if self.step == "decompose":
+            return decompose_prompt(self.cfg, i, base, model, batch)
         run = run_prompt(base, model, batch, i, self.cfg.probe.regime)
         if self.step == "attend":
             return {"prompt": run.meta, "attention": answer_attention(run, base, model)}
@@ -231,6 +242,7 @@ __all__ = [
     "answer_attention",
     "check_explain",
     "contrast_phases",
+    "decompose_prompt",
     "explain_jobs",
     "explain_models",
     "group_prompt",

@@ -7,8 +7,8 @@ under ``OUT/jobs``: a rerun computes nothing, a killed one resumes, ``address`` 
 cluster):
 
 1. ``observe`` every prompt;
-2. ``attend`` every prompt and ``intervene``: ablate every head on every prompt (the mean
-   ablation's means from step 1) and patch each content's (strong, weak) pair
+2. ``attend`` and ``decompose`` every prompt and ``intervene``: ablate every head on every
+   prompt (the mean ablation's means from step 1) and patch each content's (strong, weak) pair
    (:func:`contrast_pairs`);
 3. ``heads``: the oracle in the heads with the largest exact patching effect; beside it
    ``groups``: groups of heads ablated together (the heads that read the needle most under
@@ -40,6 +40,7 @@ from phasemech.experiments.explain.jobs import (
 )
 from phasemech.experiments.explain.tables import (
     attention_tables,
+    decomposition_tables,
     explain_tables,
     long_frame,
     patching_table,
@@ -102,10 +103,15 @@ def _intervene(cfg: ExplainConfig, done: Done) -> list[ExplainJob]:
     if "ablation" in cfg.analyses:
         means = head_means(observed)
         abl_ids = _ids(cfg)
-    jobs = explain_jobs(cfg, "attend", _ids(cfg))
+    jobs = explain_jobs(cfg, "attend", _ids(cfg)) + _decompose_jobs(cfg)
     if abl_ids or pairs:
         jobs += explain_jobs(cfg, "intervene", abl_ids, pairs, means=means)
     return jobs
+
+
+def _decompose_jobs(cfg: ExplainConfig) -> list[ExplainJob]:
+    """The ``decompose`` step on every prompt (stage 2, beside ``attend``), when asked for."""
+    return explain_jobs(cfg, "decompose", _ids(cfg)) if "decompose" in cfg.analyses else []
 
 
 def _heads(cfg: ExplainConfig, done: Done) -> list[ExplainJob]:
@@ -171,6 +177,7 @@ def _finish(cfg: ExplainConfig, done: Done, out: Path) -> dict[str, Any]:
                             pairs, source)  # fmt: skip
     tables |= attention_tables(step_results(done, "attend"))
     tables |= _group_step_tables(cfg, done, tables)
+    tables |= decomposition_tables(step_results(done, "decompose"), tables["attention"])
     write_tables(out, tables)
     meta = dict(
         contrast_phases=contrast,
@@ -193,7 +200,7 @@ EXPLAIN = Experiment(
         # (so the group ablation runs zero and resample only: its means come with ablation)
         "tiny": ExplainConfig(
             ProbeConfig(top_k=1, layers=(4, 5), contexts=(256,), contents=2),
-            analyses=("selection", "oracle", "patching", "groups"),
+            analyses=("selection", "oracle", "patching", "groups", "decompose"),
             per_layer_oracle=False,
             top_heads=2,
             n_boot=50,

@@ -417,6 +417,57 @@ def group_findings(t: dict) -> dict[str, Any]:
     return out
 
 
+def _decomposition_parts(t: dict) -> list[tuple[str, pd.DataFrame]]:
+    """``(which heads, per-phase table)`` from ``decomposition_phases``."""
+    phases = t.get("decomposition_phases")
+    if phases is None:
+        return []
+    return [(name, g.drop(columns="heads").set_index("phase"))
+            for name, g in phases.groupby("heads", sort=False)]  # fmt: skip
+
+
+def decomposition_lines(t: dict) -> list[str]:
+    """The selection at the answer row, token by token: per phase, the needle block's score
+    (its needle token's term + the rest of the block), the competitor's, the margin, and how
+    often the block that beats the needle is the sink's."""
+    parts = _decomposition_parts(t)
+    if not parts:
+        return []
+    lines = ["", "## Why the phase is weak: the selection decomposed", "",
+             "Per phase (mean over prompt x layer x head where the needle's block is ranked): "
+             "the needle block's score = its needle token's term + the rest of the block; the "
+             "competitor is the last kept pick (or, where that is the needle, the best block "
+             "left out); sink wins: the share of misses whose competitor is the sink's block.",
+             "", "| heads | phase | needle slot | recall | needle term | rest | needle score | "
+             "competitor | margin | sink wins | sink kept |", "|---|---|---|---|---|---|---|---|"
+             "---|---|---|"]  # fmt: skip
+    for name, m in parts:
+        for ph, r in m.iterrows():
+            lines.append(
+                f"| {name} | {ph} | {r.needle_slot:.0f} | {r.recall:.2f} | {r.needle_term:.3f} "
+                f"| {r.rest_term:.3f} | {r.needle_score:.3f} | {r.competitor_score:.3f} | "
+                f"{r.margin:.3f} | {r.sink_wins:.2f} | {r.sink_kept:.2f} |"
+            )
+    return lines
+
+
+def decomposition_findings(t: dict) -> dict[str, Any]:
+    """``summary.json``'s ``decomposition``: the per-phase tables of
+    :func:`decomposition_lines`, by which heads (none without the step)."""
+    return (
+        {
+            "decomposition": {
+                name.replace(" ", "_").replace("-", "_"): _records(
+                    m.reset_index(), list(m.reset_index().columns)
+                )
+                for name, m in _decomposition_parts(t)
+            }  # fmt: skip
+        }
+        if t.get("decomposition") is not None
+        else {}
+    )
+
+
 def skip_lines(cfg, tables: dict[str, pd.DataFrame | None]) -> list[str]:
     """What this run left out, and why (never a silent gap in the tables)."""
     out = []
@@ -449,7 +500,7 @@ def write_report(
         null_by_phase=null,
         n_prompts=len(prompts),
         atp_check=atp_check(tables.get("patching")),
-        findings=findings(tables, meta["n_layers"]),
+        findings=findings(tables, meta["n_layers"]) | decomposition_findings(tables),
         **meta,
     )
     p = cfg.probe
@@ -475,6 +526,7 @@ def write_report(
         + oracle_layer_lines(tables)
         + reader_lines(tables)
         + group_lines(tables)
+        + decomposition_lines(tables)
     )
     lines += ["", f"Wall time {meta['wall_s']:.0f} s; worker time {meta['worker_s']:.0f} s."]
     out.mkdir(parents=True, exist_ok=True)
@@ -485,6 +537,8 @@ def write_report(
 
 __all__ = [
     "atp_check",
+    "decomposition_findings",
+    "decomposition_lines",
     "findings",
     "group_findings",
     "group_lines",

@@ -23,6 +23,11 @@ Tables under ``OUT`` (tidy parquet, one row per what the name says):
 * ``attention.parquet``: per (prompt, setting, layer, head), attention from the answer row
   onto the needle under the null and the design; ``head_attention.parquet``: its mean per
   (setting, layer, head, phase);
+* ``decomposition.parquet``: per (prompt, layer, head, role, slot), the selection at the answer
+  row split into its tokens' terms (roles ``needle``, ``competitor``, ``sink``; exact sums of
+  the design's own block score: :mod:`phasemech.interventions.decompose`);
+  ``decomposition_phases.parquet``: its summary per (``heads``, phase) over the needle-reading
+  heads (the null's attention onto the needle) and over every head;
 * ``patching.parquet``: per (site, layer, head), the normalised effect (0 = corrupted, 1 =
   clean; ratio of pair means) with a bootstrap interval over pairs; sites ``head`` (exact),
   ``resid`` (a layer's residual stream), ``selection`` (a selecting layer's kept sets from the
@@ -205,6 +210,31 @@ def attention_tables(attended: list[dict]) -> dict[str, pd.DataFrame]:
     return {"attention": att, "head_attention": head}
 
 
+def decomposition_tables(
+    decomposed: list[dict], attention: pd.DataFrame | None = None
+) -> dict[str, pd.DataFrame | None]:
+    """``decomposition`` (per prompt, layer, head, role, slot: the selection's terms,
+    :func:`~phasemech.interventions.decompose.decompose`) and ``decomposition_phases`` (per
+    ``heads`` and phase, :func:`~phasemech.interventions.decompose.mechanism_table`: over the
+    needle-reading heads when ``attention``, the ``attend`` step's table, names them, and
+    over every head); none without the step."""
+    from phasemech.interventions.decompose import mechanism_table, needle_reading_heads
+
+    if not decomposed:
+        return {"decomposition": None, "decomposition_phases": None}
+    df = long_frame(decomposed, "decomposition")
+    parts = [("every head", df)]
+    if attention is not None and len(attention):
+        top = needle_reading_heads(attention, sorted(set(df.layer)))
+        reading = df[df.set_index(["layer", "head"]).index.isin(top)]
+        parts.insert(0, ("needle-reading heads", reading))
+    phases = pd.concat(
+        [mechanism_table(part).reset_index().assign(heads=name) for name, part in parts],
+        ignore_index=True,
+    )
+    return {"decomposition": df, "decomposition_phases": phases}
+
+
 def explain_tables(
     cfg, prompts, observed, inter, heads, patch, pair_rows, source
 ) -> dict[str, pd.DataFrame | None]:
@@ -267,6 +297,7 @@ def write_tables(out: Path, tables: dict[str, pd.DataFrame | None]) -> None:
 __all__ = [
     "ablation_tables",
     "attention_tables",
+    "decomposition_tables",
     "explain_tables",
     "long_frame",
     "margin_metrics",
