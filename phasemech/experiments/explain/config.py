@@ -116,12 +116,13 @@ class ExplainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """The cache key's form: :meth:`flat` without ``offsets`` on the aligned grid and
-        without an unset ``sink_tokens``, so runs recorded before those fields keep their keys."""
+        without the probe's later fields at their defaults (an unset ``sink_tokens``, the
+        default template, no extra prefix), so runs recorded before them keep their keys."""
         out = self.flat()
         if out["offsets"] == "aligned":
             del out["offsets"]
-        if out["sink_tokens"] is None:
-            del out["sink_tokens"]
+        for name in self.probe.later_at_default():
+            del out[name]
         return out
 
     @property
