@@ -86,9 +86,17 @@ TEMPLATES: dict[str, tuple[str, str, str]] = {
         " What does the secret number of {key} equal? The secret number of {key} equals",
         " ",
     ),
-    "assign": (" Pass code for {key}=", " What is the pass code for {key}? Pass code for {key}=", ""),
+    "assign": (
+        " Pass code for {key}=",
+        " What is the pass code for {key}? Pass code for {key}=",
+        "",
+    ),
 }
-_KV_TEMPLATE = (" Record {key}: value", " What is the value of record {key}? Record {key}: value", " ")
+_KV_TEMPLATE = (
+    " Record {key}: value",
+    " What is the value of record {key}? Record {key}: value",
+    " ",
+)
 COLUMNS = (  # of the frame, one row per prompt (``prefix``: the shift prefix's length)
     "prompt_id", "group_id", "prefix", "kind", "depth", "key", "target", "needle_pos", "phase",
     "question_start", "answer_start", "length", "distance", "template",
@@ -273,7 +281,9 @@ def _prepare(
     # the common answer length: the commonest over a fixed probe, whatever the seed
     probe = np.random.default_rng(0)
     sep = _sep(task)
-    splits = [_split_answer(tok, _draw_code(probe, task.kind, task.code_len), sep) for _ in range(32)]
+    splits = [
+        _split_answer(tok, _draw_code(probe, task.kind, task.code_len), sep) for _ in range(32)
+    ]
     n_answer = Counter(len(a) for _, a in splits).most_common(1)[0][0]
     lead = max(len(ld) for ld, _ in splits)
     keys = _KV_KEYS if task.kind == "kv" else NAMES
