@@ -135,3 +135,27 @@ def test_probe_carries_both_and_keys_change_only_off_their_defaults():
         assert all(getattr(task, k) == v for k, v in change.items())
         assert audit_jobs(AuditConfig(p))[0].key != key
     assert audit_jobs(AuditConfig(ProbeConfig(template="pass_code", prefix_extra=0)))[0].key == key
+
+
+def test_the_cli_options_reach_the_probe(monkeypatch, tmp_path):
+    from typer.testing import CliRunner
+
+    import phasemech.experiments.audit.study as audit_study
+    from phasemech.cli import app
+
+    seen = {}
+
+    def fake(cfg, out, **kw):
+        seen["audit"] = cfg
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "summary.md").write_text("ok")
+        return {"wall_s": 0.0}
+
+    monkeypatch.setattr(audit_study, "run_audit", fake)
+    flags = ["audit", "--design", "route", "--template", "equals", "--prefix-extra", "2"]
+    res = CliRunner().invoke(app, [*flags, "-o", str(tmp_path / "a")])
+    assert res.exit_code == 0, res.output
+    assert (seen["audit"].probe.template, seen["audit"].probe.prefix_extra) == ("equals", 2)
+    bad = CliRunner().invoke(app, [*flags[:4], "bogus", "-o", str(tmp_path / "b")])
+    lines = [ln for ln in bad.output.splitlines() if ln.strip()]
+    assert bad.exit_code == 1 and len(lines) == 1 and "template='bogus' is invalid" in lines[0]
