@@ -65,14 +65,22 @@ def run_grid(args, grid) -> None:
                   num_cpus=args.num_cpus)  # fmt: skip
 
 
+def targets(out: Path) -> pd.DataFrame | None:
+    """An audit's scored rows: its report's table, or (a killed audit) its finished jobs'."""
+    if (out / "targets.parquet").exists():
+        return pd.read_parquet(out / "targets.parquet").assign(finished=True)
+    rows = [r for job in sorted((out / "jobs").glob("*.json"))
+            for r in json.loads(job.read_text())["result"]["targets"]]  # fmt: skip
+    return pd.DataFrame(rows).assign(finished=False) if rows else None
+
+
 def load(args, grid) -> pd.DataFrame:
     """The design's rows (and the null's, ``null`` column) of every finished audit."""
     frames = []
     for design, top_k, template, extra in grid:
-        path = folder(args.runs, design, top_k, template, extra) / "targets.parquet"
-        if not path.exists():
+        t = targets(folder(args.runs, design, top_k, template, extra))
+        if t is None:
             continue
-        t = pd.read_parquet(path)
         null = t[t.setting == "null"].set_index("prompt_id").correct
         t = t[t.setting != "null"].copy()
         t["null"] = t.prompt_id.map(null).astype(float)
@@ -124,6 +132,7 @@ def analyse(df: pd.DataFrame) -> dict:
         if d.template.nunique() > 1:  # content x template: a needle offset of its own
             d = d.assign(cell=d.group_id.astype(str) + "/" + d.template)
             pooled = regress(d, "correct ~ C(phase) + C(prefix) + C(cell)", TESTS)
+            # C(template) is collinear with the cells: only the interaction is tested (estimable)
             inter = regress(d, "correct ~ C(phase) * C(template) + C(prefix) + C(cell)",
                             {"phase x template": INTERACTION})  # fmt: skip
             pooled["tests"] |= inter["tests"]
@@ -179,7 +188,9 @@ def _md_regression(res: dict) -> list[str]:
 
 def write(df: pd.DataFrame, res: dict, stem: Path, command: str) -> None:
     t = tables(df)
-    cells = df.groupby(["design", "template", "extra"]).size().reset_index(name="prompts")
+    cells = (df.groupby(["design", "template", "extra"])
+             .agg(prompts=("correct", "size"), contents=("group_id", "nunique"),
+                  finished=("finished", "all")).reset_index())  # fmt: skip
     record = dict(command=command, cells=cells.to_dict(orient="records"), regression=res,
                   **{k: json.loads(v.reset_index().to_json(orient="records"))
                      for k, v in t.items()})  # fmt: skip
@@ -187,7 +198,9 @@ def write(df: pd.DataFrame, res: dict, stem: Path, command: str) -> None:
     md = ["# Weak phase: the grid's or the template's? (SmolLM2-135M, decode, T=1024, d=4, "
           "W=16, layers 2-29)", "", f"Command: `{command}`", "",
           "Audits (prompts per cell): " + ", ".join(
-              f"{r.design}/{r.template}/e{r.extra}: {r.prompts}" for r in cells.itertuples()),
+              f"{r.design}/{r.template}/e{r.extra}: {r.prompts} prompts, {r.contents} contents"
+              + ("" if r.finished else " (the audit's finished jobs only)")
+              for r in cells.itertuples()),
           ""]  # fmt: skip
     md += _md_table(t["by_phase"], "Accuracy by phase (design, template)")
     md += _md_table(t["null_by_phase"], "Dense null accuracy by phase")
