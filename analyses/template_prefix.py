@@ -108,13 +108,22 @@ def wald(fit, pattern: str) -> dict:
 def regress(df: pd.DataFrame, formula: str, tests: dict[str, str]) -> dict:
     import statsmodels.formula.api as smf
 
-    fit = smf.ols(formula, df).fit(
-        cov_type="cluster", cov_kwds={"groups": df.group_id.to_numpy()}, use_t=True
-    )
+    model = smf.ols(formula, df)
+    fit = model.fit(cov_type="cluster", cov_kwds={"groups": df.group_id.to_numpy()}, use_t=True)
+    hc1 = model.fit(cov_type="HC1", use_t=True)  # prompts independent: for few contents only
+    groups = int(df.group_id.nunique())
     coef = {n: dict(b=float(fit.params[n]), se=float(fit.bse[n]), p=float(fit.pvalues[n]))
             for n in fit.params.index if "group_id" not in n and n != "Intercept"}  # fmt: skip
-    return dict(formula=formula, n=int(fit.nobs), clusters=int(df.group_id.nunique()),
-                coef=coef, tests={k: wald(fit, v) for k, v in tests.items()})  # fmt: skip
+    out = {}
+    for name, pattern in tests.items():
+        t = wald(fit, pattern)
+        if groups - 1 < 2 * t["terms"]:  # a clustered covariance of too few contents: no test
+            t |= dict(F=float("nan"), p=float("nan"))
+        h = wald(hc1, pattern)
+        if hc1.df_resid < 2 * h["terms"]:  # (nearly) saturated: residuals of ~0, no test
+            h |= dict(F=float("nan"), p=float("nan"))
+        out[name] = t | dict(F_hc1=h["F"], p_hc1=h["p"], df_hc1=h["df_denom"])
+    return dict(formula=formula, n=int(fit.nobs), clusters=groups, coef=coef, tests=out)
 
 
 PHASE, PREFIX = r"^C\(phase\)\[", r"^C\(prefix\)\["
@@ -168,15 +177,20 @@ def _md_regression(res: dict) -> list[str]:
     lines = []
     for design, r in res.items():
         lines += [f"### {design}: Wald tests (LPM, content fixed effects, cluster-robust)", "",
-                  "| template | n | contents | test | F | df | p |", "|---" * 7 + "|"]  # fmt: skip
+                  "| template | n | contents | test | F (clustered) | df | p | F (HC1) | p (HC1) |",
+                  "|---" * 9 + "|"]  # fmt: skip
         fits = list(r["per_template"].items()) + ([("pooled", r["pooled"])] if r["pooled"] else [])
         for template, f in fits:
             for name, t in f["tests"].items():
                 df = f"{t['terms']}, {t['df_denom']:.0f}"
                 lines.append(f"| {template} | {f['n']} | {f['clusters']} | {name} | "
-                             f"{t['F']:.2f} | {df} | {t['p']:.2g} |")  # fmt: skip
-        lines += ["", "F tests with cluster-robust covariance have no floor on p; across the "
-                  "templates' tests, multiply by their number (Bonferroni).", "",
+                             f"{t['F']:.2f} | {df} | {t['p']:.2g} | {t['F_hc1']:.2f} | "
+                             f"{t['p_hc1']:.2g} |")  # fmt: skip
+        lines += ["", "F tests have no floor on p; across the templates' tests, multiply by "
+                  "their number (Bonferroni). The clustered test is left out (nan) where the "
+                  "contents are fewer than 2 x its terms + 1, HC1 where the residual df are fewer "
+                  "than 2 x its terms; HC1 treats prompts as independent (optimistic: a "
+                  "content's prompts share its needle).", "",
                   f"#### {design}: phase and prefix coefficients (vs phase 0 / prefix 0)", "",
                   "| template | term | b | se | p |", "|---" * 5 + "|"]  # fmt: skip
         for template, f in r["per_template"].items():
@@ -186,17 +200,17 @@ def _md_regression(res: dict) -> list[str]:
     return lines
 
 
-def write(df: pd.DataFrame, res: dict, stem: Path, command: str) -> None:
+def write(df: pd.DataFrame, res: dict, stem: Path, command: str, note: str = "") -> None:
     t = tables(df)
     cells = (df.groupby(["design", "template", "extra"])
              .agg(prompts=("correct", "size"), contents=("group_id", "nunique"),
                   finished=("finished", "all")).reset_index())  # fmt: skip
-    record = dict(command=command, cells=cells.to_dict(orient="records"), regression=res,
+    record = dict(command=command, note=note, cells=cells.to_dict(orient="records"), regression=res,
                   **{k: json.loads(v.reset_index().to_json(orient="records"))
                      for k, v in t.items()})  # fmt: skip
     stem.with_suffix(".json").write_text(json.dumps(record, indent=1))
     md = ["# Weak phase: the grid's or the template's? (SmolLM2-135M, decode, T=1024, d=4, "
-          "W=16, layers 2-29)", "", f"Command: `{command}`", "",
+          "W=16, layers 2-29)", "", f"Command: `{command}`", "", *([note, ""] if note else []),
           "Audits (prompts per cell): " + ", ".join(
               f"{r.design}/{r.template}/e{r.extra}: {r.prompts} prompts, {r.contents} contents"
               + ("" if r.finished else " (the audit's finished jobs only)")
@@ -222,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-cpus", type=int, default=2)
     p.add_argument("--out-stem", type=Path, default=STEM)
     p.add_argument("--analyse-only", action="store_true")
+    p.add_argument("--note", default="", help="a line for the record (how the runs were cut)")
     args = p.parse_args(argv)
     designs = [(d, int(k)) for d, k in (s.split(":") for s in args.designs.split(","))]
     extras = [int(e) for e in args.extras.split(",")]
@@ -235,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     df = load(args, grid)
     command = "python analyses/template_prefix.py " + " ".join(argv or __import__("sys").argv[1:])
     res = analyse(df)
-    write(df, res, args.out_stem, command)
+    write(df, res, args.out_stem, command, args.note)
     print(tables(df)["by_phase"].round(2).to_string())
     return 0
 
