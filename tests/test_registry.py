@@ -119,7 +119,7 @@ def test_audit_and_explain_share_every_probe_and_run_option():
     audit, explain = _options("audit"), _options("explain")
     assert shared <= audit and shared <= explain and "sink_tokens" in shared
     assert audit - shared == {"fix", "attention_groups"}
-    assert explain - shared == {"contrast_phases", "analyses", "top_heads"}
+    assert explain - shared == {"contrast_phases", "analyses", "top_heads", "group_sizes"}
 
 
 def test_explain_parses_the_audits_flags_into_the_same_probe(monkeypatch, tmp_path):

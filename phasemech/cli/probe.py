@@ -31,7 +31,7 @@ from phasemech.cli.base import (
     split_list,
 )
 from phasemech.core.designs import REGIMES
-from phasemech.data.retrieval import TASK_KINDS
+from phasemech.data.retrieval import TASK_KINDS, TEMPLATES
 from phasemech.experiments.probe.config import PROBE_DESIGNS, PROBE_OFFSETS, ProbeConfig
 
 
@@ -65,6 +65,8 @@ PROBE_OPTIONS: dict[str, tuple] = {
     "distractors": _opt(int | None, "multikey/kv: other codes"),
     "contents": _opt(int, "contents per context (x stride prompts)", _D["contents"], min=1),
     "seed": _opt(int, "the prompts' seed", _D["seed"]),
+    "template": _opt(str, f"needle template: {', '.join(TEMPLATES)}", _D["template"]),
+    "prefix_extra": _opt(int, "extra shift-prefix tokens (taken from the filler)", 0, min=0),
 }
 #: the run's options: where the results go and what runs them
 RUN_OPTIONS: dict[str, tuple] = {

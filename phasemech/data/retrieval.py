@@ -18,7 +18,13 @@ in the phase.
 Kinds (``RetrievalTask.kind``):
 
 - ``passkey``: one needle ``" The pass code for {name} is {code}."`` (``code_len`` digits);
-  question ``" What is the pass code for {name}? The pass code for {name} is"``.
+  question ``" What is the pass code for {name}? The pass code for {name} is"``. Other needle
+  templates (``RetrievalTask.template``, :data:`TEMPLATES`) change the words before the code,
+  so the lead-in tokens differ, each with its matching question: ``pass_code`` (the default,
+  above: ``" is"`` before the code), ``colon`` (``" Pass code of {name}: {code}."``),
+  ``equals`` (``" The secret number of {name} equals {code}."``) and ``assign``
+  (``" Pass code for {name}={code}."``: no space, so ``"="`` is the token right before the
+  code's first digit).
 - ``multikey``: the same with ``distractors`` other names' codes (distinct names, distinct
   codes) at other sentence boundaries; the question names the target.
 - ``kv``: ``1 + distractors`` records ``" Record {key}: value {value}."`` (``key`` a distinct
@@ -32,8 +38,13 @@ answer starts at the first informative token, like passkey.py's needle position.
 appears verbatim in the needle: ``tokens[needle_pos : needle_pos + n] == tokens[answer_start :
 answer_start + n] == answer``. Codes are redrawn until they tokenise to the common length.
 
-Phases: each content (group) is emitted behind the first ``k = 0..stride-1`` tokens of
-``PREFIX``, so the first answer token of the needle lands on every phase once per group.
+Phases: each content (group) is emitted behind the first ``e + k`` tokens of ``PREFIX``,
+``k = 0..stride-1`` and ``e = prefix_extra`` (default 0), so the first answer token of the
+needle lands on every phase once per group: prompt ``k`` has prefix length ``e + k`` (the
+frame's ``prefix``) and phase ``(len(start) + e + k + needle_at) mod stride``, ``needle_at``
+the content's own offset. ``e`` takes ``e`` tokens from the filler's budget, so the prompts'
+lengths stay as below whatever ``e`` is: runs at several ``e`` meet every phase at several
+prefix lengths (and, as ``needle_at`` varies between contents, so does one run).
 
 Length tolerance: the body is filled to an exact token count, so the prompt (+ answer) with
 prefix ``k`` is ``context - (stride - 1) + k`` tokens: all lie in ``[context - stride + 1,
@@ -61,9 +72,34 @@ _LETTERS = "abcdefghijklmnopqrstuvwxyz"
 _KV_KEYS = tuple(str(k) for k in range(100, 1000))  # 3-digit ids: same width, one run of digits
 _DISTRACTORS = {"passkey": (0, 0), "multikey": (1, len(NAMES) - 1), "kv": (0, len(_KV_KEYS) - 1)}
 _DEFAULT_DISTRACTORS = {"passkey": 0, "multikey": 4, "kv": 4}
-COLUMNS = (  # of the frame, one row per prompt
+#: needle templates of ``passkey`` and ``multikey``: name -> (needle head, question, the text
+#: between head and code); the needle is head + sep + code + ``"."``
+TEMPLATES: dict[str, tuple[str, str, str]] = {
+    "pass_code": (
+        " The pass code for {key} is",
+        " What is the pass code for {key}? The pass code for {key} is",
+        " ",
+    ),
+    "colon": (" Pass code of {key}:", " What is the pass code of {key}? Pass code of {key}:", " "),
+    "equals": (
+        " The secret number of {key} equals",
+        " What does the secret number of {key} equal? The secret number of {key} equals",
+        " ",
+    ),
+    "assign": (
+        " Pass code for {key}=",
+        " What is the pass code for {key}? Pass code for {key}=",
+        "",
+    ),
+}
+_KV_TEMPLATE = (
+    " Record {key}: value",
+    " What is the value of record {key}? Record {key}: value",
+    " ",
+)
+COLUMNS = (  # of the frame, one row per prompt (``prefix``: the shift prefix's length)
     "prompt_id", "group_id", "prefix", "kind", "depth", "key", "target", "needle_pos", "phase",
-    "question_start", "answer_start", "length", "distance",
+    "question_start", "answer_start", "length", "distance", "template",
 )  # fmt: skip
 
 
@@ -89,7 +125,10 @@ class RetrievalTask:
 
     ``context`` is the total length (shift prefix + body + question + answer): every prompt is
     in ``[context - stride + 1, context]``. ``distractors=None`` takes the kind's default (0 for
-    ``passkey``, which refuses any other value; 4 for ``multikey`` and ``kv``).
+    ``passkey``, which refuses any other value; 4 for ``multikey`` and ``kv``). ``template``:
+    the needle's words (:data:`TEMPLATES`; ``kv`` has its record template only);
+    ``prefix_extra``: shift-prefix tokens in front of every prompt's ``k``, taken from the
+    filler (module docstring, Phases).
     """
 
     kind: str = "passkey"
@@ -98,10 +137,18 @@ class RetrievalTask:
     stride: int = 4
     distractors: int | None = None
     code_len: int = 4
+    template: str = "pass_code"
+    prefix_extra: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in TASK_KINDS:
             raise _bad("kind", self.kind, "", " | ".join(TASK_KINDS))
+        if self.template not in TEMPLATES or (self.kind == "kv" and self.template != "pass_code"):
+            why = "kv has its record template only; " if self.template in TEMPLATES else ""
+            allowed = "pass_code" if self.kind == "kv" else " | ".join(TEMPLATES)
+            raise _bad("template", self.template, why, allowed)
+        if not _is_int(self.prefix_extra) or self.prefix_extra < 0:
+            raise _bad("prefix_extra", self.prefix_extra, "", "an int >= 0")
         for name, low, high in (
             ("context", MIN_CONTEXT, None),
             ("stride", 1, None),
@@ -177,9 +224,9 @@ def exact_tails(lengths: list[int], limit: int) -> tuple[dict[int, list[int]], i
     return tails, None
 
 
-def _split_answer(tok, code: str) -> tuple[list[int], list[int]]:
-    """``(lead, answer)``: the tokens of ``" {code}"``, a bare-space first token split off."""
-    ids = token_ids(tok, f" {code}")
+def _split_answer(tok, code: str, sep: str = " ") -> tuple[list[int], list[int]]:
+    """``(lead, answer)``: the tokens of ``sep + code``, a bare-space first token split off."""
+    ids = token_ids(tok, f"{sep}{code}")
     if len(ids) > 1 and tok.decode(ids[:1]).strip() == "":
         return ids[:1], ids[1:]
     return [], ids
@@ -194,14 +241,14 @@ def _draw_code(rng: np.random.Generator, kind: str, code_len: int) -> str:
     return str(int(rng.integers(10 ** (code_len - 1), 10**code_len)))
 
 
-def _texts(kind: str, key: str) -> tuple[str, str]:
-    """``(needle head, question)``: the needle is head + ``" {code}"`` + ``"."``."""
-    if kind == "kv":
-        return f" Record {key}: value", f" What is the value of record {key}? Record {key}: value"
-    return (
-        f" The pass code for {key} is",
-        f" What is the pass code for {key}? The pass code for {key} is",
-    )
+def _texts(task: RetrievalTask, key: str) -> tuple[str, str]:
+    """``(needle head, question)``: the needle is head + sep + code + ``"."``."""
+    head, question, _ = _KV_TEMPLATE if task.kind == "kv" else TEMPLATES[task.template]
+    return head.format(key=key), question.format(key=key)
+
+
+def _sep(task: RetrievalTask) -> str:
+    return _KV_TEMPLATE[2] if task.kind == "kv" else TEMPLATES[task.template][2]
 
 
 def _prepare(
@@ -210,7 +257,15 @@ def _prepare(
     """Tokenise the shared pieces; refuse a stride the prefix cannot shift or a context too
     short for the needle, the distractors and the question (at the longest keys)."""
     prefix = token_ids(tok, PREFIX)
-    if len(prefix) < task.stride - 1:
+    if len(prefix) < task.prefix_extra + task.stride - 1:
+        if task.prefix_extra:
+            raise _bad(
+                "prefix_extra",
+                task.prefix_extra,
+                f"the shift prefix is {len(prefix)} tokens and stride {task.stride} takes "
+                f"{task.stride - 1} of them; ",
+                f"0..{max(len(prefix) - task.stride + 1, 0)}",
+            )
         raise _bad(
             "stride",
             task.stride,
@@ -225,18 +280,21 @@ def _prepare(
         raise ValueError(f"filler sentences of {lengths} tokens cannot fill a body exactly")
     # the common answer length: the commonest over a fixed probe, whatever the seed
     probe = np.random.default_rng(0)
-    splits = [_split_answer(tok, _draw_code(probe, task.kind, task.code_len)) for _ in range(32)]
+    sep = _sep(task)
+    splits = [
+        _split_answer(tok, _draw_code(probe, task.kind, task.code_len), sep) for _ in range(32)
+    ]
     n_answer = Counter(len(a) for _, a in splits).most_common(1)[0][0]
     lead = max(len(ld) for ld, _ in splits)
     keys = _KV_KEYS if task.kind == "kv" else NAMES
-    heads, questions = zip(*(_texts(task.kind, k) for k in keys), strict=True)
+    heads, questions = zip(*(_texts(task, k) for k in keys), strict=True)
     dot = token_ids(tok, ".")
     needle = max(len(token_ids(tok, h)) for h in heads) + lead + n_answer + len(dot)
     question = max(len(token_ids(tok, q)) for q in questions) + lead
     d = task.distractors
     start = [tok.bos_token_id] if bos else []
     # d + 1 distinct sentence boundaries need d sentences at least
-    need = len(start) + task.stride - 1 + question + n_answer + (1 + d) * needle
+    need = len(start) + task.prefix_extra + task.stride - 1 + question + n_answer + (1 + d) * needle
     need += max(fill_min, d * max(lengths))
     if task.context < need:
         raise _bad(
@@ -254,7 +312,7 @@ def _draw_codes(tok, task: RetrievalTask, rng: np.random.Generator, n: int, n_an
     for _ in range(100 * n):
         code = _draw_code(rng, task.kind, task.code_len)
         if code not in out:
-            lead, answer = _split_answer(tok, code)
+            lead, answer = _split_answer(tok, code, _sep(task))
             if len(answer) == n_answer:
                 out[code] = (lead, answer)
                 if len(out) == n:
@@ -292,11 +350,12 @@ def _draw_content(
     codes = _draw_codes(tok, task, rng, 1 + d, p.n_answer)
     needles, offsets = [], []  # offsets: the first answer token within each needle
     for key, (_, lead, answer) in zip(keys, codes, strict=True):
-        head = token_ids(tok, _texts(task.kind, key)[0]) + lead
+        head = token_ids(tok, _texts(task, key)[0]) + lead
         needles.append(head + answer + p.dot)
         offsets.append(len(head))
-    question = token_ids(tok, _texts(task.kind, keys[0])[1]) + codes[0][1]
-    budget = task.context - len(p.start) - (task.stride - 1) - len(question) - p.n_answer
+    question = token_ids(tok, _texts(task, keys[0])[1]) + codes[0][1]
+    shift = len(p.start) + task.prefix_extra + task.stride - 1  # the longest prompt's
+    budget = task.context - shift - len(question) - p.n_answer
     budget -= sum(map(len, needles))
     filler = _filler(p, budget, int(rng.integers(len(p.sentences))))
     # the target sits at the boundary nearest `depth` of the filler's tokens; distractors at
@@ -322,15 +381,15 @@ def _build(tok, task: RetrievalTask, p: _Pieces, n_contents: int, seed: int) -> 
     rows, seqs = [], []
     for g in range(n_contents):
         c = _draw_content(tok, task, p, rng, task.depths[g % len(task.depths)])
-        for k in range(task.stride):  # only the shift differs: the pieces are reused
-            shift = len(p.start) + k
+        for k in range(task.prefix_extra, task.prefix_extra + task.stride):  # only the shift
+            shift = len(p.start) + k  # differs: the pieces are reused
             question_start = shift + len(c.body)
             answer_start = question_start + len(c.question)
             needle_pos = shift + c.needle_at
             rows.append(
                 (len(rows), g, k, task.kind, c.depth, c.key, c.code, needle_pos)
                 + (needle_pos % task.stride, question_start, answer_start)
-                + (answer_start + len(c.answer), answer_start - needle_pos)
+                + (answer_start + len(c.answer), answer_start - needle_pos, task.template)
             )
             seqs.append(p.start + p.prefix[:k] + c.body + c.question + c.answer)
     pad = tok.pad_token_id if getattr(tok, "pad_token_id", None) is not None else 0
@@ -386,6 +445,7 @@ __all__ = [
     "COLUMNS",
     "TASK_KINDS",
     "RetrievalTask",
+    "TEMPLATES",
     "build_retrieval_prompts",
     "check_task",
     "exact_tails",

@@ -144,15 +144,16 @@ class ExplainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """The cache key's form: :meth:`flat` without ``offsets`` on the aligned grid, without
-        an unset ``sink_tokens``, without ``auto_perm`` at its default, without
+        the probe's later fields at their defaults (an unset ``sink_tokens``, the default
+        template, no extra prefix), without ``auto_perm`` at its default, without
         :data:`LATER_ANALYSES` among the analyses and without ``group_sizes`` at its default, so
         runs recorded before those existed keep their keys (a later analysis's own step differs
         by its ``step``)."""
         out = self.flat()
         if out["offsets"] == "aligned":
             del out["offsets"]
-        if out["sink_tokens"] is None:
-            del out["sink_tokens"]
+        for name in self.probe.later_at_default():
+            del out[name]
         if out["auto_perm"]:
             del out["auto_perm"]
         out["analyses"] = tuple(a for a in out["analyses"] if a not in LATER_ANALYSES)

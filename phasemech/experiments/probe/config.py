@@ -43,7 +43,9 @@ class ProbeConfig:
     that take a sink); ``regime``: ``decode`` (a dense prefill, then the compressed cache) or
     ``trained``; ``contexts``: prompt lengths in tokens; ``contents``: contents per context,
     each at every phase at every depth (``contents x stride`` prompts, the same for every
-    study with the same task, contents and seed)."""
+    study with the same task, contents and seed); ``template`` and ``prefix_extra``: the
+    needle's words and the extra shift-prefix tokens (:class:`~phasemech.data.retrieval.
+    RetrievalTask`), to tell the grid's phase from the template's and the prefix's."""
 
     designs: tuple[str, ...] = ("route",)
     model: str = "smollm2-135m"
@@ -63,6 +65,8 @@ class ProbeConfig:
     distractors: int | None = None
     contents: int = 50
     seed: int = 0
+    template: str = "pass_code"
+    prefix_extra: int = 0
 
     def __post_init__(self) -> None:
         for name in ("designs", "contexts", "depths", "layers"):  # lists from JSON or a user
@@ -128,21 +132,25 @@ class ProbeConfig:
 
     def retrieval_task(self, context: int) -> RetrievalTask:
         kw = dict(kind=self.task, context=context, depths=self.depths, stride=self.stride)
+        kw |= dict(template=self.template, prefix_extra=self.prefix_extra)
         return RetrievalTask(**kw, distractors=self.distractors)
 
     def to_dict(self) -> dict[str, Any]:
         """The cache key's form: every field, but those of :data:`LATER_FIELDS` left out while
         at their default, so the keys of runs recorded before they existed stay the same."""
         out = dataclasses.asdict(self)
-        for name in LATER_FIELDS:
-            if out[name] == _DEFAULTS[name]:
-                del out[name]
+        for name in self.later_at_default():
+            del out[name]
         return out
+
+    def later_at_default(self) -> list[str]:
+        """The fields of :data:`LATER_FIELDS` at their defaults: every cache key leaves them out."""
+        return [name for name in LATER_FIELDS if getattr(self, name) == _DEFAULTS[name]]
 
 
 #: fields added after runs were recorded: a new field goes here (its default must keep the old
 #: behaviour), so that recorded runs keep their cache keys (``tests/test_probe_keys.py``)
-LATER_FIELDS = ("sink_tokens",)
+LATER_FIELDS = ("sink_tokens", "template", "prefix_extra")
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(ProbeConfig)}
 
 

@@ -166,6 +166,7 @@ def score_prompt(
         cache = prefill(base, tokens[:, :offset], keep_queries=keep)
     prefill_s = _clock(dev) - t0
     meta = {c: info[c] for c in ("prompt_id", "group_id", "depth", "needle_pos", "phase")}
+    meta |= {c: info[c] for c in ("prefix", "template") if c in info}  # for a regression
     meta = {k: v.item() if hasattr(v, "item") else v for k, v in meta.items()}
     rows, heads = [], []
     for name, model in models:
