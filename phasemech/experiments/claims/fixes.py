@@ -5,7 +5,8 @@ Axes: ``phase``; rows are fixes (seeds pooled) or comparisons with a baseline.
 
 A comparison is *untestable* where its baseline has no gap (:func:`baseline_has_gap`: a seed
 of the baseline never learned, or its pooled debiased-gap CI reaches 0): a fix cannot be shown
-to shrink a gap that is not there. The verdict (:func:`fixes_verdict`) says so where no comparison was testable.
+to shrink a gap that is not there. The verdict (:func:`fixes_verdict`) says so where no
+comparison was testable.
 """
 
 from __future__ import annotations
@@ -192,8 +193,12 @@ def claim_fixes(src: Sources) -> str:
         f"significantly narrower for {len(narrower)} ({', '.join(narrower) or 'none'}).",
         "",
     ]
-    has = {f"{r.fix} vs {r.baseline}": baseline_has_gap(res, r.baseline, at) for r in cmp.itertuples()}
-    verdict = fixes_verdict(met, [k for k, v in has.items() if v], [k for k, v in has.items() if not v])
+    has = {
+        f"{r.fix} vs {r.baseline}": baseline_has_gap(res, r.baseline, at) for r in cmp.itertuples()
+    }
+    verdict = fixes_verdict(
+        met, [k for k, v in has.items() if v], [k for k, v in has.items() if not v]
+    )
     out += [
         f"Verdict (rule: reduction >= {fx['goal_reduction']:.0%} with its CI above 0, the "
         f"accuracy change's CI above -{fx['noninferiority']:.0%}, every seed of the fix and of "

@@ -132,9 +132,9 @@ def size_words(gaps: list[float]) -> str:
     lo, hi = min(gaps), max(gaps)
     if 100 * hi >= CLAIM_GAP_PP:
         return f"at the paper's size (largest {100 * hi:.1f} pp, the paper's {CLAIM_GAP_PP} pp)"
-    ratio = f"{100 * hi / CLAIM_GAP_PP:.2f}"
+    ratio = f"{100 * hi / CLAIM_GAP_PP:.3f}"
     if hi > lo:
-        ratio = f"{100 * lo / CLAIM_GAP_PP:.2f} to {ratio}"
+        ratio = f"{100 * lo / CLAIM_GAP_PP:.3f} to {ratio}"
     span = f"{100 * hi:.1f} pp" if hi == lo else f"{100 * lo:.1f} to {100 * hi:.1f} pp"
     return (
         f"at a fraction of the paper's size: gaps of {span}, {ratio} times the paper's "

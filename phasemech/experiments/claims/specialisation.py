@@ -49,6 +49,7 @@ from phasemech.experiments.claims.sources import (
     not_measured,
 )
 from phasemech.experiments.claims.theory import model_learned, theory_runs
+from phasemech.experiments.explain.config import ExplainConfig
 from phasemech.experiments.explain.summary import layer_span, phases_text
 
 #: the ablations explain's head test holds in one Holm family: every head under zero and under
@@ -153,7 +154,8 @@ def head_test_floor(s: dict) -> tuple[float, int | None, int]:
     (None where the run records the floor itself) and its permutations: the run's ``p_floor``
     where it states one, else (heads tested x :data:`HEAD_TEST_FORMS`) / (n_perm + 1)."""
     f = s.get("findings", {})
-    n_perm = int(f.get("n_perm", s["config"]["n_perm"]))
+    # the run's permutations; a recording without them ran at the config's default
+    n_perm = int(f.get("n_perm", s["config"].get("n_perm", ExplainConfig.n_perm)))
     if f.get("p_floor") is not None:
         return float(f["p_floor"]), f.get("n_tests"), n_perm
     m = int(f.get("n_tests") or f["n_heads_tested"] * len(HEAD_TEST_FORMS))
@@ -193,7 +195,7 @@ def real_model_verdict(model: str, runs: list[tuple[str, str, float]]) -> str:
         if hits:
             where = ", ".join(f"{name} (floor {floor:.3g})" for name, _, floor in hits)
             parts.append(f"{words} {len(hits)} of the {len(tested)} settings that ablated every "
-                         f"head: {where}")  # fmt: skip
+                         f"head (of {len(runs)} recorded): {where}")  # fmt: skip
     return f"{lead}. What the post-hoc head test says: " + "; ".join(parts)
 
 
@@ -270,7 +272,9 @@ def claim_specialisation(src: Sources) -> str:
     out.append("")
     sig = 0
     if src.panels is None:
-        out.append("- The `make figures` run's model panels are not listed. " + figures_run_note(src))
+        out.append(
+            "- The `make figures` run's model panels are not listed. " + figures_run_note(src)
+        )
     for p in src.panels or []:
         comp = [h for h in p["heads"] if h["compressed"]]
         if not comp:

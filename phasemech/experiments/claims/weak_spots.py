@@ -78,7 +78,7 @@ def deployment_settings(results: Path) -> list[dict]:
                             context=context, budget=budget, fraction=budget / context,
                             seed=cfg["seed"], contents=cfg["contents"], config=cfg,
                             top_k=audit.compression(m["design"], m["variant"]).top_k,
-                            n_perm=cfg.get("n_perm", 1000)))  # fmt: skip
+                            n_perm=cfg.get("n_perm", AuditConfig.n_perm)))  # fmt: skip
     return out
 
 
@@ -158,7 +158,9 @@ def _pretrained_lines(results: Path) -> tuple[list[str], list[dict]]:
     out, rows = [], []
     pre = load_json(results / "pretrained_default.json")
     if pre is None:
-        out.append("- " + not_measured("analyses/results/pretrained_default.json", "make pretrained"))
+        out.append(
+            "- " + not_measured("analyses/results/pretrained_default.json", "make pretrained")
+        )
     for r in pre["rows"] if pre else []:
         if not r["setting"].startswith("route"):
             continue
