@@ -95,9 +95,12 @@ def test_weak_spots_verdict_needs_the_papers_size_at_a_deployment_budget_and_a_c
     # the largest gap anywhere must hold after its own correction: 8 x 0.0062 = 0.0496 < 0.05
     dep = _setting(0.05, 0.0, 0.5)
     assert "**Partly" in weak_spots_verdict(dict(anywhere, p_perm=0.0062), 8, dep, 10, None)
-    assert "**Not supported**" in weak_spots_verdict(
-        dict(anywhere, p_perm=0.0063), 8, dep, 10, None
-    )
+    weak = dict(anywhere, p_perm=0.0063)
+    assert "**Not supported**" in weak_spots_verdict(weak, 8, dep, 10, None)
+    # a deployment gap below the paper's size that replicates is still a real weak spot
+    rep_dep = dict(rep, gap_lo=0.001)
+    assert "**Partly" in weak_spots_verdict(weak, 8, dep, 10, rep_dep)
+    assert "**Not supported**" in weak_spots_verdict(weak, 8, dep, 10, dict(rep, gap_lo=0.0))
 
 
 def _audit(path: Path, context: int, seed: int = 0) -> None:

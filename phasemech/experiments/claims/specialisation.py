@@ -300,7 +300,7 @@ def claim_specialisation(src: Sources) -> str:
             + "."
         )
     if src.panels is not None:
-        out.append(f"  (`{src.command}`: model panels; {figures_run_note(src)})")
+        out.append(f"  (`{src.command}`: model panels.) {figures_run_note(src)}")
     name, tt = (theory_runs(src.results) or [(None, None)])[0]
     learned = [m for m in tt["models"] if model_learned(m)] if tt else []
     if learned:

@@ -13,8 +13,9 @@ maximum: the smallest attainable corrected p is ``m / (n_perm + 1)``):
   gap reaches the paper's figure and holds after being chosen (replicated on fresh contents
   with its CI above 0, or its corrected p below :data:`~phasemech.experiments.claims.sources.
   ALPHA`);
-- **Partly supported** where the largest gap of any setting (SmolLM2's recorded sweeps) holds
-  after the correction, but not at a deployment budget at the paper's size;
+- **Partly supported** where the largest gap of any setting (SmolLM2's recorded sweeps), or the
+  deployment gap, holds after the correction, but not at a deployment budget at the paper's
+  size;
 - **Not supported** otherwise.
 """
 
@@ -116,6 +117,7 @@ def weak_spots_verdict(
     """The verdict by the module's rule. ``anywhere``: the largest gap of SmolLM2's sweeps,
     chosen from ``n_any`` settings; ``deploy``: the largest at a deployment budget, from
     ``n_deploy``; ``rep``: ``deploy`` recorded on fresh contents (None: not replicated)."""
+    holds = False
     if deploy is not None:
         p_dep = corrected(deploy["p_perm"], n_deploy)
         holds = (rep is not None and rep["gap_lo"] > 0) or p_dep < ALPHA
@@ -150,6 +152,8 @@ def weak_spots_verdict(
             f"{anywhere['accuracy']:.3f}, holds as the largest of {n_any} settings: Bonferroni "
             f"p {corrected(anywhere['p_perm'], n_any):.2g}), but {dep_txt}"
         )
+    if holds:  # a deployment gap that holds, below the paper's size
+        return f"**Partly supported**: weak spots are real, but {dep_txt}"
     return f"**Not supported**: no gap holds after being chosen, and {dep_txt}"
 
 
