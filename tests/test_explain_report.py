@@ -69,18 +69,21 @@ def test_findings_and_the_real_model_claim(tmp_path):
     assert "it lost 4 of the design's right answers" in text
     assert "range goes from 0.50 to 0.10: the selection is most of the weak spot" in text
     assert "1 of 6 heads phase-dependent (L2H0 serves phase 1)" in text
-    assert "**Supported** in `route_d4_w16_k1` (decode, 1 heads)" in verdict
+    # 6 heads x zero and mean ablation at the config's 1000 permutations: 12 / 1001 < 0.05
+    assert "smallest Holm p this test can reach is 12/1001 = 0.012" in text
+    assert "**Not testable post hoc**: no head of smollm2-135m was trained" in verdict
+    assert "**supported post hoc**" in verdict and "`route_d4_w16_k1` (decode)" in verdict
     f["phase_dependent_heads"] = []
     (tmp_path / "explain_route.json").write_text(json.dumps(_summary(f)))
-    assert "**Not supported**" in real_model_lines(tmp_path)[1]
+    assert "**not supported** post hoc" in real_model_lines(tmp_path)[1]
     # a setting that did not ablate is named, and counts neither way
     g = {k: v for k, v in f.items() if k not in ("phase_dependent_heads", "n_heads_tested")}
     (tmp_path / "explain_trained.json").write_text(json.dumps(_summary(g)))
     lines, verdict = real_model_lines(tmp_path)
     assert "Zero ablation: not run in this setting." in "\n".join(lines)
-    assert "no such head in the 1 of 2 recorded settings" in verdict
+    assert "in 1 of the 1 settings that ablated every head" in verdict
     (tmp_path / "explain_route.json").unlink()
-    assert "**Open**: no recorded setting ablated" in real_model_lines(tmp_path)[1]
+    assert "no recorded setting ablated heads" in real_model_lines(tmp_path)[1]
 
 
 def test_atp_check_compares_with_the_exact_result():

@@ -2,6 +2,11 @@
 offsets, phase-jittered data), from the recorded fixes runs.
 
 Axes: ``phase``; rows are fixes (seeds pooled) or comparisons with a baseline.
+
+A comparison is *untestable* where its baseline has no gap (:func:`baseline_has_gap`: a seed
+of the baseline never learned, or its pooled debiased-gap CI reaches 0): a fix cannot be shown
+to shrink a gap that is not there. The verdict (:func:`fixes_verdict`) says so where no
+comparison was testable.
 """
 
 from __future__ import annotations
@@ -27,6 +32,41 @@ def fix_runs(results: Path) -> list[tuple[str, dict]]:
     """The recorded fixes runs, ``(profile, summary)``, shortest training budget first."""
     runs = ((name, load_json(results / f"fixes_{name}.json")) for name in FIX_PROFILES)
     return [(name, fx) for name, fx in runs if fx is not None]
+
+
+def baseline_has_gap(res: pd.DataFrame, baseline: str, at: float) -> bool:
+    """Whether ``baseline`` has a gap a fix could cut: every seed learned (held-out accuracy
+    >= ``at``: an unlearned model's gap is no design's) and its pooled debiased-gap CI lies
+    above 0."""
+    row = res[(res["seed"] == "pooled") & (res["targets"] == "all") & (res["fix"] == baseline)]
+    learned = all_off_plateau(res, baseline, at)
+    return learned and bool(len(row)) and float(row["debiased_lo"].iloc[0]) > 0
+
+
+def base_why(res: pd.DataFrame, baseline: str, at: float) -> str:
+    """Why ``baseline`` has no gap to cut (:func:`baseline_has_gap` is False)."""
+    up, n = seeds_off_plateau(res, baseline, at)
+    if up < n:
+        return f"{n - up} of {n} baseline seeds below {at} accuracy"
+    return "its debiased-gap CI reaches 0"
+
+
+def fixes_verdict(met: list[str], testable: list[str], untestable: list[str]) -> str:
+    """``met``: the fixes that met the goal; ``testable`` / ``untestable``: the comparisons at
+    the longest budget whose baseline has / has no gap to cut."""
+    if met:
+        return f"**Goal met** by {', '.join(met)}"
+    if not testable:
+        return (
+            "**Untestable**: no baseline has a gap to cut (its debiased-gap CI reaches 0) in "
+            + ", ".join(untestable)
+        )
+    tail = (
+        f"; untestable (the baseline has no gap to cut): {', '.join(untestable)}"
+        if untestable
+        else ""
+    )
+    return f"**Goal not met** by any of the {len(testable)} testable comparisons{tail}"
 
 
 def _fixes_run(name: str, fx: dict) -> tuple[list[str], list[str]]:
@@ -71,12 +111,18 @@ def _fixes_run(name: str, fx: dict) -> tuple[list[str], list[str]]:
                 why.append(f"{n - up} of {n} seeds below {at} accuracy, so their gap is no fix")
             if base_up < base_n:
                 why.append(f"{base_n - base_up} of {base_n} baseline seeds below {at} accuracy")
+        reading = (
+            "meets the goal."
+            if r.meets_goal
+            else f"misses the goal ({'; '.join(why)})."
+            if baseline_has_gap(res, r.baseline, at)
+            else f"untestable: the baseline has no gap to cut ({base_why(res, r.baseline, at)})."
+        )
         out.append(
             f"- {r.fix} vs {r.baseline}: gap {f3(r.gap_baseline)} -> {f3(r.gap_other)}, "
             f"reduction {100 * r.reduction:.0f}% [{100 * r.reduction_lo:.0f}%, "
             f"{100 * r.reduction_hi:.0f}%], accuracy change {r.accuracy_diff:+.3f} "
-            f"[{r.accuracy_diff_lo:+.3f}, {r.accuracy_diff_hi:+.3f}]: "
-            + ("meets the goal." if r.meets_goal else f"misses the goal ({'; '.join(why)}).")
+            f"[{r.accuracy_diff_lo:+.3f}, {r.accuracy_diff_hi:+.3f}]: " + reading
         )
         if r.meets_goal:
             met.append(f"{r.fix} ({name})")
@@ -147,15 +193,30 @@ def claim_fixes(src: Sources) -> str:
         f"significantly narrower for {len(narrower)} ({', '.join(narrower) or 'none'}).",
         "",
     ]
-    verdict = f"**Goal met** by {', '.join(met)}" if met else "**Goal not met** by any fix tested"
+    has = {
+        f"{r.fix} vs {r.baseline}": baseline_has_gap(res, r.baseline, at) for r in cmp.itertuples()
+    }
+    verdict = fixes_verdict(
+        met, [k for k, v in has.items() if v], [k for k, v in has.items() if not v]
+    )
     out += [
         f"Verdict (rule: reduction >= {fx['goal_reduction']:.0%} with its CI above 0, the "
         f"accuracy change's CI above -{fx['noninferiority']:.0%}, every seed of the fix and of "
-        f"its baseline {word} (held-out accuracy >= {at})): " + verdict + ".",
+        f"its baseline {word} (held-out accuracy >= {at}); untestable where the baseline has no "
+        "gap to cut (a seed not learned, or its debiased-gap CI reaches 0), at the longest "
+        "budget): " + verdict + ".",
         "",
         figure_line(src, "fixes_by_phase"),
     ]
     return "\n".join(out)
 
 
-__all__ = ["FIX_PROFILES", "claim_fixes", "fix_runs", "fixes_training_lines"]
+__all__ = [
+    "FIX_PROFILES",
+    "base_why",
+    "baseline_has_gap",
+    "claim_fixes",
+    "fix_runs",
+    "fixes_training_lines",
+    "fixes_verdict",
+]

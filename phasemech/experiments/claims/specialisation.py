@@ -17,7 +17,15 @@ forcing the needle's block restores the weak phase (the oracle: then the weak sp
 selection), what patching from the strong phase restores, and the heads whose zero ablation
 depends on the phase. The verdict's rule is the lab's: a head whose
 zero-ablation effect on accuracy differs across phases (Holm p < 0.05, range >= 10 points).
-The real model has no ablated dense control, which the verdict says. The oracle's reading
+The real model has no ablated dense control, which the verdict says. Its verdict
+(:func:`real_model_verdict`) separates what the evidence can say: the paper's claim is about
+components trained under the compression, and no head of a real model compressed post hoc was,
+so the claim is *not testable post hoc*; what the post-hoc head test itself says is, per run,
+*not testable with this test* where its smallest attainable Holm p (:func:`head_test_floor`:
+the recorded ``p_floor`` where a run states one, else the family size times
+``1 / (n_perm + 1)``) is not below :data:`~phasemech.experiments.claims.sources.ALPHA`, *not
+supported* where it could reject and found no head, *supported post hoc* where it found one.
+The oracle's reading
 (where the unforced range exceeds 5 points): forcing that leaves a per-phase range of at most 5
 points means the weak spot is the selection; at most half the unforced range, most of it;
 more, not the selection alone.
@@ -30,10 +38,23 @@ from pathlib import Path
 from typing import Any
 
 from phasemech.experiments.claims.converged import D_MODEL, interventions_claim_lines
-from phasemech.experiments.claims.sources import Sources, f3, figure_line, load_json, not_measured
+from phasemech.experiments.claims.sources import (
+    ALPHA,
+    Sources,
+    f3,
+    figure_line,
+    figures_run_note,
+    holm_floor,
+    load_json,
+    not_measured,
+)
 from phasemech.experiments.claims.theory import model_learned, theory_runs
+from phasemech.experiments.explain.config import ExplainConfig
 from phasemech.experiments.explain.summary import layer_span, phases_text
 
+#: the ablations explain's head test holds in one Holm family: every head under zero and under
+#: mean ablation (``explain.tables.ablation_tables`` tests both in one ``specialization`` call)
+HEAD_TEST_FORMS = ("zero", "mean")
 RULE = "a head whose zero-ablation effect on accuracy differs across phases (Holm p < 0.05, range >= 10 points)"  # noqa: E501
 
 
@@ -112,14 +133,71 @@ def explain_run_lines(stem: str, s: dict) -> tuple[list[str], int | None]:
         return lines, None
     best = ", ".join(f"L{h['layer']}H{h['unit']} serves phase {h['served_phase']}"
                      for h in dep[:5])  # fmt: skip
-    floor = f.get("p_holm_floor")  # a run from before it: not recorded
+    floor, m, n_perm = head_test_floor(s)
+    family = (
+        f"{m}/{n_perm + 1} = {floor:.3g} ({m} tests: {f['n_heads_tested']} heads x "
+        f"{' and '.join(HEAD_TEST_FORMS)} ablation, {n_perm} permutations each)"
+        if m is not None
+        else f"{floor:.3g} (recorded)"
+    )
+    can = "below" if floor < ALPHA else "not below"
     lines.append(
         f"  - Zero ablation: {len(dep)} of {f['n_heads_tested']} heads phase-dependent"
         + (f" ({best})" if best else "")
-        + ("" if floor is None else f"; smallest attainable Holm p {floor:.2g}")
-        + "."
+        + f"; the smallest Holm p this test can reach is {family}, {can} {ALPHA}."
     )
     return lines, len(dep)
+
+
+def head_test_floor(s: dict) -> tuple[float, int | None, int]:
+    """The smallest Holm p one recorded explain run's head test can reach, its family size
+    (None where the run records the floor itself) and its permutations: the run's
+    ``p_holm_floor`` (explain's findings) where it states one, else (heads tested x
+    :data:`HEAD_TEST_FORMS`) / (n_perm + 1)."""
+    f = s.get("findings", {})
+    # the run's permutations; a recording without them ran at the config's default
+    n_perm = int(f.get("n_perm", s["config"].get("n_perm", ExplainConfig.n_perm)))
+    if f.get("p_holm_floor") is not None:
+        return float(f["p_holm_floor"]), f.get("n_tests"), n_perm
+    m = int(f.get("n_tests") or f["n_heads_tested"] * len(HEAD_TEST_FORMS))
+    return holm_floor(m, n_perm), m, n_perm
+
+
+def run_reading(n_dependent: int | None, floor: float) -> str:
+    """What one run's post-hoc head test can say: ``not run``, ``supported`` (a head found),
+    ``not testable`` (its smallest attainable Holm p is not below ALPHA), ``not supported``."""
+    if n_dependent is None:
+        return "not run"
+    if n_dependent:
+        return "supported"
+    return "not testable" if floor >= ALPHA else "not supported"
+
+
+def real_model_verdict(model: str, runs: list[tuple[str, str, float]]) -> str:
+    """The real-model verdict from each run's ``(setting (regime), reading, floor)``
+    (:func:`run_reading`), by the module's rule."""
+    lead = (
+        f"**Not testable post hoc**: no head of {model} was trained under the compression, so "
+        "a head test of the model compressed post hoc cannot speak for a model trained with it"
+    )
+    tested = [r for r in runs if r[1] != "not run"]
+    if not tested:
+        return f"{lead}; and no recorded setting ablated heads"
+    parts = []
+    for reading, words in (
+        ("supported", "**supported post hoc** (no dense control ablated, so it may be the base "
+                      "model's) in"),
+        ("not supported", "**not supported** post hoc (the test could reject and found no head) "
+                          "in"),
+        ("not testable", "**not testable with this test** (its smallest attainable Holm p is "
+                         f"not below {ALPHA}, so no head could reach significance) in"),
+    ):  # fmt: skip
+        hits = [r for r in tested if r[1] == reading]
+        if hits:
+            where = ", ".join(f"{name} (floor {floor:.3g})" for name, _, floor in hits)
+            parts.append(f"{words} {len(hits)} of the {len(tested)} settings that ablated every "
+                         f"head (of {len(runs)} recorded): {where}")  # fmt: skip
+    return f"{lead}. What the post-hoc head test says: " + "; ".join(parts)
 
 
 def real_model_lines(results: Path) -> tuple[list[str], str]:
@@ -135,26 +213,19 @@ def real_model_lines(results: Path) -> tuple[list[str], str]:
             "On a real model: **Open**.",
         )
     lines = ["On a real model (`phasemech explain`, the audit's paired prompts):", ""]
-    hits, tested = [], 0
+    readings = []
     for stem, s in runs:
         more, n = explain_run_lines(stem, s)
         lines += more
-        tested += n is not None
-        if n:
-            hits.append(f"`{s['config']['setting']}` ({s['config']['regime']}, {n} heads)")
-    if hits:
-        verdict = (
-            f"On a real model (rule: {RULE}): **Supported** in {', '.join(hits)}; no dense "
-            "control was ablated, so a head's phase dependence may be the base model's."
-        )
-    elif tested:
-        verdict = (
-            f"On a real model (rule: {RULE}): **Not supported**: no such head in the {tested} "
-            f"of {len(runs)} recorded settings that ablated every head."
-        )
-    else:
-        verdict = f"On a real model (rule: {RULE}): **Open**: no recorded setting ablated heads."
-    return lines, verdict
+        floor = head_test_floor(s)[0] if n is not None else 1.0
+        name = f"`{s['config']['setting']}` ({s['config']['regime']})"
+        readings.append((name, run_reading(n, floor), floor))
+    rule = (
+        f"{RULE}; a head of a model compressed post hoc cannot stand for one trained under the "
+        f"compression; a test whose smallest attainable Holm p is not below {ALPHA} cannot reject"
+    )
+    verdict = real_model_verdict(runs[0][1]["model"], readings)
+    return lines, f"On a real model (rule: {rule}): {verdict}."
 
 
 # interventions.py's converged profiles (the converged sweeps' models, d = 4 and d = 8 at
@@ -201,7 +272,11 @@ def claim_specialisation(src: Sources) -> str:
     )
     out.append("")
     sig = 0
-    for p in src.panels:
+    if src.panels is None:
+        out.append(
+            "- The `make figures` run's model panels are not listed. " + figures_run_note(src)
+        )
+    for p in src.panels or []:
         comp = [h for h in p["heads"] if h["compressed"]]
         if not comp:
             continue
@@ -225,7 +300,8 @@ def claim_specialisation(src: Sources) -> str:
             )
             + "."
         )
-    out.append(f"  (`{src.command}`: model panels.)")
+    if src.panels is not None:
+        out.append(f"  (`{src.command}`: model panels.) {figures_run_note(src)}")
     name, tt = (theory_runs(src.results) or [(None, None)])[0]
     learned = [m for m in tt["models"] if model_learned(m)] if tt else []
     if learned:
@@ -239,7 +315,7 @@ def claim_specialisation(src: Sources) -> str:
             f"phase; distinct phases served per model: {served} "
             f"(`analyses/results/theory_trained_{name}.md`)."
         )
-    n = sum(1 for p in src.panels if any(h["compressed"] for h in p["heads"]))
+    n = sum(1 for p in src.panels or [] if any(h["compressed"] for h in p["heads"]))
     verdict = (
         f"**Supported**: {sig} of {n} compressed models have a head whose ablation effect "
         "depends on the phase (Holm-corrected p < 0.05)"
@@ -282,6 +358,10 @@ __all__ = [
     "claim_specialisation",
     "converged_interventions",
     "explain_run_lines",
+    "HEAD_TEST_FORMS",
     "explain_runs",
+    "head_test_floor",
     "real_model_lines",
+    "real_model_verdict",
+    "run_reading",
 ]
