@@ -128,7 +128,7 @@ def test_the_explain_step_its_table_summary_and_page(tmp_path, monkeypatch):
     table, its summary section and its figure; the step leaves the other steps' keys alone."""
     import phasemech.experiments.explain.jobs as ex
     from phasemech.experiments.explain.config import ExplainConfig
-    from phasemech.experiments.explain.summary import decomposition_findings, decomposition_lines
+    from phasemech.experiments.explain.sections import decomposition_findings, decomposition_lines
     from phasemech.experiments.explain.tables import attention_tables, decomposition_tables
     from phasemech.viz.explain import explain_figures
 

@@ -181,7 +181,7 @@ def _items(n_groups: int = 12) -> list[dict]:
 
 def test_group_tables_are_the_labs_effects_and_specialization():
     from phasemech.experiments.explain.groups import group_tables
-    from phasemech.experiments.explain.summary import group_findings, group_lines
+    from phasemech.experiments.explain.sections import group_findings, group_lines
 
     t = group_tables(_items(), 4, 50, 0, "auto")
     e, s = t["group_ablation"], t["group_ablation_specialization"]
@@ -284,7 +284,8 @@ def test_group_step_end_to_end_adds_only_its_jobs(tmp_path, one_ray):
 def test_the_per_layer_oracle_is_kept_in_the_findings():
     from test_explain_html import _tables
 
-    from phasemech.experiments.explain.summary import findings, oracle_layer_lines
+    from phasemech.experiments.explain.sections import oracle_layer_lines
+    from phasemech.experiments.explain.summary import findings
 
     t = _tables()
     t["oracle"] = t["oracle"].assign(broken=1, null=1.0, displaced_sink=0.0)

@@ -50,7 +50,7 @@ from phasemech.experiments.claims.sources import (
 )
 from phasemech.experiments.claims.theory import model_learned, theory_runs
 from phasemech.experiments.explain.config import ExplainConfig
-from phasemech.experiments.explain.summary import layer_span, phases_text
+from phasemech.experiments.explain.text import layer_span, phases_text
 
 #: the ablations explain's head test holds in one Holm family: every head under zero and under
 #: mean ablation (``explain.tables.ablation_tables`` tests both in one ``specialization`` call)

@@ -36,7 +36,7 @@ from phasemech.experiments.claims.sources import (
     not_measured,
     pp,
 )
-from phasemech.experiments.explain.summary import layer_span
+from phasemech.experiments.explain.text import layer_span
 
 #: a serving system's sparse KV budget, as a share of the context (e.g. 1024 tokens of a
 #: 32K context, the low end of the budgets sparse-attention serving keeps)
