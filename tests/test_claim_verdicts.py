@@ -80,8 +80,11 @@ def _setting(gap: float, lo: float, p: float, seed: int = 0) -> dict:
 def test_weak_spots_verdict_needs_the_papers_size_at_a_deployment_budget_and_a_correction():
     big = CLAIM_GAP_PP / 100
     anywhere = dict(setting="x", accuracy=0.4, debiased_gap=0.6, p_perm=0.001)
-    rep = _setting(0.3, 0.001, 0.5, seed=1)
+    rep = _setting(big, 0.001, 0.5, seed=1)
     assert "**Supported**" in weak_spots_verdict(anywhere, 8, _setting(big, 0.2, 0.5), 10, rep)
+    # the chosen gap is the largest of many: a replication just below the paper's size is not
+    low = dict(rep, debiased_gap=big - 0.001)
+    assert "**Partly" in weak_spots_verdict(anywhere, 8, _setting(big, 0.2, 0.5), 10, low)
     # just below the paper's figure: partly (the largest gap anywhere holds: 0.001 x 8 < 0.05)
     below = weak_spots_verdict(anywhere, 8, _setting(big - 0.001, 0.2, 0.5), 10, rep)
     assert "**Partly supported**" in below and "below the paper's 40 pp" in below

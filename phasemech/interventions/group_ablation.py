@@ -35,6 +35,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from phasemech.interventions.contrasts import metric_values
+from phasemech.interventions.patching import unembed_rows
 from phasemech.interventions.prompts import PromptRun, aligned, bound
 
 #: the modes of a group ablation, in the order of the copies of its forward
@@ -76,7 +77,8 @@ def _cached(model, run: PromptRun) -> tuple[dict[str, Tensor], float]:
 
 
 def _margins(model, resid: Float[Tensor, "copy pos d_model"], run: PromptRun) -> list[float]:
-    logits = model.unembed(model.ln_final(resid[:, run.row : run.row + 1]))[:, 0].float()
+    # the single-head ablation's read-out (final norm, unembed, soft cap)
+    logits = unembed_rows(model, resid[:, run.row]).float()
     answer = run.answer[:1].expand(len(logits))
     return metric_values(logits.cpu(), answer.cpu(), answer.cpu(), "margin").tolist()
 

@@ -411,8 +411,11 @@ def specialization(
     depth quintiles), ``p = (1 + #{stat_perm >= stat}) / (1 + n_perm)``; ``p_holm`` (Holm over
     all rows); ``n_perm`` (the draws the unit used); ``p_floor`` (the smallest ``p_perm`` the
     test can give: ``1 / (1 + most draws)``, or ``1 / |G|`` where the strata allow fewer
-    distinct relabellings ``|G|``) and ``p_holm_floor`` (``m * p_floor`` over the ``m`` rows:
-    Holm's smallest attainable value); ``f_stat``, ``p_anova``, ``p_anova_holm`` (the blocked
+    distinct relabellings ``|G|``: there the floor is the exact test's, which random draws with
+    replacement can undershoot by chance) and ``p_holm_floor`` (``m * p_floor`` over the ``m``
+    rows: Holm's smallest attainable value; with ``"auto"`` a unit's draws depend on ``m``, so
+    one unit's p differs between frames that hold different units); ``f_stat``, ``p_anova``,
+    ``p_anova_holm`` (the blocked
     ANOVA F for phase on the same strata, :func:`~phasemech.measure.stats.anova.
     blocked_phase_anova`: a parametric check of ``p_perm``, and its Holm); ``rank`` (1 = most
     specialised: by ``p_perm``, then larger ``phase_range``).

@@ -58,8 +58,8 @@ def fixes_verdict(met: list[str], testable: list[str], untestable: list[str]) ->
         return f"**Goal met** by {', '.join(met)}"
     if not testable:
         return (
-            "**Untestable**: no baseline has a gap to cut (its debiased-gap CI reaches 0) in "
-            + ", ".join(untestable)
+            "**Untestable**: no baseline has a gap to cut (a seed not learned, or its debiased-gap "
+            "CI reaches 0) in " + ", ".join(untestable)
         )
     tail = (
         f"; untestable (the baseline has no gap to cut): {', '.join(untestable)}"

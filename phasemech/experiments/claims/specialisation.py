@@ -22,7 +22,7 @@ The real model has no ablated dense control, which the verdict says. Its verdict
 components trained under the compression, and no head of a real model compressed post hoc was,
 so the claim is *not testable post hoc*; what the post-hoc head test itself says is, per run,
 *not testable with this test* where its smallest attainable Holm p (:func:`head_test_floor`:
-the recorded ``p_floor`` where a run states one, else the family size times
+the recorded ``p_holm_floor`` where a run states one, else the family size times
 ``1 / (n_perm + 1)``) is not below :data:`~phasemech.experiments.claims.sources.ALPHA`, *not
 supported* where it could reject and found no head, *supported post hoc* where it found one.
 The oracle's reading

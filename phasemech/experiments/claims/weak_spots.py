@@ -121,11 +121,16 @@ def weak_spots_verdict(
     if deploy is not None:
         p_dep = corrected(deploy["p_perm"], n_deploy)
         holds = (rep is not None and rep["gap_lo"] > 0) or p_dep < ALPHA
-        if 100 * deploy["debiased_gap"] >= CLAIM_GAP_PP and holds:
+        # the chosen setting's own gap is the largest of many (biased up): where it was
+        # replicated, the replication's gap must reach the paper's figure too
+        size = deploy["debiased_gap"] if rep is None else min(deploy["debiased_gap"],
+                                                                rep["debiased_gap"])  # fmt: skip
+        if 100 * size >= CLAIM_GAP_PP and holds:
             return (
                 f"**Supported**: at a deployment budget the largest gap is "
-                f"{pp(deploy['debiased_gap'])} ({_where(deploy)}), at least the paper's "
-                f"{CLAIM_GAP_PP} pp, and it holds after being chosen"
+                f"{pp(deploy['debiased_gap'])} ({_where(deploy)})"
+                + ("" if rep is None else f", {pp(size)} on fresh contents (seed {rep['seed']})")
+                + f", at least the paper's {CLAIM_GAP_PP} pp, and it holds after being chosen"
             )
         rep_txt = (
             "not replicated on fresh contents"

@@ -91,9 +91,12 @@ class ExplainConfig:
                 f"selects no blocks; allowed designs {SELECTING} (or analyses ablation, patching)"
             )
         self._check_contrast()
-        if not is_int(self.n_perm) or self.n_perm < 0:
+        # a job carries n_perm=0 (its tables compute no test); a fixed count must be >= 1
+        low = 0 if self.auto_perm else 1
+        if not is_int(self.n_perm) or self.n_perm < low:
             raise ValueError(
-                f"ExplainConfig: n_perm={self.n_perm!r} is invalid: expected an int >= 0"
+                f"ExplainConfig: n_perm={self.n_perm!r} is invalid: expected an int >= {low} "
+                f"(auto_perm={self.auto_perm})"
             )
         if not isinstance(self.auto_perm, bool):
             raise ValueError(

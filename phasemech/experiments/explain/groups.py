@@ -17,7 +17,8 @@ Tables (under ``OUT``):
   ``logit_diff`` = the answer's margin at the first answer token, ``accuracy`` = that margin
   > 0) with its cluster-bootstrap interval (contents resampled), the intact and ablated means;
   ``group_ablation_specialization.parquet``: its per-unit specialisation test (Holm over every
-  group and mode of one metric, with the head test's permutations: its ``n_perm``, ``p_floor``);
+  group and mode of one metric, ``n_perm="auto"`` draws sized to that family: its ``n_perm``,
+  ``p_floor``, ``p_holm_floor``);
 * ``needle_readers.parquet``: every head by the null's mean attention from the answer row onto
   the needle (``rank`` 1 = reads it most);
 * ``reader_recall.parquet``: per (readers, phase) the selection recall of the needle's block

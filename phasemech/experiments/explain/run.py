@@ -204,7 +204,6 @@ EXPLAIN = Experiment(
             per_layer_oracle=False,
             top_heads=2,
             n_boot=50,
-            n_perm=50,
         ),  # fmt: skip
         "default": ExplainConfig(),
     },
