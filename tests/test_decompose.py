@@ -163,24 +163,5 @@ def test_the_explain_step_its_table_summary_and_page(tmp_path, monkeypatch):
         ExplainConfig.of(design="mean", top_k=None, analyses=("decompose",))
 
 
-def test_the_tiny_profile_on_smollm2(tmp_path):
-    """The explain pipeline's tiny profile (SmolLM2, layers 4-5, T = 256) with the selection
-    and the decomposition only: ``decomposition.parquet``, the summary's section and fields,
-    the page's figure."""
-    import json
-
-    from phasemech.experiments.explain.run import EXPLAIN, run_explain
-
-    cfg = dataclasses.replace(EXPLAIN.profile("tiny"), analyses=("selection", "decompose"))
-    cfg = dataclasses.replace(cfg, probe=dataclasses.replace(cfg.probe, contents=1))
-    out = tmp_path / "explain"
-    summary = run_explain(cfg, out, progress=False)
-    df = pd.read_parquet(out / "decomposition.parquet")
-    sel = pd.read_parquet(out / "selection.parquet").set_index(["prompt_id", "layer", "head"])
-    assert set(df.layer) == {4, 5} and set(df.phase) == {0, 1, 2, 3}
-    unit = df.drop_duplicates(["prompt_id", "layer", "head"]).set_index(sel.index.names)
-    assert (unit.selected == sel.selected.reindex(unit.index)).all()
-    assert "selection decomposed" in (out / "summary.md").read_text()
-    assert len(summary["findings"]["decomposition"]["needle_reading_heads"]) == 4
-    page = (out / "explain.html").read_text()
-    assert '"decomposition"' in page and json.dumps(summary["findings"]["decomposition"]) != "{}"
+# the step on SmolLM2 end to end (cached rerun, tables, summary, page):
+# tests/test_explain_groups.py::test_group_step_end_to_end_adds_only_its_jobs

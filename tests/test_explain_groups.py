@@ -246,9 +246,9 @@ def _jobs(folder) -> dict:
 
 
 def test_group_step_end_to_end_adds_only_its_jobs(tmp_path, one_ray):
-    """A run without ``groups``, then the same run with it: the rerun reads every earlier
-    job from the cache and computes only the ``groups`` jobs; the tables, summary fields and
-    the page follow."""
+    """A run without ``groups`` and ``decompose``, then the same run with them: the rerun reads
+    every earlier job from the cache and computes only their jobs; the tables, summary fields
+    and the page follow (one SmolLM2 run serves both later analyses)."""
     from browser import page_data
 
     from phasemech.experiments.explain.config import ExplainConfig
@@ -261,11 +261,11 @@ def test_group_step_end_to_end_adds_only_its_jobs(tmp_path, one_ray):
     run_explain(ExplainConfig.of(**kw, analyses=("selection",)), out, progress=False)
     first = _jobs(out)
     assert {s for _, s in first.values()} == {"observe", "attend"}
-    summary = run_explain(ExplainConfig.of(**kw, analyses=("selection", "groups")), out,
-                          progress=False)  # fmt: skip
+    later = ("selection", "groups", "decompose")
+    summary = run_explain(ExplainConfig.of(**kw, analyses=later), out, progress=False)
     second = _jobs(out)
     assert {k: second[k] for k in first} == first  # read from the cache, not rewritten
-    assert {s for k, (_, s) in second.items() if k not in first} == {"groups"}
+    assert {s for k, (_, s) in second.items() if k not in first} == {"groups", "decompose"}
     ga = pd.read_parquet(out / "group_ablation.parquet")
     assert set(ga["mode"]) == {"zero", "resample"}  # no means without the ablation analysis
     assert set(ga.group) == {"top 1", "top 3", *(f"layer {i}" for i in range(30))}
@@ -278,7 +278,14 @@ def test_group_step_end_to_end_adds_only_its_jobs(tmp_path, one_ray):
     assert "## Group and resample ablation" in text and "no mean mode" in text
     assert "## Selection at the heads that read the needle" in text
     page = page_data((out / "explain.html").read_text())
-    assert {"groups", "reader_recall"} <= set(page["figures"])
+    assert {"groups", "reader_recall", "decomposition"} <= set(page["figures"])
+    # the decomposition: every (prompt, layer, head) of the selection, its verdict the same
+    df = pd.read_parquet(out / "decomposition.parquet")
+    sel = pd.read_parquet(out / "selection.parquet").set_index(["prompt_id", "layer", "head"])
+    assert set(df.layer) == {4, 5} and set(df.phase) == {0, 1}
+    unit = df.drop_duplicates(["prompt_id", "layer", "head"]).set_index(sel.index.names)
+    assert (unit.selected == sel.selected.reindex(unit.index)).all()
+    assert "selection decomposed" in text and f["decomposition"]["needle_reading_heads"]
 
 
 def test_the_per_layer_oracle_is_kept_in_the_findings():
