@@ -267,9 +267,9 @@ def claim_weak_spots(src: Sources) -> str:
     rule = (
         f"the largest debiased gap at a deployment budget (at least {DEPLOY_FRACTION:.1%} of "
         f"the context) reaches the paper's {CLAIM_GAP_PP} pp and holds after being chosen "
-        f"(replicated on fresh contents with its CI above 0, or Bonferroni p over the settings "
-        f"searched < {ALPHA}); partly: the largest gap of any setting holds after that "
-        "correction"
+        f"(replicated on fresh contents with its CI above 0 and its gap also reaching "
+        f"{CLAIM_GAP_PP} pp, or Bonferroni p over the settings searched < {ALPHA}); partly: the "
+        "largest gap of any setting holds after that correction"
     )
     out += ["", f"Verdict (rule: {rule}): {verdict}."]
     out += ["", figure_line(src, "accuracy_by_phase_d8", "accuracy_by_phase_d4")]
