@@ -204,13 +204,15 @@ class _Null:
     strata: Int[np.ndarray, "target"]
     stat: Float[np.ndarray, "unit"]
     n_phase: Float[np.ndarray, "phase"]
+    grand: Float[np.ndarray, "unit"]  # each unit's mean effect: the same under every labelling
     d: int
 
     def hits(self, units: np.ndarray, n: int, rng: np.random.Generator) -> np.ndarray:
-        """``[unit, perm]``: whether each of ``n`` fresh relabellings reaches ``stat``."""
+        """``[unit, perm]``: whether each of ``n`` fresh relabellings reaches ``stat``
+        (``units``: sorted indices; all of them read the matrix without a copy)."""
         perm = _permuted_labels(self.labels, self.strata, n, rng)
-        mat = self.mat[units]
-        s_perm = _between_var(_phase_sums(mat, perm, self.d), self.n_phase, mat.mean(1))
+        mat = self.mat if len(units) == len(self.mat) else self.mat[units]
+        s_perm = _between_var(_phase_sums(mat, perm, self.d), self.n_phase, self.grand[units])
         stat = self.stat[units]
         return s_perm >= (stat - _TIE_RTOL * np.maximum(np.abs(stat), 1e-300))[:, None]
 
@@ -299,7 +301,7 @@ def _test_units(
     grand = mat.mean(1)
     obs_sums = _phase_sums(mat, labels[None], d)[:, 0]  # [unit, phase]
     stat = _between_var(obs_sums[:, None], n_phase, grand)[:, 0]
-    null = _Null(mat, labels, strata, stat, n_phase, d)
+    null = _Null(mat, labels, strata, stat, n_phase, grand, d)
     p_perm, draws = _permutation_p(null, n_perm, n_max, rng)
     with np.errstate(divide="ignore", invalid="ignore"):
         e_phi = np.where(n_phase > 0, obs_sums / n_phase, np.nan)

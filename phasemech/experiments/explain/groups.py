@@ -31,7 +31,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from phasemech.experiments.explain.tables import margin_metrics
+from phasemech.experiments.explain.tables import margin_tables
 from phasemech.interventions.ablation_plan import AblationRun
 from phasemech.interventions.group_ablation import GROUP_MODES
 
@@ -94,31 +94,16 @@ def group_tables(
 ) -> dict[str, pd.DataFrame | None]:
     """``group_ablation`` and ``group_ablation_specialization`` from the step's per-prompt
     results (module doc; each names its units and their heads)."""
-    from phasemech.interventions.ablation_result import ablation_targets_frame, phase_effects
-    from phasemech.interventions.specialization import specialization
-
     items = sorted((p for p in results if "groups" in p), key=lambda p: p["prompt"]["prompt_id"])
     if not items:
         return {"group_ablation": None, "group_ablation_specialization": None}
     labels = [label for label, _ in items[0]["units"]]
     heads = {label: [tuple(h) for h in hs] for label, hs in items[0]["units"]}
-    frame = pd.DataFrame([p["prompt"] for p in items]).rename(columns={"prompt_id": "seq_id"})
-    frame["target"] = 0
     modes = [m for m in GROUP_MODES if m in items[0]["groups"]]
     runs = [AblationRun("head", m, *_encode(u)) for m in modes for u in labels]
-    base = margin_metrics(np.array([p["groups"]["base"] for p in items]))
-    got = np.array([[p["groups"][m] for p in items] for m in modes])  # [mode, target, unit]
-    ablated = margin_metrics(got.transpose(0, 2, 1).reshape(len(runs), len(items)))
-    effects = phase_effects(runs, frame, base, ablated, stride, n_boot, seed)
-    effects = effects[effects.metric != "logprob"].reset_index(drop=True)
-    targets = ablation_targets_frame(runs, frame, base, ablated, stride, 0)
     # Holm runs over every unit x mode: ``"auto"`` sizes the draws so its smallest p can reach
     # 0.001 (the head test's rule)
-    spec = pd.concat(
-        [specialization(targets, metric=m, n_perm=n_perm, seed=seed, stride=stride)
-         for m in ("accuracy", "logit_diff")],
-        ignore_index=True,
-    )  # fmt: skip
+    effects, spec = margin_tables(items, "groups", runs, stride, n_boot, seed, n_perm)
     return {
         "group_ablation": _named(effects, labels, heads),
         "group_ablation_specialization": _named(spec, labels, heads),

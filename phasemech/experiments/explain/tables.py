@@ -113,32 +113,41 @@ def ablation_tables(
     (``n_perm``: :func:`~phasemech.interventions.specialization.specialization`'s, ``"auto"``
     or a fixed count)."""
     from phasemech.interventions.ablation_plan import AblationRun
-    from phasemech.interventions.ablation_result import ablation_targets_frame, phase_effects
-    from phasemech.interventions.specialization import specialization
 
     items = sorted((p for p in inter if "ablation" in p), key=lambda p: p["prompt"]["prompt_id"])
     if not items:
         return None, None
-    frame = pd.DataFrame([p["prompt"] for p in items]).rename(columns={"prompt_id": "seq_id"})
-    frame["target"] = 0
     modes = [m for m in ("zero", "mean") if m in items[0]["ablation"]]
     runs = [
         AblationRun("head", m, i, h) for m in modes for i in range(n_layers) for h in range(n_heads)
     ]
-    base = margin_metrics(np.array([p["ablation"]["base"] for p in items]))
-    abl = np.array(
-        [[np.ravel(p["ablation"][m]) for p in items] for m in modes]
-    )  # [mode, target, L*H]
-    ablated = margin_metrics(abl.transpose(0, 2, 1).reshape(len(runs), len(items)))
-    effects = phase_effects(runs, frame, base, ablated, cfg.probe.stride, n_boot, seed)
-    targets = ablation_targets_frame(runs, frame, base, ablated, cfg.probe.stride, 0)
+    return margin_tables(items, "ablation", runs, cfg.probe.stride, n_boot, seed, n_perm)
+
+
+def margin_tables(
+    items: list[dict], key: str, runs: list, stride: int, n_boot: int, seed: int, n_perm: int | str
+) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """``(effects, specialisation)`` of per-prompt ablated margins: each item's ``[key]`` holds
+    the intact margin (``"base"``) and, per mode, the ablated margins in ``runs``' unit order
+    (``runs``: mode-major, then unit). The lab's effects table (:func:`~phasemech.
+    interventions.ablation_result.phase_effects`, ``logprob`` dropped) and its specialisation
+    test on both metrics, each metric's rows one Holm family."""
+    from phasemech.interventions.ablation_result import ablation_targets_frame, phase_effects
+    from phasemech.interventions.specialization import specialization
+
+    frame = pd.DataFrame([p["prompt"] for p in items]).rename(columns={"prompt_id": "seq_id"})
+    frame["target"] = 0
+    modes = list(dict.fromkeys(r.mode for r in runs))
+    base = margin_metrics(np.array([p[key]["base"] for p in items]))
+    got = np.array([[np.ravel(p[key][m]) for p in items] for m in modes])  # [mode, target, unit]
+    ablated = margin_metrics(got.transpose(0, 2, 1).reshape(len(runs), len(items)))
+    effects = phase_effects(runs, frame, base, ablated, stride, n_boot, seed)
+    targets = ablation_targets_frame(runs, frame, base, ablated, stride, 0)
     spec = pd.concat(
-        [
-            specialization(targets, metric=m, n_perm=n_perm, seed=seed, stride=cfg.probe.stride)
-            for m in ("accuracy", "logit_diff")
-        ],
+        [specialization(targets, metric=m, n_perm=n_perm, seed=seed, stride=stride)
+         for m in ("accuracy", "logit_diff")],
         ignore_index=True,
-    )
+    )  # fmt: skip
     return effects[effects.metric != "logprob"].reset_index(drop=True), spec
 
 
