@@ -51,6 +51,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--units", type=int, default=540)
     ap.add_argument("--contents", type=int, default=50)
+    ap.add_argument(
+        "--out", type=Path, default=Path(__file__).parent / "results" / "specialization_cost.json"
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
     from phasemech.core.io import write_json_atomic
@@ -73,9 +76,8 @@ def main() -> None:
             draws_total=int(sp["n_perm"].sum()),
         )
         print(n_perm, out[str(n_perm)], flush=True)
-    path = Path(__file__).parent / "results" / "specialization_cost.json"
-    path.parent.mkdir(exist_ok=True)  # git-ignored: absent on a fresh clone
-    write_json_atomic(path, out)
+    args.out.parent.mkdir(parents=True, exist_ok=True)  # bench/results: absent on a fresh clone
+    write_json_atomic(args.out, out)
 
 
 if __name__ == "__main__":

@@ -74,6 +74,8 @@ def toy_scripts(tmp_path_factory):
         ("selection", ["--tiny", "--seq-lens", "64", "128", "--designs", "route", "quest",
                        "--gather", "--repeats", "1", "--out", str(tmp / "selection.json")]),
         ("selection_train", ["--designs", "partition", "--repeats", "1"]),
+        ("specialization_cost", ["--units", "36", "--contents", "20",
+                                 "--out", str(tmp / "results" / "spec.json")]),
     ])  # fmt: skip
 
 
@@ -119,6 +121,13 @@ def test_selection_train_benchmark_runs(toy_scripts):
     """A training step of a selecting design, dense mask beside the gathered engine."""
     row = ran(toy_scripts, "selection_train").strip().splitlines()[-1].split()
     assert row[0] == "partition" and all(float(x) > 0 for x in row[1:])
+
+
+def test_specialization_cost_benchmark_runs(toy_scripts):
+    out = ran(toy_scripts, "specialization_cost")
+    got = json.loads((toy_scripts[1] / "results" / "spec.json").read_text())
+    assert "auto" in out and got["auto"]["holm_floor"] <= 1e-3 + 1e-12
+    assert got["1000"]["draws_total"] == 36 * 1000 and got["auto"]["planted_served_phase"] == 2
 
 
 def test_selection_tiles_benchmark_runs(smollm2_scripts):
