@@ -264,13 +264,10 @@ def converged_interventions(src: Sources) -> tuple[str, list[str], str] | None:
     return header, lines, verdict
 
 
-def claim_specialisation(src: Sources) -> str:
-    out = ["## 3. Phase specialisation under interventions", ""]
-    out.append(
-        "*Paper*: activation patching and ablation show different components handle different "
-        "source phases."
-    )
-    out.append("")
+def _panel_lines(src: Sources) -> tuple[list[str], int]:
+    """The ``make figures`` run's compressed models: each one's most phase-dependent head, and
+    how many have one with Holm p < 0.05."""
+    out: list[str] = []
     sig = 0
     if src.panels is None:
         out.append(
@@ -302,6 +299,18 @@ def claim_specialisation(src: Sources) -> str:
         )
     if src.panels is not None:
         out.append(f"  (`{src.command}`: model panels.) {figures_run_note(src)}")
+    return out, sig
+
+
+def claim_specialisation(src: Sources) -> str:
+    out = ["## 3. Phase specialisation under interventions", ""]
+    out.append(
+        "*Paper*: activation patching and ablation show different components handle different "
+        "source phases."
+    )
+    out.append("")
+    panel, sig = _panel_lines(src)
+    out += panel
     name, tt = (theory_runs(src.results) or [(None, None)])[0]
     learned = [m for m in tt["models"] if model_learned(m)] if tt else []
     if learned:
